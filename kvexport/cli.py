@@ -1,0 +1,134 @@
+"""The ``kvexport`` command. ``kvexport MODEL --target T`` is short for ``kvexport export MODEL --target T``."""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from .errors import KvexportError
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    help="Export Hugging Face decoder LLMs to ExecuTorch / ONNX with an export-safe KV cache, "
+    "and prove the artifact generates what eager transformers generates.",
+)
+
+Target = Annotated[str, typer.Option("--target", "-t", help="executorch or onnx")]
+JsonFlag = Annotated[bool, typer.Option("--json", help="print one JSON object on stdout")]
+
+
+@app.command()
+def export(
+    model: Annotated[str, typer.Argument(help="alias, tiny preset, HF folder, .gguf file or cached hub id")],
+    target: Target = "executorch",
+    out: Annotated[Optional[Path], typer.Option("--out", "-o", help="output folder [default: MODEL-TARGET]")] = None,
+    max_cache_len: Annotated[
+        Optional[int], typer.Option(help="cache positions [default: min(model max positions, 2048)]")
+    ] = None,
+    dtype: Annotated[str, typer.Option(help="float32, float16 or bfloat16 (per target)")] = "float32",
+    force: Annotated[bool, typer.Option("--force", help="replace an existing output folder")] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="no progress output")] = False,
+    as_json: JsonFlag = False,
+):
+    """Export MODEL to an artifact folder (program, tokenizer, kvexport.json)."""
+    from .exporter.pipeline import ExportOptions, export_model
+    from .progress import Progress
+
+    result = export_model(
+        ExportOptions(model, target, out, max_cache_len, dtype, force), Progress(quiet=quiet)
+    )
+    if as_json:
+        print(json.dumps({"folder": str(result.folder), "seconds": result.seconds, "peak_rss_mb": result.peak_rss_mb}))
+
+
+@app.command()
+def run(
+    folder: Annotated[Path, typer.Argument(help="artifact folder")],
+    prompt: Annotated[str, typer.Option("--prompt", "-p", help="prompt text")],
+    max_new_tokens: Annotated[
+        Optional[int], typer.Option(help="new tokens [default: until EOS or the cache is full]")
+    ] = None,
+    ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="do not stop at EOS")] = False,
+    chat: Annotated[bool, typer.Option("--chat", help="wrap the prompt in the model's chat template")] = False,
+    temperature: Annotated[float, typer.Option(help="0 is greedy")] = 0.0,
+    top_p: Annotated[float, typer.Option(help="nucleus sampling threshold")] = 1.0,
+    seed: Annotated[Optional[int], typer.Option(help="sampling seed")] = None,
+    device: Annotated[str, typer.Option(help="cpu or cuda (ONNX artifacts)")] = "cpu",
+    as_json: JsonFlag = False,
+):
+    """Generate with the artifact and its tokenizer alone (no transformers model)."""
+    from .runtime_check.run import run_command
+
+    run_command(folder, prompt, max_new_tokens, ignore_eos, chat, temperature, top_p, seed, device, as_json)
+
+
+@app.command()
+def check(
+    folder: Annotated[Path, typer.Argument(help="artifact folder")],
+    prompt: Annotated[Optional[list[str]], typer.Option("--prompt", "-p", help="prompt (repeatable)")] = None,
+    max_new_tokens: Annotated[
+        Optional[int], typer.Option(help="new tokens per prompt [default: past the sliding window]")
+    ] = None,
+    device: Annotated[str, typer.Option(help="where eager transformers runs: cpu or cuda")] = "cpu",
+    model: Annotated[
+        Optional[str], typer.Option("--model", help="eager reference [default: the model the artifact came from]")
+    ] = None,
+    as_json: JsonFlag = False,
+):
+    """Compare the artifact with eager transformers' greedy generation; exit 0 only if all match."""
+    from .runtime_check.check import check_command
+
+    ok = check_command(folder, prompt, max_new_tokens, device, model, as_json)
+    raise typer.Exit(0 if ok else 1)
+
+
+def _terminate(signum, frame):
+    # Turn SIGTERM into an exception so `finally` blocks remove half-written output.
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def _quiet_third_party_logs() -> None:
+    """Silence import-time chatter that says nothing about the user's job (torchao's optional CUDA
+    kernels failing to load on a CPU machine, torch's pytree deprecation notices)."""
+    import logging
+    import warnings
+
+    for name in ("torchao", "torch.utils._pytree"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    # ExecuTorch notes that mutated buffers start uninitialized: by design, the masks never read a
+    # cache slot before it is written.
+    warnings.filterwarnings("ignore", message="Mutation on a buffer in the model is detected")
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    _quiet_third_party_logs()
+    commands = {c.name or c.callback.__name__ for c in app.registered_commands}
+    if argv and not argv[0].startswith("-") and argv[0] not in commands:
+        argv.insert(0, "export")
+    signal.signal(signal.SIGTERM, _terminate)
+    import click
+
+    try:
+        rc = app(args=argv, prog_name="kvexport", standalone_mode=False)
+    except KvexportError as e:
+        print(f"kvexport: error: {e}", file=sys.stderr)
+        sys.exit(e.exit_code)
+    except (KeyboardInterrupt, click.exceptions.Abort):
+        print("kvexport: interrupted; no partial output was left behind", file=sys.stderr)
+        sys.exit(130)
+    except click.exceptions.Exit as e:
+        sys.exit(e.exit_code)
+    except click.ClickException as e:  # usage errors: unknown option, missing argument, ...
+        e.show()
+        sys.exit(e.exit_code)
+    sys.exit(rc if isinstance(rc, int) else 0)

@@ -1,0 +1,123 @@
+"""Export-safe KV caches: a static buffer for full-attention layers, a ring for sliding ones.
+
+Both are plain ``nn.Module``s whose whole state is two tensor buffers. Nothing about the step is
+kept in Python: the caller passes the positions of the new tokens as a tensor, so one exported
+program serves a prefill of any length and every decode step without guarding on the step.
+
+Position bookkeeping is a pure function of the start position (see ``ring_positions``): slot ``s``
+of a ring of ``W`` slots holds the newest position ``p < start`` with ``p % W == s``. That holds
+as long as calls are contiguous (each call starts where the last ended), which is how every
+runner drives an LLM; it needs no counter.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers.cache_utils import Cache
+
+
+class StaticKVCache(nn.Module):
+    """Full attention: slot ``i`` holds position ``i``, for ``max_len`` positions."""
+
+    def __init__(self, batch: int, kv_heads: int, max_len: int, head_dim: int, dtype: torch.dtype):
+        super().__init__()
+        shape = (batch, kv_heads, max_len, head_dim)
+        self.register_buffer("k", torch.zeros(shape, dtype=dtype), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, dtype=dtype), persistent=False)
+
+    @property
+    def slots(self) -> int:
+        return self.k.shape[2]
+
+    def update(self, positions: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor):
+        self.k.index_copy_(2, positions, k_new)
+        self.v.index_copy_(2, positions, v_new)
+        return self.k, self.v
+
+    def key_positions(self, positions: torch.Tensor) -> torch.Tensor:
+        """Position held by each key column that ``update`` returns."""
+        return torch.arange(self.slots, device=positions.device)
+
+
+class RingKVCache(nn.Module):
+    """Sliding window ``W``: a ring of ``W`` slots, position ``p`` stored at slot ``p % W``.
+
+    ``update`` returns the ring as it was *before* this call followed by the new keys
+    (``W + T`` columns), so every query of a multi-token call still sees the ``W - 1`` positions
+    before it even when the call itself overwrites them; the mask picks the visible ones.
+    """
+
+    def __init__(self, batch: int, kv_heads: int, window: int, head_dim: int, dtype: torch.dtype):
+        super().__init__()
+        shape = (batch, kv_heads, window, head_dim)
+        self.window = window
+        self.register_buffer("k", torch.zeros(shape, dtype=dtype), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, dtype=dtype), persistent=False)
+
+    @property
+    def slots(self) -> int:
+        return self.window
+
+    def update(self, positions: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor):
+        keys = torch.cat([self.k, k_new], dim=2)
+        values = torch.cat([self.v, v_new], dim=2)
+        # A call longer than the window maps several tokens to one slot. index_copy_ with
+        # duplicate indices is order-dependent, so every token writes the value of the newest
+        # token sharing its slot: duplicates then carry identical data and the result is exact.
+        n = k_new.shape[2]
+        j = torch.arange(n, device=positions.device)
+        newest = j + torch.div(n - 1 - j, self.window, rounding_mode="floor") * self.window
+        slots = torch.remainder(positions, self.window)
+        self.k.index_copy_(2, slots, k_new.index_select(2, newest))
+        self.v.index_copy_(2, slots, v_new.index_select(2, newest))
+        return keys, values
+
+    def key_positions(self, positions: torch.Tensor) -> torch.Tensor:
+        return torch.cat([ring_positions(positions[:1], self.window), positions])
+
+
+def ring_positions(start: torch.Tensor, window: int) -> torch.Tensor:
+    """Position held by each ring slot before a call at ``start`` (negative: never written)."""
+    last = start - 1
+    slots = torch.arange(window, device=start.device)
+    # `+ window` keeps the dividend non-negative: ExecuTorch's portable remainder kernel
+    # truncates toward zero on negative integers (C semantics), unlike torch's floor mod.
+    return last - torch.remainder(last - slots + window, window)
+
+
+def additive_mask(
+    key_pos: torch.Tensor, query_pos: torch.Tensor, window: int | None, dtype: torch.dtype
+) -> torch.Tensor:
+    """``[1, 1, T, K]`` float mask with eager transformers' semantics.
+
+    A query at ``q`` sees a key at ``k`` iff ``0 <= k <= q`` and, for a sliding layer,
+    ``k > q - window`` (transformers' ``sliding_window_overlay``). Masked entries get the dtype's
+    minimum rather than ``-inf`` so the mask also suits attention kernels that add it.
+    """
+    k = key_pos[None, :]
+    q = query_pos[:, None]
+    visible = (k >= 0) & (k <= q)
+    if window is not None:
+        visible = visible & (k > q - window)
+    zero = torch.zeros((), dtype=dtype, device=key_pos.device)
+    masked = torch.full((), torch.finfo(dtype).min, dtype=dtype, device=key_pos.device)
+    return torch.where(visible, zero, masked)[None, None]
+
+
+class HFCacheAdapter(Cache):
+    """The ``Cache`` a transformers model writes into, routing each layer to our module.
+
+    transformers' attention calls ``past_key_values.update(k, v, layer_idx)``; the positions of
+    the current call are set on the adapter by the wrapper before the forward.
+    """
+
+    def __init__(self, layers: nn.ModuleList):
+        super().__init__(layers=list(layers))
+        self.positions: torch.Tensor | None = None
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        return self.layers[layer_idx].update(self.positions, key_states, value_states)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:  # only used when position_ids are absent
+        raise RuntimeError("kvexport passes position_ids explicitly; get_seq_length is not tracked")

@@ -1,0 +1,210 @@
+"""``kvexport export``: load, wrap, export, lower, save, each step timed."""
+
+from __future__ import annotations
+
+import platform
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .. import __version__
+from ..errors import InvalidOptionError
+from ..models import architecture, sources
+from ..progress import Progress, peak_rss_mb
+from . import artifact
+from .targets import get_target
+from .wrapper import ExportableDecoder
+
+DEFAULT_MAX_CACHE_LEN = 2048
+
+
+@dataclass
+class ExportOptions:
+    model: str
+    target: str = "executorch"
+    out: Path | None = None
+    max_cache_len: int | None = None
+    dtype: str = "float32"
+    force: bool = False
+
+
+@dataclass
+class ExportResult:
+    folder: Path
+    manifest: dict
+    seconds: dict = field(default_factory=dict)
+    peak_rss_mb: float = 0.0
+
+
+def default_output(model: str, target: str) -> Path:
+    stem = Path(model).name.removesuffix(".gguf") or "model"
+    return Path(f"{stem}-{target}")
+
+
+def choose_max_cache_len(config, requested: int | None) -> tuple[int, int | None]:
+    """``(max_cache_len, model's max positions)``: the request, checked, or the default."""
+    text = architecture.text_config(config)
+    limit = getattr(text, "max_position_embeddings", None)
+    if requested is None:
+        return (min(limit, DEFAULT_MAX_CACHE_LEN) if limit else DEFAULT_MAX_CACHE_LEN), limit
+    if requested < 1:
+        raise InvalidOptionError(f"--max-cache-len must be a positive number of tokens, got {requested}")
+    if limit and requested > limit:
+        raise InvalidOptionError(f"--max-cache-len {requested} exceeds the model's maximum positions ({limit})")
+    return requested, limit
+
+
+@dataclass
+class ExportPlan:
+    """Everything decided before the weights load: a bad request fails here, in seconds."""
+
+    options: ExportOptions
+    out: Path
+    source: sources.ModelSource
+    config: object
+    specs: list
+    max_cache_len: int
+    max_positions: int | None
+    dtype_bytes: int
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return architecture.kv_cache_bytes(self.specs, self.max_cache_len, self.dtype_bytes)
+
+    @property
+    def kv_cache_bytes_if_all_full(self) -> int:
+        """What the cache would take if every layer held max_cache_len positions (transformers' export)."""
+        full = [architecture.LayerSpec(architecture.FULL, None, s.kv_heads, s.head_dim) for s in self.specs]
+        return architecture.kv_cache_bytes(full, self.max_cache_len, self.dtype_bytes)
+
+    def layers(self) -> list[dict]:
+        return [
+            {
+                "index": i,
+                "layer_type": s.layer_type,
+                "cache": "ring" if s.is_ring(self.max_cache_len) else "static",
+                "window": s.window,
+                "slots": s.cache_slots(self.max_cache_len),
+                "kv_heads": s.kv_heads,
+                "head_dim": s.head_dim,
+            }
+            for i, s in enumerate(self.specs)
+        ]
+
+    def summary(self) -> str:
+        o = self.options
+        rings = sum(s.is_ring(self.max_cache_len) for s in self.specs)
+        default = (
+            ""
+            if o.max_cache_len
+            else f" (default: the smaller of {self.max_positions} positions and {DEFAULT_MAX_CACHE_LEN})"
+        )
+        return (
+            f"{o.model}: {len(self.specs)} layers ({rings} sliding-window rings), max_cache_len "
+            f"{self.max_cache_len}{default}, KV cache {self.kv_cache_bytes / 2**20:.1f} MiB "
+            f"({self.kv_cache_bytes / self.kv_cache_bytes_if_all_full:.0%} of full-length layers), "
+            f"{o.dtype} -> {o.target}"
+        )
+
+
+def plan_export(options: ExportOptions) -> ExportPlan:
+    """Check the request against the target and the model's config (no weights are loaded)."""
+    target = get_target(options.target)
+    if options.dtype not in sources.DTYPES:
+        raise InvalidOptionError(f"unknown dtype '{options.dtype}'; choose one of: {', '.join(sources.DTYPES)}")
+    if options.dtype not in target.SUPPORTED_DTYPES:
+        raise InvalidOptionError(
+            f"target {options.target} does not take --dtype {options.dtype}; it takes {', '.join(target.SUPPORTED_DTYPES)}"
+        )
+    out = Path(options.out) if options.out else default_output(options.model, options.target)
+    artifact.check_output_path(out, options.force)
+    source = sources.resolve(options.model)
+    config = sources.load_config(source)
+    specs = architecture.layer_specs(config)
+    max_cache_len, max_positions = choose_max_cache_len(config, options.max_cache_len)
+    dtype_bytes = torch.empty((), dtype=sources.DTYPES[options.dtype]).element_size()
+    return ExportPlan(options, out, source, config, specs, max_cache_len, max_positions, dtype_bytes)
+
+
+def export_model(options: ExportOptions, progress: Progress | None = None) -> ExportResult:
+    progress = progress or Progress()
+    plan = plan_export(options)
+    target = get_target(options.target)
+    progress.info(plan.summary())
+
+    with progress.step("load", plan.source.name):
+        model, tokenizer = sources.load_model(plan.source, sources.DTYPES[options.dtype])
+    info = _manifest_info(plan, model, tokenizer)
+
+    with artifact.staged_folder(plan.out) as folder:
+        with progress.step("export", f"torch.export, T dynamic in [1, {plan.max_cache_len}]"):
+            decoder = ExportableDecoder(model, plan.max_cache_len)
+            program = target.export(decoder)
+        with progress.step("lower", options.target):
+            lowered = target.lower(program, info, folder)
+            del program
+        with progress.step("save", str(plan.out)):
+            tokenizer.save_pretrained(folder)
+            artifact.write_manifest(folder, {**info, **lowered})
+    manifest = artifact.read_manifest(plan.out, verify=False)
+    progress.info(f"wrote {plan.out} ({manifest['files'][manifest['program']]['bytes'] / 2**20:.1f} MiB program)")
+    return ExportResult(plan.out, manifest, dict(progress.seconds), peak_rss_mb())
+
+
+def _eos_ids(model, tokenizer) -> list[int]:
+    ids: list[int] = []
+    for value in (model.generation_config.eos_token_id, model.config.eos_token_id, tokenizer.eos_token_id):
+        for i in value if isinstance(value, (list, tuple)) else [value]:
+            if i is not None and int(i) not in ids:
+                ids.append(int(i))
+    return ids
+
+
+def _manifest_info(plan: ExportPlan, model, tokenizer) -> dict:
+    import executorch
+    import transformers
+
+    config = architecture.text_config(model.config)
+    bos = tokenizer.bos_token_id
+    dtype = plan.options.dtype
+    return {
+        "target": plan.options.target,
+        "source": plan.source.describe(),
+        "model_type": config.model_type,
+        "dtype": dtype,
+        "max_cache_len": plan.max_cache_len,
+        "vocab_size": config.vocab_size,
+        "bos_token_id": bos,
+        "eos_token_ids": _eos_ids(model, tokenizer),
+        # Whether the tokenizer already prepends BOS when encoding a prompt (runners must not add another).
+        "tokenizer_adds_bos": bool(bos is not None and tokenizer("a").input_ids[:1] == [bos]),
+        "layers": plan.layers(),
+        "kv_cache_bytes": plan.kv_cache_bytes,
+        "kv_cache_bytes_if_all_full": plan.kv_cache_bytes_if_all_full,
+        "interface": {
+            "inputs": [
+                {"name": "tokens", "dtype": "int64", "shape": [1, "T"], "note": "1 <= T <= max_cache_len"},
+                {"name": "input_pos", "dtype": "int64", "shape": [1], "note": "position of tokens[0, 0]"},
+            ],
+            "outputs": [{"name": "logits", "dtype": dtype, "shape": [1, config.vocab_size], "note": "last position"}],
+            "calls": "contiguous: each call starts where the previous one ended; start at 0 for a new sequence",
+        },
+        "versions": {
+            "kvexport": __version__,
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "executorch": getattr(executorch, "__version__", _dist_version("executorch")),
+            "python": platform.python_version(),
+        },
+    }
+
+
+def _dist_version(name: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return None
+

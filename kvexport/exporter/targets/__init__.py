@@ -1,0 +1,21 @@
+"""Export targets, one module each. A target module provides:
+
+- ``SUPPORTED_DTYPES``: the ``--dtype`` values it takes;
+- ``export(decoder) -> ExportedProgram``: the traced program in the form the target needs;
+- ``lower(program, metadata, out_dir) -> dict``: write the program file(s) into ``out_dir`` and
+  return facts for ``kvexport.json`` (at least ``program``, the main file's name).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from ...errors import InvalidOptionError
+
+TARGETS = ("executorch", "onnx")
+
+
+def get_target(name: str):
+    if name not in TARGETS:
+        raise InvalidOptionError(f"unknown target '{name}'; choose one of: {', '.join(TARGETS)}")
+    return importlib.import_module(f"{__name__}.{name}")

@@ -1,0 +1,82 @@
+"""The module we export: ``forward(tokens[1, T], input_pos[1]) -> logits[1, vocab]``.
+
+That is ExecuTorch's LLM-runner calling convention with a start position (the runner passes
+``[start]`` when the program's second input has one element). The transformers model runs
+unchanged; only its cache and masks are ours.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..models.architecture import LayerSpec, layer_specs
+from .kv_cache import HFCacheAdapter, RingKVCache, StaticKVCache, additive_mask
+
+
+def build_caches(specs: list[LayerSpec], max_cache_len: int, dtype: torch.dtype, batch: int = 1) -> nn.ModuleList:
+    caches = []
+    for spec in specs:
+        if spec.is_ring(max_cache_len):
+            caches.append(RingKVCache(batch, spec.kv_heads, spec.window, spec.head_dim, dtype))
+        else:
+            caches.append(StaticKVCache(batch, spec.kv_heads, max_cache_len, spec.head_dim, dtype))
+    return nn.ModuleList(caches)
+
+
+def _prepare(model: nn.Module) -> nn.Module:
+    """Eval mode, no grad, and transformers' eager attention: it traces for every family, and its
+    per-family variants carry soft-capping and attention sinks that SDPA does not."""
+    model.eval()
+    model.requires_grad_(False)
+    model.set_attn_implementation("eager")
+    return model
+
+
+class ExportableDecoder(nn.Module):
+    """A causal LM with an export-safe cache, returning the logits of the last position."""
+
+    def __init__(self, model: nn.Module, max_cache_len: int):
+        super().__init__()
+        self.model = _prepare(model)
+        self.max_cache_len = max_cache_len
+        self.specs = layer_specs(model.config)
+        self.dtype = next(model.parameters()).dtype
+        self.caches = build_caches(self.specs, max_cache_len, self.dtype)
+        # Layers sharing a mask: one per (layer_type, ring or not), built once per call.
+        self._mask_groups = {}
+        for i, spec in enumerate(self.specs):
+            self._mask_groups.setdefault(spec.layer_type, (i, spec.window))
+        # transformers takes one mask per layer type when the model mixes them, else a single one.
+        self._mask_by_type = len(self._mask_groups) > 1
+        self._hf_cache = HFCacheAdapter(self.caches)
+
+    def reset_cache(self) -> None:
+        for cache in self.caches:
+            cache.k.zero_()
+            cache.v.zero_()
+
+    def masks(self, positions: torch.Tensor):
+        masks = {}
+        for layer_type, (index, window) in self._mask_groups.items():
+            key_pos = self.caches[index].key_positions(positions)
+            masks[layer_type] = additive_mask(key_pos, positions, window, self.dtype)
+        if self._mask_by_type:
+            return masks
+        return next(iter(masks.values()))
+
+    def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
+        # The bound is stated here rather than in a bounded export Dim: a named Dim with a max
+        # makes torch.export reject a spurious guard from transformers' repeat_kv reshape.
+        torch._check(tokens.shape[1] <= self.max_cache_len)
+        positions = input_pos[:1] + torch.arange(tokens.shape[1], device=tokens.device)
+        self._hf_cache.positions = positions
+        out = self.model(
+            input_ids=tokens,
+            attention_mask=self.masks(positions),
+            position_ids=positions[None],
+            past_key_values=self._hf_cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        return out.logits[:, -1, :]

@@ -1,0 +1,131 @@
+"""Tiny random models, one per supported family, for tests and quick tries.
+
+Each is a real transformers model built from a small config with seeded weights, so every run
+builds the same model. Windows are a few tokens, so a short test already runs far past them. All
+share a character-level tokenizer whose vocabulary is the model's (printable ASCII + specials).
+"""
+
+from __future__ import annotations
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+
+BOS, EOS, PAD, UNK = "<bos>", "<eos>", "<pad>", "<unk>"
+SPECIALS = [BOS, EOS, PAD, UNK]
+VOCAB_SIZE = 96 + len(SPECIALS)  # newline, printable ASCII, specials
+WINDOW = 6
+
+_COMMON = dict(
+    vocab_size=VOCAB_SIZE,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    bos_token_id=96,
+    eos_token_id=97,
+    pad_token_id=98,
+    # Larger than the usual 0.02: greedy choices then have clear margins and the text varies.
+    initializer_range=0.5,
+    # Untied: a tiny tied Gemma (embeddings scaled by sqrt(hidden)) just repeats its last input token.
+    # tiny-smollm3 covers tied embeddings.
+    tie_word_embeddings=False,
+)
+
+# name -> (model_type, config overrides). Sliding families get windows of WINDOW tokens.
+PRESETS: dict[str, tuple[str, dict]] = {
+    "tiny-llama": ("llama", {}),
+    "tiny-mistral": ("mistral", {"sliding_window": WINDOW, "head_dim": 16}),
+    "tiny-qwen2": ("qwen2", {}),
+    "tiny-qwen3": ("qwen3", {"head_dim": 16}),
+    "tiny-phi3": ("phi3", {"sliding_window": WINDOW}),
+    "tiny-gemma2": (
+        "gemma2",
+        {
+            "head_dim": 16,
+            "sliding_window": WINDOW,
+            "layer_types": ["sliding_attention", "full_attention"] * 2,
+            "attn_logit_softcapping": 50.0,
+            "final_logit_softcapping": 30.0,
+            "query_pre_attn_scalar": 16,
+        },
+    ),
+    "tiny-gemma3": (
+        "gemma3_text",
+        {
+            "head_dim": 16,
+            "sliding_window": WINDOW,
+            "layer_types": ["sliding_attention"] * 3 + ["full_attention"],
+            "query_pre_attn_scalar": 16,
+            "initializer_range": 0.3,  # at 0.5 this one has near-ties on the test prompt
+        },
+    ),
+    "tiny-smollm3": ("smollm3", {"no_rope_layer_interval": 2, "tie_word_embeddings": True}),
+}
+
+
+def is_preset(name: str) -> bool:
+    return name in PRESETS
+
+
+def preset_config(name: str):
+    model_type, overrides = PRESETS[name]
+    return AutoConfig.for_model(model_type, **{**_COMMON, **overrides})
+
+
+def build_preset(name: str, dtype: torch.dtype = torch.float32):
+    """The preset's model (eval mode, seeded weights) and its tokenizer."""
+    config = preset_config(name)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.generation_config.eos_token_id = config.eos_token_id
+    model.generation_config.bos_token_id = config.bos_token_id
+    model.generation_config.pad_token_id = config.pad_token_id
+    return model.eval(), char_tokenizer()
+
+
+def char_tokenizer() -> PreTrainedTokenizerFast:
+    """Byte-level BPE over printable ASCII and newline, one token per character, ``<bos>`` prepended.
+
+    Every token decodes to whole characters, so any generated sequence is valid text (runners that
+    stream token by token, ExecuTorch's included, need that); other characters become ``<unk>``.
+    """
+    to_unicode = {b: ch for b, ch in zip(range(256), _byte_level_alphabet())}
+    chars = [to_unicode[b] for b in [10, *range(32, 127)]]
+    vocab = {ch: i for i, ch in enumerate(chars)}
+    for special in SPECIALS:
+        vocab[special] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=UNK))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(SPECIALS)
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, vocab[BOS])]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=PAD,
+        unk_token=UNK,
+        chat_template=(
+            "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}<assistant>{% endif %}"
+        ),
+    )
+
+
+def _byte_level_alphabet() -> list[str]:
+    """GPT-2's byte-to-unicode table, in byte order (what ByteLevel pre-tokenization produces)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return [table[b] for b in range(256)]

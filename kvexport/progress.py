@@ -1,0 +1,42 @@
+"""Step-by-step progress on stderr: what is running, then how long it took."""
+
+from __future__ import annotations
+
+import contextlib
+import resource
+import sys
+import time
+
+from rich.console import Console
+
+
+def peak_rss_mb() -> float:
+    """Peak resident memory of this process so far (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+class Progress:
+    def __init__(self, quiet: bool = False, console: Console | None = None):
+        self.quiet = quiet
+        self.console = console or Console(stderr=True, highlight=False, soft_wrap=True)
+        self.seconds: dict[str, float] = {}
+
+    def info(self, message: str) -> None:
+        if not self.quiet:
+            self.console.print(message)
+
+    @contextlib.contextmanager
+    def step(self, name: str, detail: str = ""):
+        label = f"{name}: {detail}" if detail else name
+        start = time.perf_counter()
+        if self.quiet:
+            yield
+        elif self.console.is_terminal:
+            with self.console.status(f"{label} ..."):
+                yield
+        else:
+            self.console.print(f"{label} ...")
+            sys.stderr.flush()
+            yield
+        self.seconds[name] = time.perf_counter() - start
+        self.info(f"[green]✓[/green] {name} {self.seconds[name]:.1f}s (peak RSS {peak_rss_mb():.0f} MB)")

@@ -1,0 +1,222 @@
+"""``kvexport check``: the artifact against eager transformers, token by token and logit by logit.
+
+Eager ``generate`` drives; at each of its steps the artifact takes the same step on its own
+greedy path, and the two logit vectors are compared. The first step where the two greedy choices
+differ is the divergence; eager's margin there (its top logit minus its logit for the artifact's
+choice) tells a near-tie from a bug. Both sides then stop.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import InvalidOptionError
+from .generation import check_fits
+from .programs import load_program
+from .tokenizer import ArtifactTokenizer
+
+# Max |logit difference| accepted on steps where the tokens agree, by artifact dtype. A correct fp32
+# Gemma 3 export differs from eager by ~0.02 (fp32 reordering over 18 layers and a 262k vocabulary);
+# one that drops the sliding window differs by ~25 past it, so 0.05 still tells them apart.
+LOGIT_TOLERANCE = {"float32": 5e-2, "float16": 0.5, "bfloat16": 2.0}
+
+_SHORT_PROMPT = "The capital of France is"
+_LONG_PARAGRAPH = (
+    "Sliding-window attention keeps only the most recent tokens of each layer in view. "
+    "A model that mixes such layers with full attention must still attend correctly once "
+    "the text grows longer than the window, which is where many exporters go wrong. "
+)
+
+
+@dataclass
+class PromptReport:
+    prompt: str
+    prompt_tokens: int
+    new_tokens: int
+    match: bool = True
+    compared_steps: int = 0
+    first_divergence: int | None = None
+    eager_token: int | None = None
+    artifact_token: int | None = None
+    eager_margin: float | None = None  # eager logit of its choice minus its logit of the artifact's choice
+    near_tie: bool | None = None
+    max_logit_diff: float = 0.0
+    logit_diff_per_step: list[float] = field(default_factory=list)
+    eager_ids: list[int] = field(default_factory=list)
+    artifact_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class CheckReport:
+    folder: str
+    target: str
+    dtype: str
+    device: str
+    logit_tolerance: float
+    prompts: list[PromptReport]
+
+    @property
+    def ok(self) -> bool:
+        return all(p.match and p.max_logit_diff <= self.logit_tolerance for p in self.prompts)
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "ok": self.ok}
+
+
+def smallest_window(manifest: dict) -> int | None:
+    windows = [layer["window"] for layer in manifest["layers"] if layer["cache"] == "ring"]
+    return min(windows) if windows else None
+
+
+def default_prompts(manifest: dict, tokenizer: ArtifactTokenizer) -> list[tuple[str, int]]:
+    """(prompt, new tokens): a short prompt whose generation runs past the window, and a prompt
+    longer than the window (or half the cache, for models without one)."""
+    max_len = manifest["max_cache_len"]
+    window = smallest_window(manifest)
+    short_len = len(tokenizer.encode(_SHORT_PROMPT))
+    past_window = (window + 64) if window else 64
+    prompts = [(_SHORT_PROMPT, max(1, min(past_window, max_len - short_len + 1)))]
+    target_len = min((window + window // 2) if window else max_len // 2, max_len - 32)
+    words = (_LONG_PARAGRAPH * (1 + target_len // 8)).split()
+    long_text = ""
+    for word in words:  # grow word by word until the prompt has target_len tokens
+        if len(tokenizer.encode(long_text)) >= target_len:
+            break
+        long_text = f"{long_text} {word}" if long_text else word
+    if long_text and len(tokenizer.encode(long_text)) <= max_len - 1:
+        n = len(tokenizer.encode(long_text))
+        prompts.append((long_text, max(1, min(32, max_len - n + 1))))
+    return prompts
+
+
+def load_reference(manifest: dict, model_name: str | None, device: str):
+    """The eager transformers model the artifact was exported from (or ``model_name``)."""
+    import torch
+
+    from ..models import sources
+
+    if device == "cuda" and not torch.cuda.is_available():
+        raise InvalidOptionError("--device cuda: no CUDA GPU is available here (torch.cuda.is_available() is False)")
+    source = sources.resolve(model_name or _recorded_source(manifest))
+    model, _ = sources.load_model(source, sources.DTYPES[manifest["dtype"]])
+    return model.to(device)
+
+
+def _recorded_source(manifest: dict) -> str:
+    recorded = manifest["source"]
+    if recorded["kind"] in ("folder", "gguf") and recorded.get("path") and Path(recorded["path"]).exists():
+        return recorded["path"]
+    return recorded["name"]
+
+
+def check_prompt(program, model, prompt_ids: list[int], max_new_tokens: int, tolerance: float) -> PromptReport:
+    from .eager import greedy_generate
+
+    check_fits(len(prompt_ids), max_new_tokens, program.manifest["max_cache_len"])
+    report = PromptReport(prompt="", prompt_tokens=len(prompt_ids), new_tokens=max_new_tokens)
+    state = {"pos": len(prompt_ids)}
+
+    def on_eager_logits(step: int, eager: np.ndarray) -> None:
+        if not report.match:
+            return
+        if step == 0:
+            logits = program.forward(list(prompt_ids), 0)
+        else:
+            logits = program.forward([report.artifact_ids[-1]], state["pos"])
+            state["pos"] += 1
+        diff = float(np.max(np.abs(logits - eager)))
+        report.logit_diff_per_step.append(diff)
+        report.compared_steps += 1
+        mine, theirs = int(np.argmax(logits)), int(np.argmax(eager))
+        report.artifact_ids.append(mine)
+        if mine != theirs:
+            report.match = False
+            report.first_divergence = step
+            report.eager_token, report.artifact_token = theirs, mine
+            report.eager_margin = float(eager[theirs] - eager[mine])
+            report.near_tie = report.eager_margin <= 2 * tolerance
+        else:
+            report.max_logit_diff = max(report.max_logit_diff, diff)
+
+    report.eager_ids = greedy_generate(model, prompt_ids, max_new_tokens, on_eager_logits, stop=lambda: not report.match)
+    return report
+
+
+def run_check(
+    folder: Path,
+    prompts: list[tuple[str, int]] | None = None,
+    device: str = "cpu",
+    model_name: str | None = None,
+    on_prompt=None,
+) -> CheckReport:
+    from ..exporter.artifact import read_manifest
+
+    manifest = read_manifest(folder)
+    tokenizer = ArtifactTokenizer(folder)
+    prompts = prompts or default_prompts(manifest, tokenizer)
+    encoded = [(text, tokenizer.encode(text), n) for text, n in prompts]
+    for _, ids, n in encoded:  # refuse before loading anything heavy
+        check_fits(len(ids), n, manifest["max_cache_len"])
+    # ExecuTorch runs on the CPU whatever --device says; --device places the eager reference (and ONNX).
+    program = load_program(folder, manifest, device if manifest["target"] == "onnx" else "cpu")
+    model = load_reference(manifest, model_name, device)
+    tolerance = LOGIT_TOLERANCE[manifest["dtype"]]
+    reports = []
+    for text, ids, n in encoded:
+        report = check_prompt(program, model, ids, n, tolerance)
+        report.prompt = text
+        reports.append(report)
+        if on_prompt:
+            on_prompt(report)
+    return CheckReport(str(folder), manifest["target"], manifest["dtype"], device, tolerance, reports)
+
+
+def _summary_line(report: PromptReport, tolerance: float) -> str:
+    head = f"{report.prompt[:40]!r}{'...' if len(report.prompt) > 40 else ''} ({report.prompt_tokens} prompt tokens)"
+    if report.match:
+        status = "ok" if report.max_logit_diff <= tolerance else f"logits off by more than {tolerance}"
+        return (
+            f"{'✓' if status == 'ok' else '✗'} {head}: {report.new_tokens}/{report.new_tokens} tokens identical, "
+            f"max |logit diff| {report.max_logit_diff:.2e} ({status})"
+        )
+    kind = "near-tie" if report.near_tie else "mismatch"
+    return (
+        f"✗ {head}: tokens diverge at new token {report.first_divergence} ({kind}): eager {report.eager_token}, "
+        f"artifact {report.artifact_token}, eager margin {report.eager_margin:.3g}; "
+        f"max |logit diff| before it {report.max_logit_diff:.2e}"
+    )
+
+
+def check_command(folder, prompts, max_new_tokens, device, model_name, as_json) -> bool:
+    from ..exporter.artifact import read_manifest
+
+    folder = Path(folder)
+    manifest = read_manifest(folder)
+    if prompts:
+        tokenizer = ArtifactTokenizer(folder)
+        n = max_new_tokens or default_prompts(manifest, tokenizer)[0][1]
+        chosen = [(p, n) for p in prompts]
+    elif max_new_tokens:
+        chosen = [(p, max_new_tokens) for p, _ in default_prompts(manifest, ArtifactTokenizer(folder))]
+    else:
+        chosen = None
+    tolerance = LOGIT_TOLERANCE[manifest["dtype"]]
+    if not as_json:
+        print(
+            f"checking {folder} ({manifest['target']}, {manifest['dtype']}) against eager transformers on {device}; "
+            f"tokens must be identical, logits within {tolerance} ({manifest['dtype']} tolerance)",
+            file=sys.stderr,
+        )
+    report = run_check(
+        folder, chosen, device, model_name, on_prompt=None if as_json else lambda r: print(_summary_line(r, tolerance))
+    )
+    if as_json:
+        print(json.dumps(report.to_dict()))
+    else:
+        print("PASS" if report.ok else "FAIL")
+    return report.ok

@@ -1,0 +1,64 @@
+"""The reference: eager transformers' own greedy ``generate`` (its DynamicCache, its attention)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
+
+
+class _Observer(LogitsProcessor):
+    """Hands the raw logits of each step to a callback; changes nothing."""
+
+    def __init__(self, callback: Callable[[int, np.ndarray], None]):
+        self.callback = callback
+        self.step = 0
+
+    def __call__(self, input_ids, scores):
+        self.callback(self.step, scores[0].float().cpu().numpy())
+        self.step += 1
+        return scores
+
+
+class _StopWhen(StoppingCriteria):
+    def __init__(self, predicate: Callable[[], bool]):
+        self.predicate = predicate
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return torch.full((input_ids.shape[0],), self.predicate(), dtype=torch.bool, device=input_ids.device)
+
+
+def greedy_generate(
+    model,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    on_logits: Callable[[int, np.ndarray], None] | None = None,
+    stop: Callable[[], bool] | None = None,
+) -> list[int]:
+    """``max_new_tokens`` greedy tokens from ``model.generate`` (EOS does not stop it).
+
+    The model's own generation config is set aside for the call: a repetition penalty or similar
+    processor there would make "greedy" something other than the argmax of the logits.
+    """
+    device = next(model.parameters()).device
+    input_ids = torch.tensor([prompt_ids], dtype=torch.long, device=device)
+    processors = LogitsProcessorList([_Observer(on_logits)]) if on_logits else None
+    saved = model.generation_config
+    model.generation_config = GenerationConfig()
+    try:
+        with torch.no_grad():
+            out = model.generate(
+                input_ids,
+                attention_mask=torch.ones_like(input_ids),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+                logits_processor=processors,
+                stopping_criteria=StoppingCriteriaList([_StopWhen(stop)]) if stop else None,
+            )
+    finally:
+        model.generation_config = saved
+    return out[0, len(prompt_ids):].tolist()

@@ -1,0 +1,40 @@
+"""Runs ``model.pte`` with ExecuTorch's Python runtime (``executorch.runtime``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import ArtifactError, InvalidOptionError
+
+
+class ExecuTorchProgram:
+    def __init__(self, path: Path, manifest: dict):
+        import torch
+        from executorch.runtime import Runtime
+
+        self.manifest = manifest
+        self._torch = torch
+        self._path = path
+        try:
+            self._method = Runtime.get().load_program(path).load_method("forward")
+        except Exception as e:  # the runtime raises a bare RuntimeError for any unreadable program
+            raise ArtifactError(f"ExecuTorch cannot load {path}: {e}")
+
+    def forward(self, tokens: list[int], start: int) -> np.ndarray:
+        torch = self._torch
+        inputs = [torch.tensor([tokens], dtype=torch.long), torch.tensor([start], dtype=torch.long)]
+        logits = self._method.execute(inputs)[0]
+        # Copy: the runtime may reuse the output memory on the next call.
+        return logits[0].to(torch.float32, copy=True).numpy()
+
+    def reset(self) -> None:
+        # Nothing to clear: a call at position 0 starts a new sequence (the masks ignore older state).
+        pass
+
+
+def load(folder: Path, manifest: dict, device: str) -> ExecuTorchProgram:
+    if device != "cpu":
+        raise InvalidOptionError("ExecuTorch artifacts run on the CPU (XNNPACK); use --device cpu")
+    return ExecuTorchProgram(folder / manifest["program"], manifest)

@@ -1,0 +1,126 @@
+"""Generation with an artifact program: one prefill call, then one call per new token.
+
+numpy only, so the device runner can use it without torch.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..errors import InvalidOptionError, PromptTooLongError
+
+
+@dataclass
+class Sampling:
+    """Greedy when ``temperature`` is 0."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise InvalidOptionError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise InvalidOptionError(f"top-p must be in (0, 1], got {self.top_p}")
+        self._rng = np.random.default_rng(self.seed)
+
+    def pick(self, logits: np.ndarray) -> int:
+        if self.temperature == 0:
+            return int(np.argmax(logits))
+        z = logits.astype(np.float64) / self.temperature
+        p = np.exp(z - z.max())
+        p /= p.sum()
+        if self.top_p < 1:
+            order = np.argsort(-p)
+            keep = order[: int(np.searchsorted(np.cumsum(p[order]), self.top_p)) + 1]
+            mask = np.zeros_like(p)
+            mask[keep] = p[keep]
+            p = mask / mask.sum()
+        return int(self._rng.choice(len(p), p=p))
+
+
+@dataclass
+class Generation:
+    prompt_ids: list[int]
+    new_ids: list[int] = field(default_factory=list)
+    stopped_by: str = "max_new_tokens"  # or "eos", "max_cache_len"
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return len(self.prompt_ids) / self.prefill_seconds if self.prefill_seconds else 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        # The first new token comes from the prefill call; each later one costs one decode call.
+        steps = len(self.new_ids) - 1
+        return steps / self.decode_seconds if steps > 0 and self.decode_seconds else 0.0
+
+
+def check_fits(prompt_len: int, max_new_tokens: int | None, max_cache_len: int) -> None:
+    """Refuse, before running anything, a generation that cannot fit in the cache."""
+    if prompt_len == 0:
+        raise InvalidOptionError("the prompt is empty; give some text")
+    if prompt_len > max_cache_len:
+        raise PromptTooLongError(
+            f"the prompt is {prompt_len} tokens, longer than the artifact's max_cache_len {max_cache_len}; "
+            "shorten it or re-export with a larger --max-cache-len"
+        )
+    # The last new token is never fed back, so prompt + N - 1 positions are written.
+    if max_new_tokens is not None and prompt_len + max_new_tokens - 1 > max_cache_len:
+        raise PromptTooLongError(
+            f"prompt ({prompt_len} tokens) + --max-new-tokens {max_new_tokens} exceeds the artifact's "
+            f"max_cache_len {max_cache_len}; ask for at most {max_cache_len - prompt_len + 1} new tokens "
+            "or re-export with a larger --max-cache-len"
+        )
+
+
+def generate(
+    program,
+    prompt_ids: list[int],
+    max_new_tokens: int | None,
+    eos_ids: set[int] = frozenset(),
+    sampling: Sampling | None = None,
+    on_token: Callable[[int], None] | None = None,
+    on_logits: Callable[[int, np.ndarray], bool] | None = None,
+) -> Generation:
+    """Generate up to ``max_new_tokens`` (``None``: until EOS or the cache is full).
+
+    ``on_logits(step, logits)`` sees the logits each new token is chosen from; returning False
+    stops the generation (the parity check uses it to stop at a divergence).
+    """
+    max_cache_len = program.manifest["max_cache_len"]
+    check_fits(len(prompt_ids), max_new_tokens, max_cache_len)
+    sampling = sampling or Sampling()
+    result = Generation(list(prompt_ids))
+    limit = max_new_tokens if max_new_tokens is not None else max_cache_len - len(prompt_ids) + 1
+
+    t0 = time.perf_counter()
+    logits = program.forward(list(prompt_ids), 0)
+    result.prefill_seconds = time.perf_counter() - t0
+    pos = len(prompt_ids)
+    t0 = time.perf_counter()
+    while True:
+        if on_logits is not None and on_logits(len(result.new_ids), logits) is False:
+            result.stopped_by = "caller"
+            break
+        token = sampling.pick(logits)
+        result.new_ids.append(token)
+        if on_token is not None:
+            on_token(token)
+        if token in eos_ids:
+            result.stopped_by = "eos"
+            break
+        if len(result.new_ids) >= limit:
+            result.stopped_by = "max_new_tokens" if max_new_tokens is not None else "max_cache_len"
+            break
+        logits = program.forward([token], pos)
+        pos += 1
+    result.decode_seconds = time.perf_counter() - t0
+    return result

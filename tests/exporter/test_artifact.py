@@ -1,0 +1,74 @@
+"""Artifact folders: published whole or not at all, and checked when read."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvexport.errors import ArtifactError
+from kvexport.exporter import artifact
+
+
+def minimal_manifest():
+    return {"target": "executorch", "program": "model.pte", "max_cache_len": 8, "vocab_size": 4, "eos_token_ids": [1], "dtype": "float32"}
+
+
+def make_artifact(folder):
+    with artifact.staged_folder(folder) as tmp:
+        (tmp / "model.pte").write_bytes(b"program")
+        artifact.write_manifest(tmp, minimal_manifest())
+
+
+def test_a_failed_build_leaves_nothing_behind(tmp_path):
+    out = tmp_path / "out"
+    with pytest.raises(RuntimeError):
+        with artifact.staged_folder(out) as tmp:
+            (tmp / "model.pte").write_bytes(b"half")
+            raise RuntimeError("lowering failed")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_failed_rebuild_keeps_the_previous_artifact(tmp_path):
+    out = tmp_path / "out"
+    make_artifact(out)
+    with pytest.raises(KeyboardInterrupt):
+        with artifact.staged_folder(out) as tmp:
+            (tmp / "model.pte").write_bytes(b"new")
+            raise KeyboardInterrupt
+    assert (out / "model.pte").read_bytes() == b"program"
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]
+
+
+def test_a_successful_rebuild_replaces_it(tmp_path):
+    out = tmp_path / "out"
+    make_artifact(out)
+    with artifact.staged_folder(out) as tmp:
+        (tmp / "model.pte").write_bytes(b"new")
+        artifact.write_manifest(tmp, minimal_manifest())
+    assert artifact.read_manifest(out)["files"]["model.pte"]["bytes"] == 3
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]
+
+
+def test_manifest_checks(tmp_path):
+    out = tmp_path / "out"
+    make_artifact(out)
+    manifest = json.loads((out / "kvexport.json").read_text())
+    manifest["format_version"] = 99
+    (out / "kvexport.json").write_text(json.dumps(manifest))
+    with pytest.raises(ArtifactError, match="format version 99"):
+        artifact.read_manifest(out)
+    (out / "kvexport.json").write_text("{not json")
+    with pytest.raises(ArtifactError, match="not valid JSON"):
+        artifact.read_manifest(out)
+
+
+def test_a_listed_file_that_is_missing_or_changed_is_refused(tmp_path):
+    out = tmp_path / "out"
+    make_artifact(out)
+    (out / "model.pte").write_bytes(b"progrAm")
+    with pytest.raises(ArtifactError, match="does not match the sha256"):
+        artifact.read_manifest(out)
+    (out / "model.pte").unlink()
+    with pytest.raises(ArtifactError, match="missing model.pte"):
+        artifact.read_manifest(out)

@@ -1,0 +1,79 @@
+"""Shared test helpers: the eager reference (transformers' own generate) and tolerant comparisons."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+# fp32 tolerance on logits, artifact vs eager transformers. Tiny presets have logits of magnitude
+# ~10-25; fp32 reordering (XNNPACK kernels, our masks) moves them by ~1e-4 at most.
+FP32_LOGIT_ATOL = 2e-3
+
+
+def eager_reference(model, prompt_ids: list[int], max_new_tokens: int):
+    """Greedy tokens and per-step logits from ``model.generate`` with its own DynamicCache."""
+    ids = torch.tensor([prompt_ids])
+    with torch.no_grad():
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+    return out.sequences[0, len(prompt_ids):].tolist(), [l[0].float().numpy() for l in out.logits]
+
+
+def eager_ids(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """Greedy token ids only (no logits kept: 700 steps of a 262k vocabulary would be 0.7 GB)."""
+    ids = torch.tensor([prompt_ids])
+    with torch.no_grad():
+        out = model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0
+        )
+    return out[0, len(prompt_ids):].tolist()
+
+
+def greedy_with(forward, prompt_ids: list[int], max_new_tokens: int, chunks: list[int] | None = None):
+    """Greedy decoding through ``forward(tokens: list[int], start: int) -> logits``.
+
+    ``chunks`` splits the prompt into several calls (chunked prefill); default one call.
+    """
+    chunks = chunks or [len(prompt_ids)]
+    assert sum(chunks) == len(prompt_ids)
+    pos = 0
+    for n in chunks:
+        logits = forward(prompt_ids[pos:pos + n], pos)
+        pos += n
+    ids, all_logits = [], []
+    for _ in range(max_new_tokens):
+        all_logits.append(np.asarray(logits, dtype=np.float32))
+        ids.append(int(np.argmax(logits)))
+        if len(ids) == max_new_tokens:
+            break
+        logits = forward([ids[-1]], pos)
+        pos += 1
+    return ids, all_logits
+
+
+def torch_forward(module):
+    """``forward(tokens, start)`` over a torch module with the wrapper's calling convention."""
+
+    def forward(tokens, start):
+        with torch.no_grad():
+            out = module(torch.tensor([tokens]), torch.tensor([start]))
+        return out[0].float().numpy()
+
+    return forward
+
+
+def assert_generation_matches(actual, expected, atol: float, what: str) -> None:
+    """Same greedy ids and logits within ``atol`` at every step."""
+    (ids, logits), (ref_ids, ref_logits) = actual, expected
+    for step, (a, b) in enumerate(zip(logits, ref_logits)):
+        diff = float(np.max(np.abs(a - b)))
+        assert diff <= atol, f"{what}: logits differ by {diff:.3g} > {atol} at new token {step}"
+    assert ids == ref_ids, f"{what}: token ids differ from eager transformers"

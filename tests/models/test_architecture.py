@@ -1,0 +1,49 @@
+"""Layer kinds from configs, refusals, and the KV-cache size the artifact reports."""
+
+from __future__ import annotations
+
+import pytest
+from transformers import AutoConfig
+
+from kvexport.errors import UnsupportedModelError
+from kvexport.exporter.pipeline import ExportOptions, plan_export
+from kvexport.models.architecture import layer_specs
+from kvexport.models.presets import preset_config
+
+
+def test_hybrid_layers_come_from_layer_types():
+    specs = layer_specs(preset_config("tiny-gemma3"))
+    assert [s.window for s in specs] == [6, 6, 6, None]
+    assert [s.is_ring(64) for s in specs] == [True, True, True, False]
+
+
+def test_sliding_family_without_layer_types_slides_everywhere():
+    assert all(s.window == 6 for s in layer_specs(preset_config("tiny-mistral")))
+
+
+def test_a_window_as_long_as_the_cache_needs_no_ring():
+    spec = layer_specs(preset_config("tiny-mistral"))[0]
+    assert not spec.is_ring(6) and spec.cache_slots(6) == 6
+    assert spec.is_ring(7) and spec.cache_slots(7) == 6
+
+
+@pytest.mark.parametrize(
+    "model_type, kwargs, phrase",
+    [
+        ("mamba", {}, "state-space"),
+        ("t5", {}, "encoder-decoder"),
+        ("qwen3_next", {}, "linear-attention"),
+    ],
+)
+def test_unsupported_families_are_refused_with_the_reason(model_type, kwargs, phrase):
+    with pytest.raises(UnsupportedModelError, match=phrase):
+        layer_specs(AutoConfig.for_model(model_type, **kwargs))
+
+
+def test_gemma3_270m_cache_at_8192_is_at_most_a_quarter_of_full_length_layers(tmp_path):
+    """The figure kvexport.json reports (the same plan writes it), without exporting."""
+    plan = plan_export(ExportOptions("gemma3-270m", "executorch", tmp_path / "out", 8192))
+    layers = plan.layers()
+    assert sum(layer["cache"] == "ring" for layer in layers) == 15
+    assert all(layer["slots"] == 512 for layer in layers if layer["cache"] == "ring")
+    assert plan.kv_cache_bytes <= 0.25 * plan.kv_cache_bytes_if_all_full

@@ -1,0 +1,85 @@
+"""The real models (Gemma 3 270M: 15 sliding layers of window 512; SmolLM2-135M), exported once at
+max_cache_len 1024 and compared with eager transformers far past the window. Slow: minutes each."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvexport.cli import main
+from kvexport.models import sources
+from kvexport.runtime_check.tokenizer import ArtifactTokenizer
+
+from ..helpers import eager_ids
+
+pytestmark = pytest.mark.slow
+
+SHORT_PROMPT = "The history of the city of Paris"
+PARAGRAPH = (
+    "The river flows through the old town, past the market square and the cathedral, and on toward "
+    "the sea. Merchants have traded along its banks for centuries, and the bridges that cross it "
+    "were rebuilt many times after floods and wars. "
+)
+
+
+@pytest.fixture(scope="module", params=["gemma3-270m", "smollm2-135m"])
+def real(request, tmp_path_factory):
+    """(folder, eager model) for one real model."""
+    name = request.param
+    folder = tmp_path_factory.mktemp("real") / name
+    with pytest.raises(SystemExit) as done:
+        main(["export", name, "-o", str(folder), "--max-cache-len", "1024", "--quiet"])
+    assert done.value.code == 0
+    model, _ = sources.load_model(sources.resolve(name))
+    return folder, model
+
+
+def kvexport_run(capsys, folder, prompt, n) -> dict:
+    with pytest.raises(SystemExit) as done:
+        main(["run", str(folder), "--prompt", prompt, "--max-new-tokens", str(n), "--ignore-eos", "--json"])
+    out, err = capsys.readouterr()
+    assert done.value.code == 0, err
+    return json.loads(out)
+
+
+def long_prompt(tokenizer: ArtifactTokenizer, tokens: int) -> str:
+    text = ""
+    while len(tokenizer.encode(text)) < tokens:
+        text += PARAGRAPH
+    return text
+
+
+def test_700_new_tokens_after_a_short_prompt_match_eager(real, capsys):
+    folder, model = real
+    result = kvexport_run(capsys, folder, SHORT_PROMPT, 700)
+    assert result["new_ids"] == eager_ids(model, result["prompt_ids"], 700)
+
+
+def test_150_new_tokens_after_a_prompt_longer_than_the_window_match_eager(real, capsys):
+    folder, model = real
+    prompt = long_prompt(ArtifactTokenizer(folder), 800)
+    result = kvexport_run(capsys, folder, prompt, 150)
+    assert len(result["prompt_ids"]) > 512
+    assert result["new_ids"] == eager_ids(model, result["prompt_ids"], 150)
+
+
+def test_executorch_text_llm_runner_generates_eager_text(real):
+    from executorch.extension.llm.runner import GenerationConfig, TextLLMRunner
+
+    folder, model = real
+    tokenizer = ArtifactTokenizer(folder)
+    prompt_ids = tokenizer.encode(SHORT_PROMPT)
+    manifest = json.loads((folder / "kvexport.json").read_text())
+    # The stock runner adds BOS itself (num_bos) and stops at EOS: give eager the same prompt and stop.
+    bos = 1 if manifest["tokenizer_adds_bos"] else 0
+    pieces: list[str] = []
+    runner = TextLLMRunner(str(folder / "model.pte"), str(folder / "tokenizer.json"))
+    runner.generate(
+        SHORT_PROMPT,
+        GenerationConfig(max_new_tokens=48, temperature=0.0, echo=False, num_bos=bos, num_eos=0),
+        token_callback=pieces.append,
+    )
+    expected = eager_ids(model, prompt_ids, 48)
+    stop = next((i for i, t in enumerate(expected) if t in manifest["eos_token_ids"]), len(expected))
+    assert "".join(pieces).strip() == tokenizer.decode(expected[:stop]).strip()
