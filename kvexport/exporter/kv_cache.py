@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers.cache_utils import Cache
 
 
 class StaticKVCache(nn.Module):
@@ -62,19 +61,26 @@ class RingKVCache(nn.Module):
     def update(self, positions: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor):
         keys = torch.cat([self.k, k_new], dim=2)
         values = torch.cat([self.v, v_new], dim=2)
-        # A call longer than the window maps several tokens to one slot. index_copy_ with
-        # duplicate indices is order-dependent, so every token writes the value of the newest
-        # token sharing its slot: duplicates then carry identical data and the result is exact.
-        n = k_new.shape[2]
-        j = torch.arange(n, device=positions.device)
-        newest = j + torch.div(n - 1 - j, self.window, rounding_mode="floor") * self.window
-        slots = torch.remainder(positions, self.window)
+        newest, slots = newest_in_slot(positions, self.window)
         self.k.index_copy_(2, slots, k_new.index_select(2, newest))
         self.v.index_copy_(2, slots, v_new.index_select(2, newest))
         return keys, values
 
     def key_positions(self, positions: torch.Tensor) -> torch.Tensor:
         return torch.cat([ring_positions(positions[:1], self.window), positions])
+
+
+def newest_in_slot(positions: torch.Tensor, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each token of a call: the slot it maps to, and which token of the call to write there.
+
+    A call longer than the window maps several tokens to one slot, and a scatter with duplicate
+    indices is order-dependent; so every token writes the value of the newest token sharing its
+    slot. Duplicates then carry identical data and the result is exact in any order.
+    """
+    n = positions.shape[0]
+    j = torch.arange(n, device=positions.device)
+    newest = j + torch.div(n - 1 - j, window, rounding_mode="floor") * window
+    return newest, torch.remainder(positions, window)
 
 
 def ring_positions(start: torch.Tensor, window: int) -> torch.Tensor:
@@ -105,19 +111,25 @@ def additive_mask(
     return torch.where(visible, zero, masked)[None, None]
 
 
-class HFCacheAdapter(Cache):
-    """The ``Cache`` a transformers model writes into, routing each layer to our module.
+class CallState:
+    """What every layer needs to know about the current call: the layers, and where the call starts.
 
-    transformers' attention calls ``past_key_values.update(k, v, layer_idx)``; the positions of
-    the current call are set on the adapter by the wrapper before the forward.
+    ``positions`` is a tensor (one per token); ``start`` is the same start as a traced integer, for
+    kernels that take it as a scalar. It is made on first use, so programs that never need it have
+    no data-dependent integer in them.
     """
 
-    def __init__(self, layers: nn.ModuleList):
-        super().__init__(layers=list(layers))
-        self.positions: torch.Tensor | None = None
+    def __init__(self, layers: nn.ModuleList, positions: torch.Tensor, max_cache_len: int):
+        self.layers = layers
+        self.positions = positions
+        self.max_cache_len = max_cache_len
+        self._start = None
 
-    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        return self.layers[layer_idx].update(self.positions, key_states, value_states)
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:  # only used when position_ids are absent
-        raise RuntimeError("kvexport passes position_ids explicitly; get_seq_length is not tracked")
+    @property
+    def start(self):
+        if self._start is None:
+            start = self.positions[0].item()
+            torch._check_is_size(start)
+            torch._check(start + self.positions.shape[0] <= self.max_cache_len)
+            self._start = start
+        return self._start

@@ -14,7 +14,6 @@ from ..models import architecture, sources
 from ..progress import Progress, peak_rss_mb
 from . import artifact
 from .targets import get_target
-from .wrapper import ExportableDecoder
 
 DEFAULT_MAX_CACHE_LEN = 2048
 
@@ -139,8 +138,7 @@ def export_model(options: ExportOptions, progress: Progress | None = None) -> Ex
 
     with artifact.staged_folder(plan.out) as folder:
         with progress.step("export", f"torch.export, T dynamic in [1, {plan.max_cache_len}]"):
-            decoder = ExportableDecoder(model, plan.max_cache_len)
-            program = target.export(decoder)
+            program = target.export(model, plan.max_cache_len)
         with progress.step("lower", options.target):
             lowered = target.lower(program, info, folder)
             del program

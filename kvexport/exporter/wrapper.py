@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 from ..models.architecture import LayerSpec, layer_specs
-from .kv_cache import HFCacheAdapter, RingKVCache, StaticKVCache, additive_mask
+from . import attention
+from .kv_cache import CallState, RingKVCache, StaticKVCache, additive_mask
 
 
 def build_caches(specs: list[LayerSpec], max_cache_len: int, dtype: torch.dtype, batch: int = 1) -> nn.ModuleList:
@@ -25,31 +26,29 @@ def build_caches(specs: list[LayerSpec], max_cache_len: int, dtype: torch.dtype,
 
 
 def _prepare(model: nn.Module) -> nn.Module:
-    """Eval mode, no grad, and transformers' eager attention: it traces for every family, and its
-    per-family variants carry soft-capping and attention sinks that SDPA does not."""
+    """Eval mode, no grad, and kvexport's attention, which hands each layer's keys to our cache."""
     model.eval()
     model.requires_grad_(False)
-    model.set_attn_implementation("eager")
+    model.set_attn_implementation(attention.NAME)
     return model
 
 
 class ExportableDecoder(nn.Module):
     """A causal LM with an export-safe cache, returning the logits of the last position."""
 
-    def __init__(self, model: nn.Module, max_cache_len: int):
+    def __init__(self, model: nn.Module, max_cache_len: int, cache_builder=build_caches):
         super().__init__()
         self.model = _prepare(model)
         self.max_cache_len = max_cache_len
         self.specs = layer_specs(model.config)
         self.dtype = next(model.parameters()).dtype
-        self.caches = build_caches(self.specs, max_cache_len, self.dtype)
+        self.caches = cache_builder(self.specs, max_cache_len, self.dtype)
         # Layers sharing a mask: one per (layer_type, ring or not), built once per call.
         self._mask_groups = {}
         for i, spec in enumerate(self.specs):
             self._mask_groups.setdefault(spec.layer_type, (i, spec.window))
         # transformers takes one mask per layer type when the model mixes them, else a single one.
         self._mask_by_type = len(self._mask_groups) > 1
-        self._hf_cache = HFCacheAdapter(self.caches)
 
     def reset_cache(self) -> None:
         for cache in self.caches:
@@ -70,13 +69,13 @@ class ExportableDecoder(nn.Module):
         # makes torch.export reject a spurious guard from transformers' repeat_kv reshape.
         torch._check(tokens.shape[1] <= self.max_cache_len)
         positions = input_pos[:1] + torch.arange(tokens.shape[1], device=tokens.device)
-        self._hf_cache.positions = positions
         out = self.model(
             input_ids=tokens,
             attention_mask=self.masks(positions),
             position_ids=positions[None],
-            past_key_values=self._hf_cache,
-            use_cache=True,
+            # No transformers cache: our attention (see attention.py) writes and reads our caches.
+            use_cache=False,
+            kvexport_call=CallState(self.caches, positions, self.max_cache_len),
             logits_to_keep=1,
         )
         return out.logits[:, -1, :]

@@ -10,15 +10,18 @@ from ..errors import ArtifactError, InvalidOptionError
 
 
 class ExecuTorchProgram:
-    def __init__(self, path: Path, manifest: dict):
+    def __init__(self, path: Path, manifest: dict, weights: Path | None = None):
         import torch
         from executorch.runtime import Runtime
+
+        register_kernels()
 
         self.manifest = manifest
         self._torch = torch
         self._path = path
         try:
-            self._method = Runtime.get().load_program(path).load_method("forward")
+            program = Runtime.get().load_program(path, data_path=weights)
+            self._method = program.load_method("forward")
         except Exception as e:  # the runtime raises a bare RuntimeError for any unreadable program
             raise ArtifactError(f"ExecuTorch cannot load {path}: {e}")
 
@@ -34,7 +37,14 @@ class ExecuTorchProgram:
         pass
 
 
+def register_kernels() -> None:
+    """Register the kernels of ExecuTorch's LLM custom ops (``llama::custom_sdpa``, ``llama::update_cache``)
+    with the runtime; a ``.pte`` that uses them cannot load otherwise."""
+    import executorch.extension.llm.custom_ops.custom_ops  # noqa: F401
+
+
 def load(folder: Path, manifest: dict, device: str) -> ExecuTorchProgram:
     if device != "cpu":
         raise InvalidOptionError("ExecuTorch artifacts run on the CPU (XNNPACK); use --device cpu")
-    return ExecuTorchProgram(folder / manifest["program"], manifest)
+    weights = folder / manifest["weights"] if manifest.get("weights") else None
+    return ExecuTorchProgram(folder / manifest["program"], manifest, weights)

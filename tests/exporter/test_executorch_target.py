@@ -30,12 +30,25 @@ def test_pte_chunked_prefill_and_reuse(artifact):
         assert_generation_matches(got, expected, FP32_LOGIT_ATOL, f"chunks {chunks}")
 
 
+def test_tied_embedding_is_stored_once(artifact):
+    """tiny-smollm3 ties its embedding and lm_head: the artifact holds the weights once."""
+    model, _ = build_preset("tiny-smollm3")
+    assert model.get_input_embeddings().weight is model.get_output_embeddings().weight
+    folder = artifact("tiny-smollm3")
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    embedding_bytes = model.get_input_embeddings().weight.numel() * 4
+    # All weights are in model.ptd, the embedding once (a second copy would add embedding_bytes);
+    # model.pte holds the program alone.
+    assert weight_bytes <= (folder / "model.ptd").stat().st_size < weight_bytes + embedding_bytes
+    assert (folder / "model.pte").stat().st_size < 0.1 * weight_bytes
+
+
 def test_pte_carries_the_runner_metadata(artifact):
     from executorch.runtime import Runtime
 
     folder = artifact("tiny-gemma3")
     manifest = read_manifest(folder)
-    program = Runtime.get().load_program(folder / "model.pte")
+    program = Runtime.get().load_program(folder / "model.pte", data_path=folder / "model.ptd")
 
     def value(method):
         return program.load_method(method).execute([])
@@ -50,6 +63,9 @@ def test_pte_carries_the_runner_metadata(artifact):
 def test_executorch_text_llm_runner_generates_eager_text(artifact):
     """ExecuTorch's own C++ LLM runner (its pip bindings) runs the .pte and agrees with eager."""
     runner_mod = pytest.importorskip("executorch.extension.llm.runner")
+    from kvexport.runtime_check.executorch_program import register_kernels
+
+    register_kernels()
     name = "tiny-phi3"
     folder = artifact(name)
     model, tokenizer = build_preset(name)
@@ -58,7 +74,7 @@ def test_executorch_text_llm_runner_generates_eager_text(artifact):
     # The stock runner stops at EOS and has no switch to ignore it: this preset/prompt pair has none.
     assert model.config.eos_token_id not in eager_ids, "pick a preset whose greedy output has no EOS"
     pieces: list[str] = []
-    runner = runner_mod.TextLLMRunner(str(folder / "model.pte"), str(folder / "tokenizer.json"))
+    runner = runner_mod.TextLLMRunner(str(folder / "model.pte"), str(folder / "tokenizer.json"), str(folder / "model.ptd"))
     config = runner_mod.GenerationConfig(
         max_new_tokens=NEW_TOKENS, temperature=0.0, echo=False, num_bos=0, num_eos=0
     )

@@ -67,6 +67,9 @@ def test_150_new_tokens_after_a_prompt_longer_than_the_window_match_eager(real, 
 def test_executorch_text_llm_runner_generates_eager_text(real):
     from executorch.extension.llm.runner import GenerationConfig, TextLLMRunner
 
+    from kvexport.runtime_check.executorch_program import register_kernels
+
+    register_kernels()
     folder, model = real
     tokenizer = ArtifactTokenizer(folder)
     prompt_ids = tokenizer.encode(SHORT_PROMPT)
@@ -74,7 +77,7 @@ def test_executorch_text_llm_runner_generates_eager_text(real):
     # The stock runner adds BOS itself (num_bos) and stops at EOS: give eager the same prompt and stop.
     bos = 1 if manifest["tokenizer_adds_bos"] else 0
     pieces: list[str] = []
-    runner = TextLLMRunner(str(folder / "model.pte"), str(folder / "tokenizer.json"))
+    runner = TextLLMRunner(str(folder / "model.pte"), str(folder / "tokenizer.json"), str(folder / "model.ptd"))
     runner.generate(
         SHORT_PROMPT,
         GenerationConfig(max_new_tokens=48, temperature=0.0, echo=False, num_bos=bos, num_eos=0),

@@ -1,7 +1,8 @@
 """Export targets, one module each. A target module provides:
 
 - ``SUPPORTED_DTYPES``: the ``--dtype`` values it takes;
-- ``export(decoder) -> ExportedProgram``: the traced program in the form the target needs;
+- ``export(model, max_cache_len) -> ExportedProgram``: the model wrapped with the target's cache
+  and traced;
 - ``lower(program, metadata, out_dir) -> dict``: write the program file(s) into ``out_dir`` and
   return facts for ``kvexport.json`` (at least ``program``, the main file's name).
 """

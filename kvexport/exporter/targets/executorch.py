@@ -6,10 +6,27 @@ from pathlib import Path
 
 import torch
 
-from ..export import export_decoder as export  # noqa: F401  (the cache lives in mutable buffers)
+from ..export import export_decoder
+from ..wrapper import ExportableDecoder
 
 PROGRAM_FILE = "model.pte"
+# All weights live in one ExecuTorch data file beside the program. The embedding lookup runs outside
+# XNNPACK and reads the program's constants while the lm_head inside XNNPACK reads the delegate's;
+# only in a shared data file are a tied embedding's two uses stored once (ExecuTorch resolves program
+# constants from external data only, and the file's writer deduplicates identical tensors).
+WEIGHTS_TAG = "model"
+WEIGHTS_FILE = f"{WEIGHTS_TAG}.ptd"
 SUPPORTED_DTYPES = ("float32", "float16")
+
+
+def export(model: torch.nn.Module, max_cache_len: int) -> torch.export.ExportedProgram:
+    """The cache lives in the program's mutable buffers, written and read by ExecuTorch's LLM
+    custom ops (in-place update, fused attention over the filled positions only)."""
+    from ..custom_op_cache import build_custom_op_caches
+    from ..xnnpack_rewrites import rotary_as_matmul
+
+    with rotary_as_matmul(model):
+        return export_decoder(ExportableDecoder(model, max_cache_len, build_custom_op_caches))
 
 
 def _constant_methods(info: dict) -> dict:
@@ -36,36 +53,63 @@ def lower(program: torch.export.ExportedProgram, info: dict, out_dir: Path) -> d
     from executorch.exir.passes import MemoryPlanningPass
     from executorch.exir.passes.sym_shape_eval_pass import ConstraintBasedSymShapeEvalPass
 
+    from ..xnnpack_rewrites import XnnpackFriendlyShapes
+
+    _tag_weights_for_data_file(program)
     edge = to_edge_transform_and_lower(
         program,
+        transform_passes=[XnnpackFriendlyShapes()],
         partitioner=[XnnpackPartitioner()],
         compile_config=EdgeCompileConfig(_check_ir_validity=False),
         constant_methods=_constant_methods(info),
     )
-    delegated, portable = _op_counts(edge.exported_program().graph_module)
+    delegated, portable, custom = _op_counts(edge.exported_program().graph_module)
     et_program = edge.to_executorch(
         ExecutorchBackendConfig(
             extract_delegate_segments=True,
             memory_planning_pass=MemoryPlanningPass(alloc_graph_input=False),
             # Plan activation memory for the largest call (T = max_cache_len), not the example input.
             sym_shape_eval_pass=ConstraintBasedSymShapeEvalPass(),
+            external_constants=lambda node: WEIGHTS_TAG,
         )
     )
-    path = out_dir / PROGRAM_FILE
-    with open(path, "wb") as f:
+    with open(out_dir / PROGRAM_FILE, "wb") as f:
         et_program.write_to_file(f)
-    return {"program": PROGRAM_FILE, "delegated_calls": delegated, "non_delegated_ops": portable}
+    et_program.write_tensor_data_to_file(str(out_dir))
+    if not (out_dir / WEIGHTS_FILE).is_file():
+        raise RuntimeError(f"ExecuTorch wrote no {WEIGHTS_FILE}")
+    return {
+        "program": PROGRAM_FILE,
+        "weights": WEIGHTS_FILE,
+        "delegated_calls": delegated,
+        "non_delegated_ops": portable,
+        # Kernels beyond ExecuTorch's portable set that a runtime must link or register.
+        "custom_ops": custom,
+    }
 
 
-def _op_counts(graph_module: torch.fx.GraphModule) -> tuple[int, int]:
-    """XNNPACK delegate calls, and ops left outside the delegate (run by portable kernels)."""
-    delegated = portable = 0
+def _tag_weights_for_data_file(program: torch.export.ExportedProgram) -> None:
+    """Ask XNNPACK to put the weights it takes into the shared data file too."""
+    signature = program.graph_signature
+    weights = set(signature.inputs_to_parameters) | set(signature.inputs_to_buffers)
+    for node in program.graph.nodes:
+        if node.op == "placeholder" and node.name in weights:
+            node.meta.setdefault("custom", {})["delegate_constant_tag"] = WEIGHTS_TAG
+
+
+def _op_counts(graph_module: torch.fx.GraphModule) -> tuple[int, int, list[str]]:
+    """XNNPACK delegate calls, ops left outside the delegate, and the custom (non-aten) ops among them."""
+    delegated = outside = 0
+    custom: set[str] = set()
     for node in graph_module.graph.nodes:
         if node.op != "call_function":
             continue
-        name = getattr(node.target, "__name__", str(node.target))
+        target = node.args[0] if "auto_functionalized" in str(node.target) else node.target  # mutating custom ops
+        name = str(target)
         if "executorch_call_delegate" in name:
             delegated += 1
-        elif name != "getitem":
-            portable += 1
-    return delegated, portable
+        elif "getitem" not in name:
+            outside += 1
+            if "llama." in name:
+                custom.add("llama::" + name.split("llama.")[1].split(".")[0])
+    return delegated, outside, sorted(custom)

@@ -1,0 +1,38 @@
+"""kvexport's attention, registered with transformers' ``AttentionInterface``.
+
+transformers calls it instead of its own attention, with the layer's new keys and values. They go
+to the layer's cache: a cache with its own kernel writes them and attends (``attend``); any other
+returns the keys to attend to (``update``) and the model's own eager attention runs on them, so
+per-family details (soft-capping, sinks, scaling) stay transformers'.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from transformers import AttentionInterface
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask
+from transformers.models.llama import modeling_llama
+
+NAME = "kvexport"
+
+
+def family_eager_attention(module):
+    """The ``eager_attention_forward`` of the module's own modeling file (they differ per family)."""
+    return getattr(sys.modules[type(module).__module__], "eager_attention_forward", modeling_llama.eager_attention_forward)
+
+
+def kvexport_attention(module, query, key, value, attention_mask, kvexport_call=None, **kwargs):
+    if kvexport_call is None:  # called by plain transformers (e.g. generate): its own cache ran already
+        return family_eager_attention(module)(module, query, key, value, attention_mask, **kwargs)
+    layer = kvexport_call.layers[module.layer_idx]
+    attend = getattr(layer, "attend", None)
+    if attend is not None:
+        return attend(module, query, key, value, attention_mask, kvexport_call, **kwargs)
+    keys, values = layer.update(kvexport_call.positions, key, value)
+    return family_eager_attention(module)(module, query, keys, values, attention_mask, **kwargs)
+
+
+AttentionInterface.register(NAME, kvexport_attention)
+# When transformers drives the model itself, it builds the masks eager attention expects.
+ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, eager_mask)

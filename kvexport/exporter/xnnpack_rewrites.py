@@ -1,0 +1,108 @@
+"""Equivalent rewrites that keep XNNPACK's delegate whole when the token count is dynamic.
+
+Left alone, three patterns in every decoder layer fall outside the delegate, splitting each layer
+into several delegate calls with portable ops between them (slower to run and to lower):
+
+- a reshape whose target shape names the symbolic token count (XNNPACK's reshape takes ``-1`` for
+  the one inferred dim, not a symbol);
+- RMSNorm's mean over the last dim of a 3-D tensor (XNNPACK averages the two innermost dims of a
+  4-D tensor only);
+- rotary embeddings' ``rotate_half`` (slices along the head dim, which XNNPACK refuses on tensors
+  with a dynamic dim).
+
+Each rewrite computes the same values; ``rotate_half`` as a product with a signed permutation
+matrix is exact (every output is one input times ±1 plus zeros).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+
+import torch
+from executorch.exir.dialects._ops import ops as exir_ops
+from executorch.exir.pass_base import ExportPass
+
+_VIEW = exir_ops.edge.aten.view_copy.default
+_MEAN = exir_ops.edge.aten.mean.dim
+
+
+class XnnpackFriendlyShapes(ExportPass):
+    """Edge-dialect pass: symbolic reshapes use ``-1``; last-dim means of 3-D tensors become 4-D."""
+
+    def call_operator(self, op, args, kwargs, meta):
+        if op == _VIEW:
+            shape = list(args[1])
+            symbolic = [i for i, d in enumerate(shape) if not isinstance(d, int)]
+            if len(symbolic) == 1 and -1 not in shape:
+                shape[symbolic[0]] = -1
+                return super().call_operator(op, (args[0], shape), kwargs, meta)
+        if op == _MEAN and self._is_last_dim_mean_of_3d(args, kwargs):
+            x = args[0]
+            batch, _, dim = x.to_tensor().shape
+            as_4d = super().call_operator(_VIEW, (x, [batch, -1, dim, 1]), {}, meta)
+            mean = super().call_operator(_MEAN, (as_4d, [2, 3], True), {}, meta)
+            return super().call_operator(_VIEW, (mean, [batch, -1, 1]), {}, meta)
+        return super().call_operator(op, args, kwargs, meta)
+
+    @staticmethod
+    def _is_last_dim_mean_of_3d(args, kwargs) -> bool:
+        x = args[0].to_tensor()
+        dims = list(args[1]) if len(args) > 1 and args[1] is not None else []
+        keepdim = len(args) > 2 and bool(args[2])
+        return (
+            x.dim() == 3
+            and dims in ([-1], [2])
+            and keepdim
+            and kwargs.get("dtype") is None
+            and isinstance(x.shape[0], int)
+            and isinstance(x.shape[2], int)
+        )
+
+
+def _rotation(dim: int, dtype: torch.dtype) -> torch.Tensor:
+    """W with linear(x, W) == cat(-x[..., dim/2:], x[..., :dim/2])."""
+    half = dim // 2
+    r = torch.zeros(dim, dim, dtype=dtype)
+    r[torch.arange(half) + half, torch.arange(half)] = -1
+    r[torch.arange(half), torch.arange(half) + half] = 1
+    return r.T.contiguous()
+
+
+@contextlib.contextmanager
+def rotary_as_matmul(model: torch.nn.Module):
+    """While tracing, the model's modeling file computes ``rotate_half`` as a matrix product.
+
+    The matrices are built before tracing, one per rotary width the config implies; an unexpected
+    width falls back to the original function.
+    """
+    module = sys.modules[type(model).__module__]
+    original = getattr(module, "rotate_half", None)
+    if original is None:
+        yield
+        return
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    dtype = next(model.parameters()).dtype
+    widths = {head_dim, int(head_dim * getattr(config, "partial_rotary_factor", 1.0))}
+    # Registered as buffers and read back through the model at call time, so the program holds them
+    # as the model's constants (a tensor captured from elsewhere becomes a lifted constant, which
+    # XNNPACK's lowering does not take).
+    names = {w: f"_kvexport_rotation_{w}" for w in widths if w % 2 == 0}
+    for width, name in names.items():
+        model.register_buffer(name, _rotation(width, dtype), persistent=False)
+
+    def rotate_half(x: torch.Tensor) -> torch.Tensor:
+        name = names.get(x.shape[-1])
+        if name is None or x.dtype != dtype:
+            return original(x)
+        # 2-D for the product: a 4-D input would make linear broadcast the weight (an expand).
+        return torch.nn.functional.linear(x.reshape(-1, x.shape[-1]), getattr(model, name)).view(x.shape)
+
+    module.rotate_half = rotate_half
+    try:
+        yield
+    finally:
+        module.rotate_half = original
+        for name in names.values():
+            delattr(model, name)
