@@ -1,8 +1,10 @@
-"""The module we export: ``forward(tokens[1, T], input_pos[1]) -> logits[1, vocab]``.
+"""The modules we export. The transformers model runs unchanged; only its cache and masks are ours.
 
-That is ExecuTorch's LLM-runner calling convention with a start position (the runner passes
-``[start]`` when the program's second input has one element). The transformers model runs
-unchanged; only its cache and masks are ours.
+- ``ExportableDecoder``: ``forward(tokens[1, T], input_pos[1]) -> logits[1, vocab]`` with the cache
+  in mutable buffers. That is ExecuTorch's LLM-runner calling convention with a start position (the
+  runner passes ``[start]`` when the program's second input has one element).
+- ``ExternalCacheDecoder``: the same model call with the cache outside the program (ONNX): past
+  rows in, new rows out.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import torch
 from torch import nn
 
 from ..models.architecture import LayerSpec, layer_specs
-from .kv_cache import HFCacheAdapter, RingKVCache, StaticKVCache, additive_mask
+from .kv_cache import ExternalKVLayer, HFCacheAdapter, RingKVCache, StaticKVCache, additive_mask
 
 
 def build_caches(specs: list[LayerSpec], max_cache_len: int, dtype: torch.dtype, batch: int = 1) -> nn.ModuleList:
@@ -42,7 +44,7 @@ class ExportableDecoder(nn.Module):
         self.max_cache_len = max_cache_len
         self.specs = layer_specs(model.config)
         self.dtype = next(model.parameters()).dtype
-        self.caches = build_caches(self.specs, max_cache_len, self.dtype)
+        self.caches = self.build_caches()
         # Layers sharing a mask: one per (layer_type, ring or not), built once per call.
         self._mask_groups = {}
         for i, spec in enumerate(self.specs):
@@ -50,6 +52,9 @@ class ExportableDecoder(nn.Module):
         # transformers takes one mask per layer type when the model mixes them, else a single one.
         self._mask_by_type = len(self._mask_groups) > 1
         self._hf_cache = HFCacheAdapter(self.caches)
+
+    def build_caches(self) -> nn.ModuleList:
+        return build_caches(self.specs, self.max_cache_len, self.dtype)
 
     def reset_cache(self) -> None:
         for cache in self.caches:
@@ -66,6 +71,10 @@ class ExportableDecoder(nn.Module):
         return next(iter(masks.values()))
 
     def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
+        return self.last_logits(tokens, input_pos)
+
+    def last_logits(self, tokens: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
+        """Run the model on ``tokens`` at ``input_pos``, through our caches and masks."""
         # The bound is stated here rather than in a bounded export Dim: a named Dim with a max
         # makes torch.export reject a spurious guard from transformers' repeat_kv reshape.
         torch._check(tokens.shape[1] <= self.max_cache_len)
@@ -80,3 +89,28 @@ class ExportableDecoder(nn.Module):
             logits_to_keep=1,
         )
         return out.logits[:, -1, :]
+
+
+class ExternalCacheDecoder(ExportableDecoder):
+    """The cache crosses the program boundary: ONNX graphs hold no mutable state.
+
+    ``forward(tokens[1, T], input_pos[1], past_key_0, past_value_0, ...) -> (logits[1, vocab],
+    present_key_0, present_value_0, ...)``. Each past is sequence-major ``[1, rows, kv_heads,
+    head_dim]``: the first ``input_pos`` positions for a static layer, the whole ring for a ring
+    layer. Each present is the call's new rows ``[1, T, kv_heads, head_dim]``, which the runner
+    writes into its own buffers (see ``ExternalKVLayer``).
+    """
+
+    def build_caches(self) -> nn.ModuleList:
+        return nn.ModuleList(
+            ExternalKVLayer(spec.window if spec.is_ring(self.max_cache_len) else None) for spec in self.specs
+        )
+
+    def reset_cache(self) -> None:  # the runner owns the cache
+        pass
+
+    def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor, *past: torch.Tensor):
+        for layer, past_k, past_v in zip(self.caches, past[0::2], past[1::2], strict=True):
+            layer.bind(past_k, past_v)
+        logits = self.last_logits(tokens, input_pos)
+        return (logits, *[row for layer in self.caches for row in (layer.new_k, layer.new_v)])
