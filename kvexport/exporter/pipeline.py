@@ -14,7 +14,6 @@ from ..models import architecture, sources
 from ..progress import Progress, peak_rss_mb
 from . import artifact
 from .targets import get_target
-from .wrapper import ExportableDecoder
 
 DEFAULT_MAX_CACHE_LEN = 2048
 
@@ -139,7 +138,7 @@ def export_model(options: ExportOptions, progress: Progress | None = None) -> Ex
 
     with artifact.staged_folder(plan.out) as folder:
         with progress.step("export", f"torch.export, T dynamic in [1, {plan.max_cache_len}]"):
-            decoder = ExportableDecoder(model, plan.max_cache_len)
+            decoder = target.decoder(model, plan.max_cache_len)
             program = target.export(decoder)
         with progress.step("lower", options.target):
             lowered = target.lower(program, info, folder)
@@ -162,7 +161,6 @@ def _eos_ids(model, tokenizer) -> list[int]:
 
 
 def _manifest_info(plan: ExportPlan, model, tokenizer) -> dict:
-    import executorch
     import transformers
 
     config = architecture.text_config(model.config)
@@ -194,17 +192,18 @@ def _manifest_info(plan: ExportPlan, model, tokenizer) -> dict:
             "kvexport": __version__,
             "torch": torch.__version__,
             "transformers": transformers.__version__,
-            "executorch": getattr(executorch, "__version__", _dist_version("executorch")),
+            **{name: _package_version(name) for name in get_target(plan.options.target).RUNTIME_PACKAGES},
             "python": platform.python_version(),
         },
     }
 
 
-def _dist_version(name: str) -> str | None:
+def _package_version(name: str) -> str | None:
+    import importlib
     from importlib.metadata import PackageNotFoundError, version
 
     try:
-        return version(name)
-    except PackageNotFoundError:
+        return getattr(importlib.import_module(name), "__version__", None) or version(name)
+    except (ImportError, PackageNotFoundError):
         return None
 

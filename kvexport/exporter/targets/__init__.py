@@ -1,6 +1,8 @@
 """Export targets, one module each. A target module provides:
 
 - ``SUPPORTED_DTYPES``: the ``--dtype`` values it takes;
+- ``RUNTIME_PACKAGES``: the packages whose versions ``kvexport.json`` records;
+- ``decoder(model, max_cache_len)``: the wrapper to export (where the target keeps the cache);
 - ``export(decoder) -> ExportedProgram``: the traced program in the form the target needs;
 - ``lower(program, metadata, out_dir) -> dict``: write the program file(s) into ``out_dir`` and
   return facts for ``kvexport.json`` (at least ``program``, the main file's name).

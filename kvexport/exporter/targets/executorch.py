@@ -6,10 +6,12 @@ from pathlib import Path
 
 import torch
 
-from ..export import export_decoder as export  # noqa: F401  (the cache lives in mutable buffers)
+from ..export import export_decoder as export  # noqa: F401
+from ..wrapper import ExportableDecoder as decoder  # noqa: F401  (the cache lives in mutable buffers)
 
 PROGRAM_FILE = "model.pte"
 SUPPORTED_DTYPES = ("float32", "float16")
+RUNTIME_PACKAGES = ("executorch",)
 
 
 def _constant_methods(info: dict) -> dict:
