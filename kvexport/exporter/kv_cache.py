@@ -77,7 +77,7 @@ class RingKVCache(nn.Module):
         return ring_key_positions(positions, self.window)
 
 
-class ExternalKVLayer(nn.Module):
+class ExternalKVLayer:
     """A layer whose cache lives outside the program (ONNX has no mutable state).
 
     Before each call the wrapper binds the past rows that came in as graph inputs, sequence-major
@@ -89,10 +89,11 @@ class ExternalKVLayer(nn.Module):
       position); keys are ``past + new`` and column ``i`` holds position ``i``;
     - ring (``window`` W): the past is the whole ring of ``W`` slots; keys are ``ring + new``
       with positions from ``ring_positions``, as in ``RingKVCache``.
+
+    Not an ``nn.Module``: it holds only the tensors of the call being traced, no state.
     """
 
     def __init__(self, window: int | None = None):
-        super().__init__()
         self.window = window
         self.past_k = self.past_v = self.new_k = self.new_v = None
 

@@ -53,7 +53,7 @@ class ExportableDecoder(nn.Module):
         self._mask_by_type = len(self._mask_groups) > 1
         self._hf_cache = HFCacheAdapter(self.caches)
 
-    def build_caches(self) -> nn.ModuleList:
+    def build_caches(self) -> nn.ModuleList | list:
         return build_caches(self.specs, self.max_cache_len, self.dtype)
 
     def reset_cache(self) -> None:
@@ -101,10 +101,8 @@ class ExternalCacheDecoder(ExportableDecoder):
     writes into its own buffers (see ``ExternalKVLayer``).
     """
 
-    def build_caches(self) -> nn.ModuleList:
-        return nn.ModuleList(
-            ExternalKVLayer(spec.window if spec.is_ring(self.max_cache_len) else None) for spec in self.specs
-        )
+    def build_caches(self) -> list[ExternalKVLayer]:
+        return [ExternalKVLayer(spec.window if spec.is_ring(self.max_cache_len) else None) for spec in self.specs]
 
     def reset_cache(self) -> None:  # the runner owns the cache
         pass
