@@ -147,7 +147,10 @@ def export_model(options: ExportOptions, progress: Progress | None = None) -> Ex
             tokenizer.save_pretrained(folder)
             artifact.write_manifest(folder, {**info, **lowered})
     manifest = artifact.read_manifest(plan.out, verify=False)
-    progress.info(f"wrote {plan.out} ({manifest['files'][manifest['program']]['bytes'] / 2**20:.1f} MiB program)")
+    # The program file, and its weights where the target keeps them beside it (ONNX external data).
+    program_files = [manifest["program"], *([manifest["external_data"]] if manifest.get("external_data") else [])]
+    program_bytes = sum(manifest["files"][name]["bytes"] for name in program_files)
+    progress.info(f"wrote {plan.out} ({program_bytes / 2**20:.1f} MiB program)")
     return ExportResult(plan.out, manifest, dict(progress.seconds), peak_rss_mb())
 
 
