@@ -145,6 +145,7 @@ def export_model(options: ExportOptions, progress: Progress | None = None) -> Ex
             del program
         with progress.step("save", str(plan.out)):
             tokenizer.save_pretrained(folder)
+            # The target's facts win: the ONNX target replaces `interface` with its graph's own.
             artifact.write_manifest(folder, {**info, **lowered})
     manifest = artifact.read_manifest(plan.out, verify=False)
     # The program file, and its weights where the target keeps them beside it (ONNX external data).
