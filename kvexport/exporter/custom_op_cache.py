@@ -18,7 +18,7 @@ from torch import nn
 import executorch.extension.llm.custom_ops.custom_ops  # noqa: F401  (registers torch.ops.llama.*)
 
 from .attention import family_eager_attention
-from .kv_cache import CallState, newest_in_slot, ring_positions
+from .kv_cache import CallState, newest_in_slot, ring_key_positions
 
 
 def _plain_softmax_attention(kwargs: dict) -> bool:
@@ -80,7 +80,7 @@ class CustomOpRingCache(nn.Module):
         return result
 
     def key_positions(self, positions: torch.Tensor) -> torch.Tensor:
-        return torch.cat([ring_positions(positions[:1], self.window), positions])
+        return ring_key_positions(positions, self.window)
 
 
 def build_custom_op_caches(specs, max_cache_len: int, dtype: torch.dtype, batch: int = 1) -> nn.ModuleList:

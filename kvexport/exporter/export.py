@@ -1,10 +1,10 @@
-"""``torch.export`` of the wrapper: one program, ``T`` dynamic from 1 to ``max_cache_len``."""
+"""``torch.export`` of the wrappers: one program, ``T`` dynamic from 1 to ``max_cache_len``."""
 
 from __future__ import annotations
 
 import torch
 
-from .wrapper import ExportableDecoder
+from .wrapper import ExportableDecoder, ExternalCacheDecoder
 
 
 def example_inputs(max_cache_len: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -20,5 +20,32 @@ def export_decoder(decoder: ExportableDecoder) -> torch.export.ExportedProgram:
     with torch.no_grad():
         program = torch.export.export(
             decoder, example_inputs(decoder.max_cache_len), dynamic_shapes=dynamic_shapes, strict=False
+        )
+    return program
+
+
+# Example length of the static layers' past (any P >= 2 that differs from T and every window, so
+# no dimension is specialised to, or equated with, another by its example value).
+_EXAMPLE_PAST = 5
+
+
+def external_cache_example_inputs(decoder: ExternalCacheDecoder) -> tuple[torch.Tensor, ...]:
+    tokens, _ = example_inputs(decoder.max_cache_len)
+    past = []
+    for layer, spec in zip(decoder.caches, decoder.specs):
+        rows = layer.window or _EXAMPLE_PAST
+        past += [torch.zeros((1, rows, spec.kv_heads, spec.head_dim), dtype=decoder.dtype) for _ in range(2)]
+    return (tokens, torch.tensor([_EXAMPLE_PAST]), *past)
+
+
+def export_external_cache_decoder(decoder: ExternalCacheDecoder) -> torch.export.ExportedProgram:
+    """T dynamic as above; each static layer's past length dynamic too (P = 0 included), rings fixed."""
+    past_shapes = tuple(
+        None if layer.window else {1: torch.export.Dim.DYNAMIC} for layer in decoder.caches for _ in range(2)
+    )
+    dynamic_shapes = ({1: torch.export.Dim.DYNAMIC}, None, past_shapes)
+    with torch.no_grad():
+        program = torch.export.export(
+            decoder, external_cache_example_inputs(decoder), dynamic_shapes=dynamic_shapes, strict=False
         )
     return program

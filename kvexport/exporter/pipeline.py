@@ -144,9 +144,13 @@ def export_model(options: ExportOptions, progress: Progress | None = None) -> Ex
             del program
         with progress.step("save", str(plan.out)):
             tokenizer.save_pretrained(folder)
+            # The target's facts win: the ONNX target replaces `interface` with its graph's own.
             artifact.write_manifest(folder, {**info, **lowered})
     manifest = artifact.read_manifest(plan.out, verify=False)
-    progress.info(f"wrote {plan.out} ({manifest['files'][manifest['program']]['bytes'] / 2**20:.1f} MiB program)")
+    # The program file, and its weights where the target keeps them beside it (ONNX external data).
+    program_files = [manifest["program"], *([manifest["external_data"]] if manifest.get("external_data") else [])]
+    program_bytes = sum(manifest["files"][name]["bytes"] for name in program_files)
+    progress.info(f"wrote {plan.out} ({program_bytes / 2**20:.1f} MiB program)")
     return ExportResult(plan.out, manifest, dict(progress.seconds), peak_rss_mb())
 
 
@@ -160,7 +164,6 @@ def _eos_ids(model, tokenizer) -> list[int]:
 
 
 def _manifest_info(plan: ExportPlan, model, tokenizer) -> dict:
-    import executorch
     import transformers
 
     config = architecture.text_config(model.config)
@@ -192,17 +195,18 @@ def _manifest_info(plan: ExportPlan, model, tokenizer) -> dict:
             "kvexport": __version__,
             "torch": torch.__version__,
             "transformers": transformers.__version__,
-            "executorch": getattr(executorch, "__version__", _dist_version("executorch")),
+            **{name: _package_version(name) for name in get_target(plan.options.target).RUNTIME_PACKAGES},
             "python": platform.python_version(),
         },
     }
 
 
-def _dist_version(name: str) -> str | None:
+def _package_version(name: str) -> str | None:
+    import importlib
     from importlib.metadata import PackageNotFoundError, version
 
     try:
-        return version(name)
-    except PackageNotFoundError:
+        return getattr(importlib.import_module(name), "__version__", None) or version(name)
+    except (ImportError, PackageNotFoundError):
         return None
 

@@ -1,8 +1,10 @@
-"""The module we export: ``forward(tokens[1, T], input_pos[1]) -> logits[1, vocab]``.
+"""The modules we export. The transformers model runs unchanged; only its cache and masks are ours.
 
-That is ExecuTorch's LLM-runner calling convention with a start position (the runner passes
-``[start]`` when the program's second input has one element). The transformers model runs
-unchanged; only its cache and masks are ours.
+- ``ExportableDecoder``: ``forward(tokens[1, T], input_pos[1]) -> logits[1, vocab]`` with the cache
+  in mutable buffers. That is ExecuTorch's LLM-runner calling convention with a start position (the
+  runner passes ``[start]`` when the program's second input has one element).
+- ``ExternalCacheDecoder``: the same model call with the cache outside the program (ONNX): past
+  rows in, new rows out.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from torch import nn
 
 from ..models.architecture import LayerSpec, layer_specs
 from . import attention
-from .kv_cache import CallState, RingKVCache, StaticKVCache, additive_mask
+from .kv_cache import CallState, ExternalKVLayer, RingKVCache, StaticKVCache, additive_mask
 
 
 def build_caches(specs: list[LayerSpec], max_cache_len: int, dtype: torch.dtype, batch: int = 1) -> nn.ModuleList:
@@ -65,6 +67,10 @@ class ExportableDecoder(nn.Module):
         return next(iter(masks.values()))
 
     def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
+        return self.last_logits(tokens, input_pos)
+
+    def last_logits(self, tokens: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
+        """Run the model on ``tokens`` at ``input_pos``, through our caches and masks."""
         # The bound is stated here rather than in a bounded export Dim: a named Dim with a max
         # makes torch.export reject a spurious guard from transformers' repeat_kv reshape.
         torch._check(tokens.shape[1] <= self.max_cache_len)
@@ -79,3 +85,30 @@ class ExportableDecoder(nn.Module):
             logits_to_keep=1,
         )
         return out.logits[:, -1, :]
+
+
+def build_external_layers(specs: list[LayerSpec], max_cache_len: int, dtype: torch.dtype) -> list[ExternalKVLayer]:
+    return [ExternalKVLayer(spec.window if spec.is_ring(max_cache_len) else None) for spec in specs]
+
+
+class ExternalCacheDecoder(ExportableDecoder):
+    """The cache crosses the program boundary: ONNX graphs hold no mutable state.
+
+    ``forward(tokens[1, T], input_pos[1], past_key_0, past_value_0, ...) -> (logits[1, vocab],
+    present_key_0, present_value_0, ...)``. Each past is sequence-major ``[1, rows, kv_heads,
+    head_dim]``: the first ``input_pos`` positions for a static layer, the whole ring for a ring
+    layer. Each present is the call's new rows ``[1, T, kv_heads, head_dim]``, which the runner
+    writes into its own buffers (see ``ExternalKVLayer``).
+    """
+
+    def __init__(self, model: nn.Module, max_cache_len: int):
+        super().__init__(model, max_cache_len, build_external_layers)
+
+    def reset_cache(self) -> None:  # the runner owns the cache
+        pass
+
+    def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor, *past: torch.Tensor):
+        for layer, past_k, past_v in zip(self.caches, past[0::2], past[1::2], strict=True):
+            layer.bind(past_k, past_v)
+        logits = self.last_logits(tokens, input_pos)
+        return (logits, *[row for layer in self.caches for row in (layer.new_k, layer.new_v)])

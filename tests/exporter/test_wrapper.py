@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
-from kvexport.exporter.wrapper import ExportableDecoder
+from kvexport.exporter.wrapper import ExportableDecoder, ExternalCacheDecoder
 
 from ..conftest import NEW_TOKENS, PROMPT, TEST_CACHE_LEN
 from ..helpers import FP32_LOGIT_ATOL, assert_generation_matches, eager_reference, greedy_with, torch_forward
@@ -42,3 +43,39 @@ def test_a_new_sequence_at_position_zero_ignores_the_previous_one():
     greedy_with(forward, tokenizer("something else entirely, and long").input_ids, 10)
     ids = tokenizer(PROMPT).input_ids
     assert_generation_matches(greedy_with(forward, ids, NEW_TOKENS), eager_reference(model, ids, NEW_TOKENS), FP32_LOGIT_ATOL, "reuse")
+
+
+def external_cache_forward(decoder: ExternalCacheDecoder):
+    """``forward(tokens, start)`` over the external-cache wrapper, with the cache rules of
+    kvexport.json's ``interface`` written in torch (the ONNX runner's, without ONNX)."""
+    buffers = []
+    for layer, spec in zip(decoder.caches, decoder.specs):
+        slots = layer.window or decoder.max_cache_len
+        buffers.append([torch.zeros(1, slots, spec.kv_heads, spec.head_dim) for _ in range(2)])
+
+    def forward(tokens, start):
+        n = len(tokens)
+        past = [b if layer.window else b[:, :start] for layer, kv in zip(decoder.caches, buffers) for b in kv]
+        with torch.no_grad():
+            logits, *present = decoder(torch.tensor([tokens]), torch.tensor([start]), *past)
+        for layer, kv, rows in zip(decoder.caches, buffers, zip(present[0::2], present[1::2])):
+            for buffer, new in zip(kv, rows):
+                if layer.window is None:
+                    buffer[:, start:start + n] = new
+                else:  # the newest token of each slot
+                    keep = min(n, layer.window)
+                    buffer[:, [p % layer.window for p in range(start + n - keep, start + n)]] = new[:, n - keep:]
+        return logits[0].numpy()
+
+    return forward
+
+
+@pytest.mark.parametrize("chunks", [None, [5, 13, 26], [1] * 44])
+def test_external_cache_wrapper_matches_eager(chunks):
+    from kvexport.models.presets import build_preset
+
+    model, tokenizer = build_preset("tiny-gemma3")
+    ids = tokenizer(PROMPT).input_ids
+    expected = eager_reference(model, ids, NEW_TOKENS)
+    forward = external_cache_forward(ExternalCacheDecoder(model, TEST_CACHE_LEN))
+    assert_generation_matches(greedy_with(forward, ids, NEW_TOKENS, chunks=chunks), expected, FP32_LOGIT_ATOL, f"chunks {chunks}")

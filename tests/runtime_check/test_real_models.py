@@ -1,5 +1,5 @@
-"""The real models (Gemma 3 270M: 15 sliding layers of window 512; SmolLM2-135M), exported once at
-max_cache_len 1024 and compared with eager transformers far past the window. Slow: minutes each."""
+"""The real models (Gemma 3 270M: 15 sliding layers of window 512; SmolLM2-135M), exported once per
+target at max_cache_len 1024 and compared with eager transformers far past the window. Slow: minutes each."""
 
 from __future__ import annotations
 
@@ -23,16 +23,31 @@ PARAGRAPH = (
 )
 
 
-@pytest.fixture(scope="module", params=["gemma3-270m", "smollm2-135m"])
+@pytest.fixture(
+    scope="module",
+    params=[(name, target) for target in ("executorch", "onnx") for name in ("gemma3-270m", "smollm2-135m")],
+    ids=lambda p: "-".join(p),
+)
 def real(request, tmp_path_factory):
-    """(folder, eager model) for one real model."""
-    name = request.param
-    folder = tmp_path_factory.mktemp("real") / name
+    """(folder, eager model) for one real model and target."""
+    name, target = request.param
+    folder = tmp_path_factory.mktemp("real") / f"{name}-{target}"
     with pytest.raises(SystemExit) as done:
-        main(["export", name, "-o", str(folder), "--max-cache-len", "1024", "--quiet"])
+        main(["export", name, "--target", target, "-o", str(folder), "--max-cache-len", "1024", "--quiet"])
     assert done.value.code == 0
     model, _ = sources.load_model(sources.resolve(name))
     return folder, model
+
+
+_EAGER_IDS: dict[tuple, list[int]] = {}
+
+
+def reference_ids(model, prompt_ids: list[int], n: int) -> list[int]:
+    """Eager greedy ids, generated once per model and prompt for both targets (minutes on a CPU)."""
+    key = (model.name_or_path, tuple(prompt_ids), n)
+    if key not in _EAGER_IDS:
+        _EAGER_IDS[key] = eager_ids(model, prompt_ids, n)
+    return _EAGER_IDS[key]
 
 
 def kvexport_run(capsys, folder, prompt, n) -> dict:
@@ -53,7 +68,7 @@ def long_prompt(tokenizer: ArtifactTokenizer, tokens: int) -> str:
 def test_700_new_tokens_after_a_short_prompt_match_eager(real, capsys):
     folder, model = real
     result = kvexport_run(capsys, folder, SHORT_PROMPT, 700)
-    assert result["new_ids"] == eager_ids(model, result["prompt_ids"], 700)
+    assert result["new_ids"] == reference_ids(model, result["prompt_ids"], 700)
 
 
 def test_150_new_tokens_after_a_prompt_longer_than_the_window_match_eager(real, capsys):
@@ -61,19 +76,21 @@ def test_150_new_tokens_after_a_prompt_longer_than_the_window_match_eager(real, 
     prompt = long_prompt(ArtifactTokenizer(folder), 800)
     result = kvexport_run(capsys, folder, prompt, 150)
     assert len(result["prompt_ids"]) > 512
-    assert result["new_ids"] == eager_ids(model, result["prompt_ids"], 150)
+    assert result["new_ids"] == reference_ids(model, result["prompt_ids"], 150)
 
 
 def test_executorch_text_llm_runner_generates_eager_text(real):
+    folder, model = real
+    manifest = json.loads((folder / "kvexport.json").read_text())
+    if manifest["target"] != "executorch":
+        pytest.skip("ExecuTorch's own runner runs .pte artifacts only")
     from executorch.extension.llm.runner import GenerationConfig, TextLLMRunner
 
     from kvexport.runtime_check.executorch_program import register_kernels
 
     register_kernels()
-    folder, model = real
     tokenizer = ArtifactTokenizer(folder)
     prompt_ids = tokenizer.encode(SHORT_PROMPT)
-    manifest = json.loads((folder / "kvexport.json").read_text())
     # The stock runner adds BOS itself (num_bos) and stops at EOS: give eager the same prompt and stop.
     bos = 1 if manifest["tokenizer_adds_bos"] else 0
     pieces: list[str] = []

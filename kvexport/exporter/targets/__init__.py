@@ -1,6 +1,7 @@
 """Export targets, one module each. A target module provides:
 
 - ``SUPPORTED_DTYPES``: the ``--dtype`` values it takes;
+- ``RUNTIME_PACKAGES``: the packages whose versions ``kvexport.json`` records;
 - ``export(model, max_cache_len) -> ExportedProgram``: the model wrapped with the target's cache
   and traced;
 - ``lower(program, metadata, out_dir) -> dict``: write the program file(s) into ``out_dir`` and

@@ -17,6 +17,7 @@ PROGRAM_FILE = "model.pte"
 WEIGHTS_TAG = "model"
 WEIGHTS_FILE = f"{WEIGHTS_TAG}.ptd"
 SUPPORTED_DTYPES = ("float32", "float16")
+RUNTIME_PACKAGES = ("executorch",)
 
 
 def export(model: torch.nn.Module, max_cache_len: int) -> torch.export.ExportedProgram:

@@ -1,0 +1,147 @@
+"""ONNX target: ``model.onnx`` + ``model.onnx.data``, with the KV cache owned by the runtime.
+
+ONNX graphs hold no mutable state, so the cache crosses the graph boundary (see
+``ExternalCacheDecoder``): the graph takes each layer's past rows and returns only the call's new
+rows, which the runtime writes into buffers it allocated once. ``kvexport.json``'s ``interface``
+says how, for any runtime.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+
+from ...errors import UnsupportedModelError
+from ..export import export_external_cache_decoder
+from ..wrapper import ExternalCacheDecoder
+
+PROGRAM_FILE = "model.onnx"
+# Weights always go to one external file: a single layout for every model, and ONNX's protobuf
+# cannot hold more than 2 GB.
+DATA_FILE = "model.onnx.data"
+SUPPORTED_DTYPES = ("float32", "float16")
+RUNTIME_PACKAGES = ("onnx", "onnxruntime", "onnxscript")
+
+# Symbolic dimensions of the graph's inputs and outputs.
+SYMBOLS = {
+    "T": "tokens in this call: 1 <= T, and P + T <= max_cache_len",
+    "P": "positions already in the cache = input_pos[0] (0 for the first call of a sequence)",
+}
+
+
+def export(model: torch.nn.Module, max_cache_len: int) -> torch.export.ExportedProgram:
+    """The cache crosses the graph boundary: past rows in, the call's new rows out."""
+    return export_external_cache_decoder(ExternalCacheDecoder(model, max_cache_len))
+
+
+def io_names(layers: list[dict]) -> tuple[list[str], list[str]]:
+    """Graph input and output names, in ``ExternalCacheDecoder.forward``'s order."""
+    inputs, outputs = ["tokens", "input_pos"], ["logits"]
+    for layer in layers:
+        for kv in ("key", "value"):
+            inputs.append(f"past_{kv}_{layer['index']}")
+            outputs.append(f"present_{kv}_{layer['index']}")
+    return inputs, outputs
+
+
+def lower(program: torch.export.ExportedProgram, info: dict, out_dir: Path) -> dict:
+    """Convert to ONNX, check it, write ``model.onnx`` + ``model.onnx.data``; return facts for ``kvexport.json``."""
+    import onnx
+
+    input_names, output_names = io_names(info["layers"])
+    onnx_program = torch.onnx.export(
+        program, (), dynamo=True, input_names=input_names, output_names=output_names, verbose=False
+    )
+    _tidy(onnx_program.model, info["layers"])
+    path = out_dir / PROGRAM_FILE
+    onnx_program.save(path, external_data=True)
+    del onnx_program
+    try:
+        # By path: the checker then reads the external data file as a runtime would.
+        onnx.checker.check_model(str(path), full_check=True)
+    except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UnsupportedModelError(f"the exported ONNX model does not pass onnx.checker ({first}); nothing was written")
+    graph = onnx.load(str(path), load_external_data=False)
+    return {
+        "program": PROGRAM_FILE,
+        "external_data": DATA_FILE,
+        "opset": next(o.version for o in graph.opset_import if o.domain in ("", "ai.onnx")),
+        "interface": interface(graph, info),
+    }
+
+
+def _tidy(model, layers: list[dict]) -> None:
+    """Rename the exporter's symbols (``s27``, ``s37 + s27``, ...) to ``T`` and ``P`` everywhere in
+    the graph, and drop the export's stack traces from the nodes."""
+    import onnx_ir as ir
+
+    inputs = {v.name: v for v in model.graph.inputs}
+    names = {str(inputs["tokens"].shape[1]): "T"}
+    for layer in layers:
+        if layer["cache"] == "static":
+            for kv in ("key", "value"):
+                names[str(inputs[f"past_{kv}_{layer['index']}"].shape[1])] = "P"
+    pattern = re.compile(r"\b(" + "|".join(map(re.escape, names)) + r")\b")
+
+    def rename(dim):
+        if isinstance(dim, ir.SymbolicDim) and dim.value:
+            return ir.SymbolicDim(pattern.sub(lambda m: names[m.group(1)], dim.value))
+        return dim
+
+    nodes = list(ir.traversal.RecursiveGraphIterator(model.graph))
+    for node in nodes:
+        # Python stack traces of the export: most of the file's size, and paths of the exporting machine.
+        node.metadata_props.pop("pkg.torch.onnx.stack_trace", None)
+    for value in list(model.graph.inputs) + [out for node in nodes for out in node.outputs]:
+        if value.shape is not None:
+            value.shape = ir.Shape([rename(d) for d in value.shape])
+
+
+_ONNX_DTYPES = {1: "float32", 10: "float16", 16: "bfloat16", 7: "int64"}
+
+
+def _describe(value, layers_by_index: dict) -> dict:
+    dims = [d.dim_param or d.dim_value for d in value.type.tensor_type.shape.dim]
+    entry = {"name": value.name, "dtype": _ONNX_DTYPES[value.type.tensor_type.elem_type], "shape": dims}
+    match = re.fullmatch(r"(past|present)_(key|value)_(\d+)", value.name)
+    if value.name == "tokens":
+        entry["meaning"] = "token ids of this call"
+    elif value.name == "input_pos":
+        entry["meaning"] = "position of tokens[0, 0], = P"
+    elif value.name == "logits":
+        entry["meaning"] = "logits of the call's last position"
+    elif match:
+        kind, kv, index = match.group(1), match.group(2), int(match.group(3))
+        layer = layers_by_index[index]
+        entry["layer"] = index
+        if kind == "present":
+            entry["meaning"] = f"the call's new {kv} rows (positions P .. P+T-1) for the runtime to write into its buffer"
+        elif layer["cache"] == "static":
+            entry["meaning"] = f"rows 0 .. P-1 of the layer's {kv} buffer (a prefix: bind it without copying)"
+        else:
+            entry["meaning"] = f"the layer's whole {kv} ring ({layer['window']} slots)"
+    return entry
+
+
+def interface(graph, info: dict) -> dict:
+    """The graph's inputs and outputs, and how a runtime drives the cache: enough for any runtime."""
+    layers_by_index = {layer["index"]: layer for layer in info["layers"]}
+    return {
+        "inputs": [_describe(v, layers_by_index) for v in graph.graph.input],
+        "outputs": [_describe(v, layers_by_index) for v in graph.graph.output],
+        "symbols": SYMBOLS,
+        "calls": "contiguous: each call starts where the previous one ended; start at 0 for a new sequence",
+        "cache": {
+            "owner": "the runtime: per layer, a key and a value buffer allocated once and filled with zeros "
+            "(a masked slot still enters attention with weight 0, so it must hold finite numbers)",
+            "layout": "[1, slots, kv_heads, head_dim] (sequence-major), slots from 'layers'",
+            "static": "past = rows 0 .. P-1 of the buffer; write present row j to row P + j",
+            "ring": "past = the whole ring; write present row j (position P + j) to slot (P + j) % window, "
+            "only for the last min(T, window) rows (an earlier row of a longer call would be overwritten "
+            "by a later one in the same slot)",
+            "new_sequence": "call with input_pos 0: nothing needs clearing, the masks ignore older contents",
+        },
+    }

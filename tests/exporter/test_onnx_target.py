@@ -1,0 +1,99 @@
+"""The ONNX artifact of every preset, run by ONNX Runtime, against eager transformers; its folder and manifest."""
+
+from __future__ import annotations
+
+import json
+
+import onnx
+
+from kvexport.exporter.artifact import read_manifest
+from kvexport.models.presets import build_preset
+from kvexport.runtime_check.programs import load_program
+
+from ..conftest import NEW_TOKENS, PROMPT, TEST_CACHE_LEN
+from ..helpers import FP32_LOGIT_ATOL, assert_generation_matches, eager_reference, greedy_with
+from ..test_cli import assert_one_line_error, run_cli
+
+
+def test_onnx_matches_eager_past_the_window(tiny, artifact):
+    name, model, tokenizer = tiny
+    ids = tokenizer(PROMPT).input_ids
+    program = load_program(artifact(name, "onnx"))
+    got = greedy_with(program.forward, ids, NEW_TOKENS)
+    assert_generation_matches(got, eager_reference(model, ids, NEW_TOKENS), FP32_LOGIT_ATOL, name)
+
+
+def test_onnx_chunked_prefill_and_reuse(artifact):
+    # Hybrid: 3 rings of window 6 and a static layer; chunks shorter and longer than the window.
+    model, tokenizer = build_preset("tiny-gemma3")
+    ids = tokenizer(PROMPT).input_ids
+    program = load_program(artifact("tiny-gemma3", "onnx"))
+    expected = eager_reference(model, ids, NEW_TOKENS)
+    for chunks in ([40, 4], [3, 7, 11, 23], [1] * len(ids), [len(ids)]):  # the last one also proves a fresh start works
+        got = greedy_with(program.forward, ids, NEW_TOKENS, chunks=chunks)
+        assert_generation_matches(got, expected, FP32_LOGIT_ATOL, f"chunks {chunks}")
+
+
+def test_folder_layout_and_manifest_describe_the_graph(artifact):
+    folder = artifact("tiny-gemma3", "onnx")
+    manifest = read_manifest(folder)
+    assert manifest["target"] == "onnx" and manifest["program"] == "model.onnx"
+    assert {"model.onnx", "model.onnx.data", "tokenizer.json"} <= set(manifest["files"])
+    assert "onnxruntime" in manifest["versions"] and "executorch" not in manifest["versions"]
+    graph = onnx.load(str(folder / "model.onnx"), load_external_data=False).graph
+
+    def dims(value):
+        return [d.dim_param or d.dim_value for d in value.type.tensor_type.shape.dim]
+
+    interface = manifest["interface"]
+    # Every graph input and output is described, in order, with the graph's own names and shapes.
+    for described, actual in ((interface["inputs"], graph.input), (interface["outputs"], graph.output)):
+        assert [(e["name"], e["shape"]) for e in described] == [(v.name, dims(v)) for v in actual]
+        assert all(e["meaning"] for e in described)
+    by_name = {e["name"]: e for e in interface["inputs"] + interface["outputs"]}
+    assert by_name["tokens"]["shape"] == [1, "T"] and by_name["input_pos"]["shape"] == [1]
+    assert (by_name["logits"]["dtype"], by_name["logits"]["shape"]) == ("float32", [1, manifest["vocab_size"]])
+    for layer in manifest["layers"]:
+        i, rows = layer["index"], (layer["window"] if layer["cache"] == "ring" else "P")
+        for kv in ("key", "value"):
+            assert by_name[f"past_{kv}_{i}"]["shape"] == [1, rows, layer["kv_heads"], layer["head_dim"]]
+            assert by_name[f"present_{kv}_{i}"]["shape"] == [1, "T", layer["kv_heads"], layer["head_dim"]]
+    assert [layer["cache"] for layer in manifest["layers"]] == ["ring", "ring", "ring", "static"]
+    assert set(interface["symbols"]) == {"T", "P"}
+    assert {"layout", "static", "ring"} <= set(interface["cache"])
+
+
+def test_no_graph_input_is_sized_by_max_cache_len(artifact):
+    """The graph never sees a whole static buffer: its past is the filled prefix, P rows."""
+    folder = artifact("tiny-llama", "onnx")
+    graph = onnx.load(str(folder / "model.onnx"), load_external_data=False).graph
+    sizes = {d.dim_value for v in graph.input for d in v.type.tensor_type.shape.dim}
+    assert TEST_CACHE_LEN not in sizes
+    assert all(v.type.tensor_type.shape.dim[1].dim_param == "P" for v in graph.input if v.name.startswith("past_"))
+
+
+def test_float16_export_is_within_the_float16_tolerance(tmp_path, capsys):
+    out = tmp_path / "fp16"
+    code, out_text, err = run_cli(capsys, "tiny-gemma3", "--target", "onnx", "--dtype", "float16", "-o", out, "--max-cache-len", "64", "--json")
+    assert code == 0, err
+    assert set(json.loads(out_text)["seconds"]) == {"load", "export", "lower", "save"}  # the exporter printed nothing on stdout
+    assert json.loads((out / "kvexport.json").read_text())["interface"]["outputs"][0]["dtype"] == "float16"
+    code, out_text, err = run_cli(capsys, "check", out, "--max-new-tokens", "12", "--json")
+    assert code == 0, err
+    report = json.loads(out_text)
+    assert report["ok"] and report["logit_tolerance"] == 0.5, report
+
+
+def test_a_model_failing_onnx_checker_leaves_no_folder(tmp_path, capsys, monkeypatch):
+    def reject(*args, **kwargs):
+        raise onnx.checker.ValidationError("Field 'type' of 'value_info' is required but missing.")
+
+    monkeypatch.setattr(onnx.checker, "check_model", reject)
+    code, _, err = run_cli(capsys, "tiny-llama", "--target", "onnx", "-o", tmp_path / "out", "--max-cache-len", "16", "--quiet")
+    assert_one_line_error(code, err, "does not pass onnx.checker", "value_info")
+    assert list(tmp_path.iterdir()) == []  # neither the folder nor its staging copy
+
+
+def test_bfloat16_is_refused(tmp_path, capsys):
+    code, _, err = run_cli(capsys, "tiny-llama", "--target", "onnx", "--dtype", "bfloat16", "-o", tmp_path / "out")
+    assert_one_line_error(code, err, "target onnx does not take --dtype bfloat16")

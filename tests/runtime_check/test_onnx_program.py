@@ -1,0 +1,122 @@
+"""The ONNX runner: cache buffers bound in place, run/check on an ONNX folder, no torch needed, CUDA."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+from kvexport.errors import InvalidOptionError, PromptTooLongError
+from kvexport.models.presets import build_preset
+from kvexport.runtime_check.programs import load_program
+
+from ..conftest import NEW_TOKENS, PROMPT, TEST_CACHE_LEN
+from ..helpers import FP32_LOGIT_ATOL, assert_generation_matches, eager_reference, greedy_with
+from ..test_cli import assert_one_line_error, run_cli
+
+HAS_CUDA_EP = "CUDAExecutionProvider" in ort.get_available_providers()
+
+
+def test_decode_reads_the_filled_prefix_and_writes_new_rows_in_place(artifact, monkeypatch):
+    """No copy of the cache per step: a static layer's past is a view of its first P rows (P = the
+    position, not max_cache_len) and ONNX Runtime writes the new row straight into the buffer."""
+    bound = []
+    for method in ("bind_input", "bind_output"):
+        original = getattr(ort.IOBinding, method)
+
+        def record(self, name, device_type="cpu", device_id=0, element_type=None, shape=None, buffer_ptr=None, _o=original):
+            bound.append((name, list(shape) if shape is not None else None, buffer_ptr))
+            return _o(self, name, device_type, device_id, element_type, shape, buffer_ptr)
+
+        monkeypatch.setattr(ort.IOBinding, method, record)
+
+    program = load_program(artifact("tiny-gemma3", "onnx"))  # layers 0-2: rings of 6; layer 3: static
+    static, ring = program._layers[3].buffers["key"], program._layers[0].buffers["key"]
+    assert static.array.shape == (1, TEST_CACHE_LEN, 2, 16) and ring.array.shape == (1, 6, 2, 16)
+    assert [b for b in bound if b[0] == "past_key_0"] == [("past_key_0", [1, 6, 2, 16], ring.ptr)]  # bound once
+    prompt = list(range(10, 20))
+    program.forward(prompt, 0)
+    for pos in range(len(prompt), len(prompt) + 8):
+        bound.clear()
+        program.forward([42], pos)
+        calls = {name: (shape, ptr) for name, shape, ptr in bound}
+        assert calls["past_key_3"] == ([1, pos, 2, 16], static.ptr)
+        assert calls["present_key_3"] == ([1, 1, 2, 16], static.ptr + pos * static.row_bytes)
+        assert calls["present_key_0"] == ([1, 1, 2, 16], ring.ptr + (pos % 6) * ring.row_bytes)
+        assert "past_key_0" not in calls
+    written = np.abs(static.array[0]).sum(axis=(1, 2)) > 0
+    assert written[: len(prompt) + 8].all() and not written[len(prompt) + 8:].any()
+
+
+def test_calls_must_be_contiguous_and_fit(artifact):
+    program = load_program(artifact("tiny-gemma3", "onnx"))
+    program.forward([10, 11, 12], 0)
+    with pytest.raises(InvalidOptionError, match="contiguous"):
+        program.forward([13], 5)
+    with pytest.raises(PromptTooLongError, match="max_cache_len"):
+        program.forward([1] * (TEST_CACHE_LEN + 1), 0)
+    program.forward([13], 3)  # the sequence is still usable
+
+
+def test_run_and_check_on_an_onnx_folder(artifact, capsys):
+    folder = artifact("tiny-mistral", "onnx")
+    model, tokenizer = build_preset("tiny-mistral")
+    code, out, err = run_cli(capsys, "run", folder, "--prompt", PROMPT, "--max-new-tokens", NEW_TOKENS, "--ignore-eos", "--json")
+    assert code == 0, err
+    result = json.loads(out)
+    assert result["new_ids"] == eager_reference(model, result["prompt_ids"], NEW_TOKENS)[0]
+    assert result["decode_tokens_per_s"] > 0
+    code, out, err = run_cli(capsys, "check", folder, "--json")
+    report = json.loads(out)
+    assert code == 0 and report["ok"] and report["target"] == "onnx", report
+    assert any(p["prompt_tokens"] + p["new_tokens"] > 6 for p in report["prompts"])
+
+
+_WITHOUT_TORCH = """
+import sys
+class NoTorch:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("torch", "transformers"):
+            raise ImportError(f"{name} is blocked in this test")
+sys.meta_path.insert(0, NoTorch())
+from kvexport.cli import main
+main(sys.argv[1:])
+"""
+
+
+def test_run_needs_neither_torch_nor_transformers(artifact, tmp_path):
+    folder = artifact("tiny-qwen3", "onnx")
+    args = ["run", str(folder), "--prompt", PROMPT, "--max-new-tokens", str(NEW_TOKENS), "--ignore-eos", "--json"]
+    done = subprocess.run([sys.executable, "-c", _WITHOUT_TORCH, *args], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    expected, _ = greedy_with(load_program(folder).forward, result["prompt_ids"], NEW_TOKENS)
+    assert result["new_ids"] == expected
+
+
+@pytest.mark.skipif(HAS_CUDA_EP, reason="this onnxruntime has CUDA")
+def test_cuda_without_onnxruntime_gpu_says_so(artifact, capsys):
+    code, _, err = run_cli(capsys, "run", artifact("tiny-gemma3", "onnx"), "--prompt", "Hi", "--device", "cuda")
+    assert_one_line_error(code, err, "--device cuda", "onnxruntime-gpu")
+
+
+def test_an_unknown_device_is_refused(artifact, capsys):
+    code, _, err = run_cli(capsys, "run", artifact("tiny-gemma3", "onnx"), "--prompt", "Hi", "--device", "tpu")
+    assert_one_line_error(code, err, "unknown device 'tpu'")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA_EP, reason="needs onnxruntime-gpu and a CUDA GPU")
+def test_cuda_buffers_match_eager(artifact):
+    model, tokenizer = build_preset("tiny-gemma3")
+    ids = tokenizer(PROMPT).input_ids
+    program = load_program(artifact("tiny-gemma3", "onnx"), device="cuda")
+    assert program._layers[0].buffers["key"].value.device_name() == "cuda"
+    expected = eager_reference(model, ids, NEW_TOKENS)
+    for chunks in ([len(ids)], [3, 7, 11, 23]):  # multi-token ring calls take the device round trip
+        got = greedy_with(program.forward, ids, NEW_TOKENS, chunks=chunks)
+        assert_generation_matches(got, expected, FP32_LOGIT_ATOL, f"cuda, chunks {chunks}")
