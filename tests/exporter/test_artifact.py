@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -11,7 +12,16 @@ from kvexport.exporter import artifact
 
 
 def minimal_manifest():
-    return {"target": "executorch", "program": "model.pte", "max_cache_len": 8, "vocab_size": 4, "eos_token_ids": [1], "dtype": "float32"}
+    return {
+        "target": "executorch",
+        "program": "model.pte",
+        "max_cache_len": 8,
+        "vocab_size": 4,
+        "eos_token_ids": [1],
+        "dtype": "float32",
+        "layers": [{"cache": "ring", "window": 4}, {"cache": "static", "window": None}],
+        "source": {"name": "tiny-llama", "kind": "preset", "path": None},
+    }
 
 
 def make_artifact(folder):
@@ -71,4 +81,40 @@ def test_a_listed_file_that_is_missing_or_changed_is_refused(tmp_path):
         artifact.read_manifest(out)
     (out / "model.pte").unlink()
     with pytest.raises(ArtifactError, match="missing model.pte"):
+        artifact.read_manifest(out)
+
+
+def test_missing_parent_folders_are_made_and_removed_again_on_failure(tmp_path):
+    out = tmp_path / "a" / "b" / "out"
+    with pytest.raises(RuntimeError):
+        with artifact.staged_folder(out) as tmp:
+            assert tmp.parent == out.parent
+            raise RuntimeError("lowering failed")
+    assert list(tmp_path.iterdir()) == []
+    make_artifact(out)
+    assert artifact.read_manifest(out)["program"] == "model.pte"
+
+
+@pytest.mark.parametrize(
+    "change, phrase",
+    [
+        (lambda m: m.update(max_cache_len="8"), "'max_cache_len' should be a positive integer"),
+        (lambda m: m.update(max_cache_len=True), "'max_cache_len' should be a positive integer"),
+        (lambda m: m.update(target="tflite"), "'target' should be 'executorch' or 'onnx'"),
+        (lambda m: m.update(eos_token_ids=1), "'eos_token_ids' should be a list of token ids"),
+        (lambda m: m.update(layers=[{"cache": "ring", "window": "4"}]), "'layers' should be"),
+        (lambda m: m.pop("source"), "lacks 'source'"),
+        (lambda m: m["files"].update({"../model.pte": m["files"]["model.pte"]}), "'files' should be"),
+        (lambda m: m["files"]["model.pte"].update(bytes="7"), "'files' should be"),
+        (lambda m: m.update(program="other.pte"), "does not list its program file other.pte"),
+        (lambda m: m.update(weights="model.ptd"), "does not list its weights file model.ptd"),
+    ],
+)
+def test_an_inconsistent_manifest_is_refused(tmp_path, change, phrase):
+    out = tmp_path / "out"
+    make_artifact(out)
+    manifest = json.loads((out / "kvexport.json").read_text())
+    change(manifest)
+    (out / "kvexport.json").write_text(json.dumps(manifest))
+    with pytest.raises(ArtifactError, match=re.escape(phrase)):
         artifact.read_manifest(out)
