@@ -140,14 +140,17 @@ def main(argv: list[str] | None = None) -> None:
         what = "terminated (SIGTERM)" if e.signum == signal.SIGTERM else "interrupted"
         print(f"kvexport: {what}; no partial output was left behind", file=sys.stderr)
         sys.exit(128 + e.signum)
-    except (KeyboardInterrupt, click.exceptions.Abort):
+    except (KeyboardInterrupt, typer.Abort, click.exceptions.Abort):
         print("kvexport: interrupted; no partial output was left behind", file=sys.stderr)
         sys.exit(130)
-    except click.exceptions.Exit as e:
+    except (typer.Exit, click.exceptions.Exit) as e:
         sys.exit(e.exit_code)
-    except click.ClickException as e:  # usage errors: unknown option, missing argument, ...
-        e.show()
-        sys.exit(e.exit_code)
+    # Usage errors: an unknown option, a missing argument, a value of the wrong type. typer 0.29
+    # raises its own copy of click's exceptions (typer.TyperException), older typers click's.
+    except (typer.TyperException, click.ClickException) as e:
+        ctx = getattr(e, "ctx", None)
+        print(f"kvexport: error: {e.format_message().rstrip('.')}; see `{ctx.command_path if ctx else 'kvexport'} --help`", file=sys.stderr)
+        sys.exit(getattr(e, "exit_code", 2))
     finally:  # main() also runs inside other programs (the tests): give their handlers back
         for signum, handler in previous.items():
             signal.signal(signum, handler)

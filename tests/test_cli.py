@@ -68,7 +68,7 @@ def test_default_max_cache_len_is_said(tmp_path, capsys, monkeypatch):
 @pytest.mark.parametrize(
     "args, phrases",
     [
-        (["no-such-model"], ["not found", "tiny-llama"]),
+        (["no-such-model"], ["not found", "give a model folder", "tiny-llama"]),
         (["tiny-llama", "--target", "tflite"], ["unknown target 'tflite'", "executorch"]),
         (["tiny-llama", "--dtype", "int3"], ["unknown dtype 'int3'"]),
         (["tiny-llama", "--max-cache-len", "0"], ["positive"]),
@@ -76,10 +76,39 @@ def test_default_max_cache_len_is_said(tmp_path, capsys, monkeypatch):
         (["tiny-llama", "--max-cache-len", "513"], ["exceeds the model's maximum positions (512)"]),
         (["some-org/not-cached-model"], ["not in the local Hugging Face cache", "hf download"]),
         (["./no/such/model"], ["'./no/such/model' not found"]),
+        (["tiny-llama", "--dtype", "bfloat16"], ["target executorch does not take --dtype bfloat16", "float32, float16"]),
+    ],
+    ids=[
+        "unknown-name",
+        "unknown-target",
+        "unknown-dtype",
+        "cache-len-zero",
+        "cache-len-negative",
+        "cache-len-above-max-positions",
+        "hub-id-not-cached",
+        "missing-path",
+        "dtype-not-for-target",
     ],
 )
 def test_export_mistakes_get_one_line(tmp_path, capsys, args, phrases):
     code, _, err = run_cli(capsys, *args, "-o", tmp_path / "out")
+    assert_one_line_error(code, err, *phrases)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    "args, phrases",
+    [
+        (["tiny-llama", "--max-cache-len", "lots"], ["Invalid value for '--max-cache-len'", "valid integer"]),
+        (["tiny-llama", "--bogus"], ["No such option: --bogus", "see `kvexport export --help`"]),
+        (["run"], ["Missing", "folder", "see `kvexport run --help`"]),
+        (["check", "--device"], ["'--device' requires an argument"]),
+    ],
+    ids=["not-an-integer", "unknown-option", "missing-argument", "option-without-value"],
+)
+def test_usage_errors_get_one_line(tmp_path, capsys, monkeypatch, args, phrases):
+    monkeypatch.chdir(tmp_path)
+    code, _, err = run_cli(capsys, *args)
     assert_one_line_error(code, err, *phrases)
     assert list(tmp_path.iterdir()) == []
 

@@ -50,7 +50,11 @@ def previous_artifact(out: Path) -> None:
         )
 
 
-@pytest.mark.parametrize("signum, code, message", [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated (SIGTERM)")])
+@pytest.mark.parametrize(
+    "signum, code, message",
+    [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated (SIGTERM)")],
+    ids=["SIGINT", "SIGTERM"],
+)
 def test_a_signal_during_lowering_leaves_the_previous_artifact(tmp_path, signum, code, message):
     out = tmp_path / "out"
     previous_artifact(out)

@@ -109,6 +109,18 @@ def test_missing_parent_folders_are_made_and_removed_again_on_failure(tmp_path):
         (lambda m: m.update(program="other.pte"), "does not list its program file other.pte"),
         (lambda m: m.update(weights="model.ptd"), "does not list its weights file model.ptd"),
     ],
+    ids=[
+        "cache-len-string",
+        "cache-len-bool",
+        "unknown-target",
+        "eos-not-a-list",
+        "window-string",
+        "no-source",
+        "file-outside-the-folder",
+        "file-size-string",
+        "program-not-listed",
+        "weights-not-listed",
+    ],
 )
 def test_an_inconsistent_manifest_is_refused(tmp_path, change, phrase):
     out = tmp_path / "out"
