@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import signal
 import sys
@@ -148,9 +149,16 @@ def main(argv: list[str] | None = None) -> None:
     # Usage errors: an unknown option, a missing argument, a value of the wrong type. typer 0.29
     # raises its own copy of click's exceptions (typer.TyperException), older typers click's.
     except (typer.TyperException, click.ClickException) as e:
-        ctx = getattr(e, "ctx", None)
-        print(f"kvexport: error: {e.format_message().rstrip('.')}; see `{ctx.command_path if ctx else 'kvexport'} --help`", file=sys.stderr)
+        command = e.ctx.command_path if getattr(e, "ctx", None) else "kvexport"
+        print(f"kvexport: error: {e.format_message().rstrip('.')}; see `{command} --help`", file=sys.stderr)
         sys.exit(getattr(e, "exit_code", 2))
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        # The staged output folder is already removed (see exporter/artifact.py).
+        where = e.filename or "the output"
+        print(f"kvexport: error: {e.strerror} while writing {where}; free some space or choose another -o", file=sys.stderr)
+        sys.exit(2)
     finally:  # main() also runs inside other programs (the tests): give their handlers back
         for signum, handler in previous.items():
             signal.signal(signum, handler)

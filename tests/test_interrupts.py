@@ -113,3 +113,27 @@ def test_a_failure_in_lowering_leaves_the_previous_artifact(tmp_path, monkeypatc
         main(["tiny-llama", "-o", str(out), "--max-cache-len", "16", "--force"])
     assert tree(tmp_path) == before
     assert artifact.read_manifest(out)["files"]["model.pte"]["bytes"] == len(b"the previous program")
+
+
+def test_a_full_disk_while_lowering_gets_one_line(tmp_path, monkeypatch, capsys):
+    """Simulated: the lowering step fails the way a full disk fails a write (ENOSPC)."""
+    import errno
+
+    from kvexport.exporter.targets import executorch
+
+    def lower_on_a_full_disk(program, info, folder):
+        (folder / "model.pte").write_bytes(b"half a program")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(folder / "model.pte"))
+
+    monkeypatch.setattr(executorch, "export", lambda model, max_cache_len: object())
+    monkeypatch.setattr(executorch, "lower", lower_on_a_full_disk)
+    out = tmp_path / "out"
+    previous_artifact(out)
+    before = tree(tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["tiny-llama", "-o", str(out), "--max-cache-len", "16", "--force"])
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("kvexport: error:")]
+    assert exit_info.value.code == 2 and len(lines) == 1 and "Traceback" not in err, err
+    assert "No space left on device while writing" in lines[0] and "free some space" in lines[0]
+    assert tree(tmp_path) == before
