@@ -14,9 +14,11 @@ import os
 import shutil
 import signal
 import tempfile
+import threading
 from pathlib import Path
 
 from ..errors import ArtifactError, InvalidOptionError
+from .targets import TARGETS
 
 MANIFEST = "kvexport.json"
 FORMAT = "kvexport-artifact"
@@ -94,8 +96,8 @@ def staged_folder(out: Path):
         tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
         yield tmp
         # An interrupt between the two renames of a swap would leave the old artifact aside under
-        # its hidden name: hold SIGINT/SIGTERM until the swap is done (they are delivered after).
-        with _signals_held():
+        # its hidden name: SIGINT/SIGTERM wait until the swap is done.
+        with _signals_deferred():
             _publish(tmp, out)
     except BaseException:
         if tmp is not None:
@@ -107,13 +109,28 @@ def staged_folder(out: Path):
 
 
 @contextlib.contextmanager
-def _signals_held():
-    signals = {signal.SIGINT, signal.SIGTERM}
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+def _signals_deferred():
+    """Record SIGINT/SIGTERM instead of handling them, then raise the first one again at the end.
+
+    Blocking them with a signal mask would not do: one of torch's worker threads would take the
+    signal and Python would still run its handler in the main thread, mid-swap.
+    """
+    signals = (signal.SIGINT, signal.SIGTERM)
+    previous = {s: signal.getsignal(s) for s in signals}
+    # Only the main thread may set handlers, and one set outside Python (None) cannot be restored.
+    if threading.current_thread() is not threading.main_thread() or None in previous.values():
+        yield
+        return
+    received = []
+    for s in signals:
+        signal.signal(s, lambda signum, frame: received.append(signum))
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        if received:
+            signal.raise_signal(received[0])  # now, to the handler that was in place
 
 
 def _publish(tmp: Path, out: Path) -> None:
@@ -198,7 +215,7 @@ def _layer(layer) -> bool:
 
 # What run and check read from kvexport.json: key -> (test, what it should be).
 _FIELDS = {
-    "target": (lambda v: v in ("executorch", "onnx"), "'executorch' or 'onnx'"),
+    "target": (lambda v: v in TARGETS, " or ".join(map(repr, TARGETS))),
     "program": (lambda v: isinstance(v, str), "a file name"),
     "dtype": (lambda v: v in ("float32", "float16", "bfloat16"), "float32, float16 or bfloat16"),
     "max_cache_len": (lambda v: _count(v, 1), "a positive integer"),

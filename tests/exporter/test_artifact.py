@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 
 import pytest
 
@@ -47,6 +49,26 @@ def test_a_failed_rebuild_keeps_the_previous_artifact(tmp_path):
             (tmp / "model.pte").write_bytes(b"new")
             raise KeyboardInterrupt
     assert (out / "model.pte").read_bytes() == b"program"
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]
+
+
+def test_an_interrupt_during_the_swap_waits_until_it_is_done(tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    make_artifact(out)
+    rename = os.rename
+
+    def rename_then_interrupt(src, dst):
+        rename(src, dst)
+        if ".out.old-" in str(dst):  # the old artifact is aside, the new one not yet in place
+            signal.raise_signal(signal.SIGINT)
+
+    monkeypatch.setattr(artifact.os, "rename", rename_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        with artifact.staged_folder(out) as tmp:
+            (tmp / "model.pte").write_bytes(b"new")
+            artifact.write_manifest(tmp, minimal_manifest())
+    # The interrupt came once the swap was done: the new artifact is whole, nothing is left aside.
+    assert artifact.read_manifest(out)["files"]["model.pte"]["bytes"] == 3
     assert [p.name for p in tmp_path.iterdir()] == ["out"]
 
 
