@@ -15,8 +15,9 @@ from .tokenizer import ArtifactTokenizer
 class TextStream:
     """Prints text as tokens arrive, decoding the whole tail so multi-byte characters come out whole."""
 
-    def __init__(self, tokenizer: ArtifactTokenizer, out=sys.stdout):
-        self.tokenizer, self.out = tokenizer, out
+    def __init__(self, tokenizer: ArtifactTokenizer, out=None):
+        # sys.stdout when called, not when imported: it may have been replaced since (tests, embedders).
+        self.tokenizer, self.out = tokenizer, out or sys.stdout
         self.ids: list[int] = []
         self.printed = ""
 
