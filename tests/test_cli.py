@@ -284,7 +284,7 @@ def test_run_and_check_refuse_what_cannot_fit(artifact, capsys, command, prompt,
     monkeypatch.setattr(check, "load_program", lambda *a, **k: pytest.fail("loaded the program"))
     code, out, err = run_cli(capsys, command, artifact("tiny-gemma3"), "--prompt", prompt, *extra)
     assert_one_line_error(code, err, *phrases)
-    assert out == ""
+    assert out == "" and len(err.strip().splitlines()) == 1, err
 
 
 def test_run_on_a_folder_that_is_not_an_artifact(tmp_path, capsys):
