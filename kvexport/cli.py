@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import signal
 import sys
@@ -89,9 +90,18 @@ def check(
     raise typer.Exit(0 if ok else 1)
 
 
-def _terminate(signum, frame):
-    # Turn SIGTERM into an exception so `finally` blocks remove half-written output.
-    raise KeyboardInterrupt(f"signal {signum}")
+class Interrupted(BaseException):
+    """Raised by the SIGINT and SIGTERM handler. It unwinds like KeyboardInterrupt, so ``finally``
+    and ``except BaseException`` blocks remove half-written output, but is not one: typer turns a
+    KeyboardInterrupt into a silent exit 130, and SIGTERM deserves its own code."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _interrupt(signum, frame):
+    raise Interrupted(signum)
 
 
 def _quiet_third_party_logs() -> None:
@@ -115,20 +125,45 @@ def main(argv: list[str] | None = None) -> None:
     commands = {c.name or c.callback.__name__ for c in app.registered_commands}
     if argv and not argv[0].startswith("-") and argv[0] not in commands:
         argv.insert(0, "export")
-    signal.signal(signal.SIGTERM, _terminate)
     import click
 
+    previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    signal.signal(signal.SIGTERM, _interrupt)
+    if previous[signal.SIGINT] is signal.default_int_handler:  # not where a shell set it to be ignored
+        signal.signal(signal.SIGINT, _interrupt)
     try:
         rc = app(args=argv, prog_name="kvexport", standalone_mode=False)
     except KvexportError as e:
         print(f"kvexport: error: {e}", file=sys.stderr)
         sys.exit(e.exit_code)
-    except (KeyboardInterrupt, click.exceptions.Abort):
+    except Interrupted as e:
+        # The shell's convention, 128 + the signal: 130 for Ctrl-C (SIGINT), 143 for SIGTERM.
+        what = "terminated (SIGTERM)" if e.signum == signal.SIGTERM else "interrupted"
+        print(f"kvexport: {what}; no partial output was left behind", file=sys.stderr)
+        sys.exit(128 + e.signum)
+    except (KeyboardInterrupt, typer.Abort, click.exceptions.Abort):
         print("kvexport: interrupted; no partial output was left behind", file=sys.stderr)
         sys.exit(130)
-    except click.exceptions.Exit as e:
+    except (typer.Exit, click.exceptions.Exit) as e:
         sys.exit(e.exit_code)
-    except click.ClickException as e:  # usage errors: unknown option, missing argument, ...
-        e.show()
-        sys.exit(e.exit_code)
+    # Usage errors: an unknown option, a missing argument, a value of the wrong type. typer 0.29
+    # raises its own copy of click's exceptions (typer.TyperException), older typers click's.
+    except (typer.TyperException, click.ClickException) as e:
+        command = e.ctx.command_path if getattr(e, "ctx", None) else "kvexport"
+        print(f"kvexport: error: {e.format_message().rstrip('.')}; see `{command} --help`", file=sys.stderr)
+        sys.exit(getattr(e, "exit_code", 2))
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        # The staged output folder is already removed (see exporter/artifact.py).
+        where = e.filename or "the output"
+        print(f"kvexport: error: {e.strerror} while writing {where}; free some space or choose another -o", file=sys.stderr)
+        sys.exit(2)
+    finally:  # main() also runs inside other programs (the tests): give their handlers back
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
     sys.exit(rc if isinstance(rc, int) else 0)
+
+
+if __name__ == "__main__":  # python -m kvexport.cli
+    main()

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
+import shutil
 
 import pytest
 
@@ -22,6 +25,15 @@ def assert_one_line_error(code, err, *phrases):
     assert len(lines) == 1 and "Traceback" not in err, err
     for phrase in phrases:
         assert phrase in lines[0], lines[0]
+
+
+def snapshot(root) -> dict:
+    """Every path under ``root`` (hidden ones included) with its file's sha256: equal snapshots
+    mean nothing was created, removed or changed."""
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
+        for p in sorted(root.rglob("*"))
+    }
 
 
 def test_help_lists_commands(capsys):
@@ -56,19 +68,128 @@ def test_default_max_cache_len_is_said(tmp_path, capsys, monkeypatch):
 @pytest.mark.parametrize(
     "args, phrases",
     [
-        (["no-such-model"], ["not found", "tiny-llama"]),
+        (["no-such-model"], ["not found", "give a model folder", "tiny-llama"]),
         (["tiny-llama", "--target", "tflite"], ["unknown target 'tflite'", "executorch"]),
         (["tiny-llama", "--dtype", "int3"], ["unknown dtype 'int3'"]),
         (["tiny-llama", "--max-cache-len", "0"], ["positive"]),
         (["tiny-llama", "--max-cache-len", "-4"], ["positive"]),
         (["tiny-llama", "--max-cache-len", "513"], ["exceeds the model's maximum positions (512)"]),
-        (["some-org/not-cached-model"], ["not in the local Hugging Face cache"]),
+        (["some-org/not-cached-model"], ["not in the local Hugging Face cache", "hf download"]),
+        (["./no/such/model"], ["'./no/such/model' not found"]),
+        (["tiny-llama", "--dtype", "bfloat16"], ["target executorch does not take --dtype bfloat16", "float32, float16"]),
+    ],
+    ids=[
+        "unknown-name",
+        "unknown-target",
+        "unknown-dtype",
+        "cache-len-zero",
+        "cache-len-negative",
+        "cache-len-above-max-positions",
+        "hub-id-not-cached",
+        "missing-path",
+        "dtype-not-for-target",
     ],
 )
 def test_export_mistakes_get_one_line(tmp_path, capsys, args, phrases):
     code, _, err = run_cli(capsys, *args, "-o", tmp_path / "out")
     assert_one_line_error(code, err, *phrases)
-    assert not (tmp_path / "out").exists()
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    "args, phrases",
+    [
+        (["tiny-llama", "--max-cache-len", "lots"], ["Invalid value for '--max-cache-len'", "valid integer"]),
+        (["tiny-llama", "--bogus"], ["No such option: --bogus", "see `kvexport export --help`"]),
+        (["run"], ["Missing", "folder", "see `kvexport run --help`"]),
+        (["check", "--device"], ["'--device' requires an argument"]),
+    ],
+    ids=["not-an-integer", "unknown-option", "missing-argument", "option-without-value"],
+)
+def test_usage_errors_get_one_line(tmp_path, capsys, monkeypatch, args, phrases):
+    monkeypatch.chdir(tmp_path)
+    code, _, err = run_cli(capsys, *args)
+    assert_one_line_error(code, err, *phrases)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_target_named_but_not_built_is_refused(tmp_path, capsys, monkeypatch):
+    from kvexport.exporter import targets
+
+    monkeypatch.setattr(targets, "TARGETS", (*targets.TARGETS, "coreml"))  # listed, but no module for it
+    code, _, err = run_cli(capsys, "tiny-llama", "--target", "coreml", "-o", tmp_path / "out")
+    assert_one_line_error(code, err, "target 'coreml' is not built", "--target executorch")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.fixture(scope="module")
+def saved_model(tmp_path_factory):
+    """tiny-llama saved as a plain Hugging Face folder (config.json, model.safetensors, tokenizer)."""
+    from kvexport.models.presets import build_preset
+
+    folder = tmp_path_factory.mktemp("hf") / "tiny-llama"
+    model, tokenizer = build_preset("tiny-llama")
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def _truncate(path):
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+def _bad_json(path):
+    path.write_text('{"model_type": "llama",')
+
+
+@pytest.mark.parametrize(
+    "damage, phrases",
+    [
+        (lambda f: _truncate(f / "model.safetensors"), ["cannot load the weights", "truncated or corrupt", "fetch the model again"]),
+        (lambda f: (f / "model.safetensors").write_bytes(b"\0" * 64), ["cannot load the weights", "corrupt"]),
+        (lambda f: (f / "model.safetensors").unlink(), ["cannot load the weights", "missing"]),
+        (lambda f: _bad_json(f / "config.json"), ["config.json is not a readable JSON file", "repair it"]),
+        (
+            lambda f: (f / "config.json").write_text(json.dumps({"model_type": "frobnicator"})),
+            ["'frobnicator' model, an architecture transformers", "does not know"],
+        ),
+        (lambda f: (f / "tokenizer.json").unlink(), ["no usable tokenizer", "tokenizer.json"]),
+    ],
+    ids=["truncated-safetensors", "garbage-safetensors", "no-weights", "config-not-json", "unknown-model-type", "no-tokenizer"],
+)
+def test_a_broken_model_folder_gets_one_line(saved_model, tmp_path, capsys, damage, phrases):
+    folder = tmp_path / "model"
+    shutil.copytree(saved_model, folder)
+    damage(folder)
+    before = snapshot(tmp_path)
+    code, _, err = run_cli(capsys, folder, "-o", tmp_path / "out", "--max-cache-len", "16")
+    assert_one_line_error(code, err, *phrases)
+    assert snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize(
+    "content, phrases",
+    [
+        (os.urandom(4096), ["as a GGUF model", "GGUF magic", "fetch it again"]),
+        (b"", ["as a GGUF model", "empty file"]),
+        (b"GGUF\x03\x00\x00\x00" + b"\x05" * 20, ["as a GGUF model", "truncated"]),  # a header cut short
+    ],
+    ids=["garbage", "empty", "truncated-header"],
+)
+def test_a_corrupt_gguf_gets_one_line(tmp_path, capsys, content, phrases):
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(content)
+    code, _, err = run_cli(capsys, gguf, "-o", tmp_path / "out")
+    assert_one_line_error(code, err, *phrases)
+    assert [p.name for p in tmp_path.iterdir()] == ["model.gguf"]
+
+
+def test_a_file_that_is_not_gguf_gets_one_line(tmp_path, capsys):
+    (tmp_path / "model.bin").write_bytes(b"weights")
+    code, _, err = run_cli(capsys, tmp_path / "model.bin", "-o", tmp_path / "out")
+    assert_one_line_error(code, err, "not a .gguf", "give a .gguf file or a model folder")
+    assert [p.name for p in tmp_path.iterdir()] == ["model.bin"]
 
 
 def test_unsupported_architecture_is_refused_before_loading(tmp_path, capsys):
@@ -87,10 +208,53 @@ def test_folder_without_config_is_refused(tmp_path, capsys):
 
 def test_existing_output_needs_force(artifact, capsys):
     folder = artifact("tiny-gemma3")
-    before = (folder / "kvexport.json").read_text()
+    before = snapshot(folder.parent)
     code, _, err = run_cli(capsys, "tiny-gemma3", "-o", folder)
     assert_one_line_error(code, err, "already exists", "--force")
-    assert (folder / "kvexport.json").read_text() == before
+    assert snapshot(folder.parent) == before
+
+
+def _file(tmp_path):
+    (tmp_path / "a-file").write_text("not a folder")
+    return tmp_path / "a-file"
+
+
+def _other_folder(tmp_path):
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "todo.txt").write_text("keep me")
+    return tmp_path / "notes"
+
+
+@pytest.mark.parametrize(
+    "make_out, force, phrases",
+    [
+        (_file, False, ["already exists", "--force"]),
+        (_file, True, ["exists and is not a folder", "choose another -o"]),
+        (lambda t: _file(t) / "out", False, ["a-file is a file, not a folder", "choose another -o"]),
+        (lambda t: _file(t) / "deeper" / "out", False, ["a-file is a file, not a folder"]),
+        # --force deletes the old folder: never one kvexport did not write.
+        (_other_folder, True, ["not a kvexport artifact", "choose another -o"]),
+    ],
+    ids=["file", "file-force", "parent-is-a-file", "ancestor-is-a-file", "force-on-a-foreign-folder"],
+)
+def test_an_output_that_cannot_or_must_not_be_written_is_refused(tmp_path, capsys, make_out, force, phrases):
+    out = make_out(tmp_path)
+    before = snapshot(tmp_path)
+    code, _, err = run_cli(capsys, "tiny-llama", "-o", out, *(["--force"] if force else []))
+    assert_one_line_error(code, err, *phrases)
+    assert snapshot(tmp_path) == before
+
+
+def test_an_unwritable_output_is_refused_before_loading(capsys, monkeypatch):
+    # Tests run as root, for whom permission bits and os.access say yes everywhere. The kernel still
+    # refuses new folders in sysfs (EPERM as root on a read-write /sys, EROFS where /sys is mounted
+    # read-only as in containers, EACCES for other users): a real unwritable place for anyone.
+    from kvexport.exporter import pipeline
+
+    monkeypatch.setattr(pipeline.sources, "load_model", lambda *a, **k: pytest.fail("loaded the model"))
+    code, _, err = run_cli(capsys, "tiny-llama", "-o", "/sys/kvexport-out")
+    assert_one_line_error(code, err, "cannot write /sys/kvexport-out", "refuses new folders", "choose another -o")
+    assert not os.path.exists("/sys/kvexport-out")
 
 
 def test_run_json_fields(artifact, capsys):
@@ -101,17 +265,26 @@ def test_run_json_fields(artifact, capsys):
     assert len(result["new_ids"]) == 5 and result["prompt_ids"][0] == 96  # <bos>
 
 
+@pytest.mark.parametrize("command", ["run", "check"])
 @pytest.mark.parametrize(
     "prompt, extra, phrases",
     [
-        ("x" * 80, [], ["longer than the artifact's max_cache_len 64"]),
+        ("x" * 80, [], ["longer than the artifact's max_cache_len 64", "re-export with a larger --max-cache-len"]),
         ("Hello", ["--max-new-tokens", "100"], ["exceeds the artifact's max_cache_len 64", "at most 59"]),
-        ("", [], ["prompt is empty"]),
+        ("", [], ["prompt is empty", "give some text"]),
+        ("Hello", ["--max-new-tokens", "0"], ["--max-new-tokens must be at least 1"]),
     ],
+    ids=["prompt-longer-than-cache", "prompt-plus-new-tokens-beyond-cache", "empty-prompt", "zero-new-tokens"],
 )
-def test_run_refuses_what_cannot_fit(artifact, capsys, prompt, extra, phrases):
-    code, _, err = run_cli(capsys, "run", artifact("tiny-gemma3"), "--prompt", prompt, *extra)
+def test_run_and_check_refuse_what_cannot_fit(artifact, capsys, command, prompt, extra, phrases, monkeypatch):
+    from kvexport.runtime_check import check, run
+
+    # Refused before anything runs: loading the program would already be too late.
+    monkeypatch.setattr(run, "load_program", lambda *a, **k: pytest.fail("loaded the program"))
+    monkeypatch.setattr(check, "load_program", lambda *a, **k: pytest.fail("loaded the program"))
+    code, out, err = run_cli(capsys, command, artifact("tiny-gemma3"), "--prompt", prompt, *extra)
     assert_one_line_error(code, err, *phrases)
+    assert out == "" and len(err.strip().splitlines()) == 1, err
 
 
 def test_run_on_a_folder_that_is_not_an_artifact(tmp_path, capsys):
@@ -119,13 +292,80 @@ def test_run_on_a_folder_that_is_not_an_artifact(tmp_path, capsys):
     assert_one_line_error(code, err, "no kvexport.json")
 
 
-def test_run_refuses_a_corrupted_program(artifact, tmp_path, capsys):
-    import shutil
+def _edit_manifest(change):
+    def damage(folder):
+        manifest = json.loads((folder / "kvexport.json").read_text())
+        change(manifest)
+        (folder / "kvexport.json").write_text(json.dumps(manifest))
 
+    return damage
+
+
+def _flip_a_byte(path):
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+DAMAGED_ARTIFACTS = {
+    "no-manifest": (lambda f: (f / "kvexport.json").unlink(), ["has no kvexport.json", "re-run kvexport export"]),
+    "manifest-not-json": (lambda f: (f / "kvexport.json").write_text("{"), ["is not valid JSON"]),
+    "foreign-manifest": (_edit_manifest(lambda m: m.update(format="other-tool")), ["is not a kvexport manifest"]),
+    "foreign-version": (
+        _edit_manifest(lambda m: m.update(format_version=2)),
+        ["has format version 2, this kvexport reads 1", "re-export"],
+    ),
+    "field-of-wrong-type": (
+        _edit_manifest(lambda m: m.update(max_cache_len="64")),
+        ["'max_cache_len' should be a positive integer, not \"64\"", "re-run kvexport export"],
+    ),
+    "files-of-wrong-type": (_edit_manifest(lambda m: m.update(files=["model.pte"])), ["'files' should be"]),
+    "program-not-listed": (
+        _edit_manifest(lambda m: m["files"].pop("model.pte")),
+        ["does not list its program file model.pte"],
+    ),
+    "weights-not-listed": (
+        _edit_manifest(lambda m: m["files"].pop("model.ptd")),
+        ["does not list its weights file model.ptd"],
+    ),
+    "listed-file-missing": (lambda f: (f / "tokenizer.json").unlink(), ["is missing tokenizer.json, listed in kvexport.json"]),
+    "program-sha256-mismatch": (lambda f: _flip_a_byte(f / "model.pte"), ["model.pte does not match the sha256"]),
+    "weights-sha256-mismatch": (lambda f: _flip_a_byte(f / "model.ptd"), ["model.ptd does not match the sha256"]),
+}
+
+
+@pytest.mark.parametrize("command", ["run", "check"])
+@pytest.mark.parametrize("case", list(DAMAGED_ARTIFACTS))
+def test_run_and_check_refuse_a_damaged_artifact(artifact, tmp_path, capsys, command, case):
+    damage, phrases = DAMAGED_ARTIFACTS[case]
     folder = tmp_path / "copy"
     shutil.copytree(artifact("tiny-gemma3"), folder)
-    data = bytearray((folder / "model.pte").read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    (folder / "model.pte").write_bytes(bytes(data))
-    code, _, err = run_cli(capsys, "run", folder, "--prompt", "hi")
-    assert_one_line_error(code, err, "model.pte does not match the sha256")
+    damage(folder)
+    before = snapshot(tmp_path)
+    code, out, err = run_cli(capsys, command, folder, "--prompt", "hi")
+    assert_one_line_error(code, err, *phrases)
+    assert out == "" and snapshot(tmp_path) == before
+
+
+def test_run_without_a_limit_stops_when_the_cache_is_full(artifact, capsys):
+    """No --max-new-tokens and no EOS: it fills the cache, stops and says so; every token is still
+    eager transformers' greedy token (nothing wraps around)."""
+    from kvexport.models.presets import build_preset
+
+    from .conftest import TEST_CACHE_LEN
+    from .helpers import eager_ids
+
+    folder = artifact("tiny-gemma3")
+    # "Hi": no near-tie on its 62-token greedy path ("Hello" has one, margin 2e-4, at new token 2).
+    code, out, err = run_cli(capsys, "run", folder, "--prompt", "Hi", "--ignore-eos", "--json")
+    assert code == 0, err
+    result = json.loads(out)
+    prompt_len = len(result["prompt_ids"])
+    assert result["stopped_by"] == "max_cache_len"
+    # Positions 0..63 hold the prompt and all new tokens but the last (never fed back).
+    assert len(result["new_ids"]) == TEST_CACHE_LEN - prompt_len + 1
+    model, _ = build_preset("tiny-gemma3")
+    assert result["new_ids"] == eager_ids(model, result["prompt_ids"], len(result["new_ids"]))
+
+    code, _, err = run_cli(capsys, "run", folder, "--prompt", "Hi", "--ignore-eos")
+    assert code == 0 and f"stopped: the cache is full ({TEST_CACHE_LEN} positions)" in err

@@ -12,10 +12,13 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 import tempfile
+import threading
 from pathlib import Path
 
 from ..errors import ArtifactError, InvalidOptionError
+from .targets import TARGETS
 
 MANIFEST = "kvexport.json"
 FORMAT = "kvexport-artifact"
@@ -45,33 +48,89 @@ def write_manifest(folder: Path, manifest: dict) -> None:
 
 
 def check_output_path(out: Path, force: bool) -> None:
-    """Refuse up front an output that exists (without ``--force``) or cannot be written."""
-    if out.exists() and not force:
-        raise InvalidOptionError(f"output {out} already exists; pass --force to replace it")
-    if out.exists() and not out.is_dir():
-        raise InvalidOptionError(f"output {out} exists and is not a folder")
+    """Refuse up front, before any weights load, an output that exists (without ``--force``), that
+    ``--force`` should not replace, or that cannot be written."""
+    if out.exists() or out.is_symlink():
+        if not force:
+            raise InvalidOptionError(f"output {out} already exists; pass --force to replace it")
+        if not out.is_dir():
+            raise InvalidOptionError(f"output {out} exists and is not a folder; remove it or choose another -o")
+        # --force deletes the old folder: only ever one that kvexport wrote (or an empty one), so a
+        # mistyped -o cannot wipe a folder of other files.
+        if not (out / MANIFEST).is_file() and any(out.iterdir()):
+            raise InvalidOptionError(
+                f"output {out} is a folder that is not a kvexport artifact; --force replaces only artifacts, "
+                "choose another -o"
+            )
+    ancestor = _existing_ancestor(out)
+    if not ancestor.is_dir():
+        raise InvalidOptionError(f"cannot write {out}: {ancestor} is a file, not a folder; choose another -o")
+    # os.access says yes to root everywhere; creating a folder is the only honest test (read-only
+    # mounts, /sys, /proc, full quotas).
+    try:
+        os.rmdir(tempfile.mkdtemp(dir=ancestor, prefix=f".{out.name}.tmp-"))
+    except OSError as e:
+        raise InvalidOptionError(f"cannot write {out}: {ancestor} refuses new folders ({e.strerror}); choose another -o")
+
+
+def _existing_ancestor(out: Path) -> Path:
+    """The output's parent, or its nearest ancestor that exists (missing parents are created)."""
     parent = out.absolute().parent
-    if not parent.is_dir():
-        raise InvalidOptionError(f"cannot write {out}: folder {parent} does not exist")
-    if not os.access(parent, os.W_OK):
-        raise InvalidOptionError(f"cannot write {out}: folder {parent} is not writable")
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    return parent
 
 
 @contextlib.contextmanager
 def staged_folder(out: Path):
     """Yield an empty temporary folder beside ``out``; on success move it to ``out``.
 
-    On any exception (KeyboardInterrupt and SystemExit included) the temporary folder is removed
-    and ``out`` is left as it was.
+    On any exception (KeyboardInterrupt and SystemExit included) the temporary folder, and any
+    parent folders made for it, are removed and ``out`` is left as it was.
     """
     out = out.absolute()
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
+    missing = [p for p in out.parents if not p.exists()]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = None
     try:
+        tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
         yield tmp
-        _publish(tmp, out)
+        # An interrupt between the two renames of a swap would leave the old artifact aside under
+        # its hidden name: SIGINT/SIGTERM wait until the swap is done.
+        with _signals_deferred():
+            _publish(tmp, out)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        for parent in missing:  # innermost first
+            with contextlib.suppress(OSError):
+                parent.rmdir()
         raise
+
+
+@contextlib.contextmanager
+def _signals_deferred():
+    """Record SIGINT/SIGTERM instead of handling them, then raise the first one again at the end.
+
+    Blocking them with a signal mask would not do: one of torch's worker threads would take the
+    signal and Python would still run its handler in the main thread, mid-swap.
+    """
+    signals = (signal.SIGINT, signal.SIGTERM)
+    previous = {s: signal.getsignal(s) for s in signals}
+    # Only the main thread may set handlers, and one set outside Python (None) cannot be restored.
+    if threading.current_thread() is not threading.main_thread() or None in previous.values():
+        yield
+        return
+    received = []
+    for s in signals:
+        signal.signal(s, lambda signum, frame: received.append(signum))
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        if received:
+            signal.raise_signal(received[0])  # now, to the handler that was in place
 
 
 def _publish(tmp: Path, out: Path) -> None:
@@ -94,7 +153,7 @@ def read_manifest(folder: Path, verify: bool = True) -> dict:
     """The folder's manifest, checked: format, version, listed files present and (``verify``) intact."""
     folder = Path(folder)
     if not folder.is_dir():
-        raise ArtifactError(f"{folder} is not a folder (expected a kvexport artifact folder)")
+        raise ArtifactError(f"{folder} is not a folder; give the folder kvexport export wrote")
     path = folder / MANIFEST
     if not path.is_file():
         raise ArtifactError(f"{folder} has no {MANIFEST}; it is not a kvexport artifact (re-run kvexport export)")
@@ -109,15 +168,63 @@ def read_manifest(folder: Path, verify: bool = True) -> dict:
             f"{path} has format version {manifest.get('format_version')}, this kvexport reads {FORMAT_VERSION}; "
             "re-export with this version"
         )
-    for key in ("target", "program", "max_cache_len", "vocab_size", "eos_token_ids", "files", "dtype"):
+    for key, (valid, expected) in _FIELDS.items():
         if key not in manifest:
             raise ArtifactError(f"{path} lacks '{key}'; re-run kvexport export")
-    if manifest["program"] not in manifest["files"]:
-        raise ArtifactError(f"{path} does not list its program {manifest['program']} among its files")
+        if not valid(manifest[key]):
+            raise ArtifactError(
+                f"{path}: '{key}' should be {expected}, not {json.dumps(manifest[key])[:60]}; "
+                "the manifest was edited or damaged, re-run kvexport export"
+            )
+    for key in ("program", "weights", "external_data"):  # the files a runtime opens
+        name = manifest.get(key)
+        if name is not None and (not isinstance(name, str) or name not in manifest["files"]):
+            raise ArtifactError(f"{path} does not list its {key} file {name} among its files; re-run kvexport export")
     for name, entry in manifest["files"].items():
         file = folder / name
         if not file.is_file():
-            raise ArtifactError(f"{folder} is missing {name}, listed in {MANIFEST}")
+            raise ArtifactError(f"{folder} is missing {name}, listed in {MANIFEST}; re-run kvexport export")
         if verify and (file.stat().st_size != entry["bytes"] or sha256_file(file) != entry["sha256"]):
-            raise ArtifactError(f"{file} does not match the sha256 in {MANIFEST}: the file is corrupt or was changed")
+            raise ArtifactError(
+                f"{file} does not match the sha256 in {MANIFEST}: the file is corrupt or was changed; "
+                "copy the artifact again or re-run kvexport export"
+            )
     return manifest
+
+
+def _count(value, minimum: int = 0) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+
+
+def _file_entry(name, entry) -> bool:
+    # Plain names only: a manifest must not point run/check outside its folder.
+    return (
+        name not in ("", ".", "..")
+        and Path(name).name == name
+        and isinstance(entry, dict)
+        and isinstance(entry.get("sha256"), str)
+        and _count(entry.get("bytes"))
+    )
+
+
+def _layer(layer) -> bool:
+    return isinstance(layer, dict) and layer.get("cache") in ("ring", "static") and (
+        layer.get("window") is None or _count(layer.get("window"), 1)
+    )
+
+
+# What run and check read from kvexport.json: key -> (test, what it should be).
+_FIELDS = {
+    "target": (lambda v: v in TARGETS, " or ".join(map(repr, TARGETS))),
+    "program": (lambda v: isinstance(v, str), "a file name"),
+    "dtype": (lambda v: v in ("float32", "float16", "bfloat16"), "float32, float16 or bfloat16"),
+    "max_cache_len": (lambda v: _count(v, 1), "a positive integer"),
+    "vocab_size": (lambda v: _count(v, 1), "a positive integer"),
+    "eos_token_ids": (lambda v: isinstance(v, list) and all(_count(i) for i in v), "a list of token ids"),
+    "layers": (lambda v: isinstance(v, list) and all(_layer(x) for x in v), "a list of layer caches"),
+    "source": (lambda v: isinstance(v, dict) and isinstance(v.get("name"), str), "the source model"),
+    "files": (
+        lambda v: isinstance(v, dict) and all(_file_entry(n, e) for n, e in v.items()),
+        "file name -> {sha256, bytes}",
+    ),
+}

@@ -172,6 +172,14 @@ def _manifest_info(plan: ExportPlan, model, tokenizer) -> dict:
     return {
         "target": plan.options.target,
         "source": plan.source.describe(),
+        # What reproduces this artifact byte for byte, with the versions below (the output folder
+        # does not matter): `kvexport export MODEL --target T --dtype D --max-cache-len N`.
+        "export_options": {
+            "model": plan.options.model,
+            "target": plan.options.target,
+            "dtype": dtype,
+            "max_cache_len": plan.max_cache_len,
+        },
         "model_type": config.model_type,
         "dtype": dtype,
         "max_cache_len": plan.max_cache_len,

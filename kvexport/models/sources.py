@@ -77,7 +77,8 @@ def resolve(name: str) -> ModelSource:
     if _looks_like_hub_id(name):
         return ModelSource(name, "hub", _hub_snapshot(name))
     raise ModelNotFoundError(
-        f"model '{name}' not found: not a file, folder, cached hub id or known name ({', '.join(known_names())})"
+        f"model '{name}' not found: it is no file, folder, cached hub id or known name; "
+        f"give a model folder, a .gguf file, a cached hub id or one of: {', '.join(known_names())}"
     )
 
 
@@ -94,8 +95,9 @@ def _hub_snapshot(repo_id: str) -> Path:
         return Path(snapshot_download(repo_id, local_files_only=True))
     except (LocalEntryNotFoundError, FileNotFoundError, OSError):
         raise ModelNotFoundError(
-            f"hub id '{repo_id}' is not in the local Hugging Face cache and kvexport does not download; "
-            f"fetch it where there is network (`hf download {repo_id}`) or pass a local folder"
+            f"'{repo_id}' is no local file or folder, and as a hub id it is not in the local Hugging Face cache "
+            f"(kvexport does not download); fetch it where there is network (`hf download {repo_id}`) "
+            "or pass a local folder"
         )
 
 
@@ -105,6 +107,8 @@ def load_config(source: ModelSource):
 
     if source.kind == "preset":
         return presets.preset_config(source.name)
+    if source.kind in ("folder", "hub"):
+        _check_config_file(source)
     try:
         if source.kind in ("alias", "gguf"):
             converted = _converted_folder(source.path, None)
@@ -116,6 +120,25 @@ def load_config(source: ModelSource):
         raise UnsupportedModelError(f"cannot read the config of '{source.name}': {_first_line(e)}")
 
 
+def _check_config_file(source: ModelSource) -> None:
+    """Say plainly what transformers reports at length: config.json is not JSON, or names an
+    architecture this transformers does not know."""
+    import transformers
+    from transformers import CONFIG_MAPPING
+
+    path = source.path / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UnsupportedModelError(f"{path} is not a readable JSON file ({_first_line(e)}); repair it or fetch the model again")
+    model_type = config.get("model_type") if isinstance(config, dict) else None
+    if isinstance(model_type, str) and model_type not in CONFIG_MAPPING:
+        raise UnsupportedModelError(
+            f"'{source.name}' is a '{model_type}' model, an architecture transformers {transformers.__version__} "
+            "does not know; kvexport exports decoder LLMs that transformers supports"
+        )
+
+
 def load_model(source: ModelSource, dtype: torch.dtype = torch.float32, cache_dir: Path | None = None):
     """The transformers causal LM (eval mode) and its tokenizer."""
     if source.kind == "preset":
@@ -125,18 +148,26 @@ def load_model(source: ModelSource, dtype: torch.dtype = torch.float32, cache_di
 
 
 def _load_folder(folder: Path, dtype: torch.dtype, name: str):
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    # The tokenizer first: it loads in a second, the weights may take minutes.
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+    except (OSError, ValueError) as e:
+        raise ModelNotFoundError(
+            f"'{name}' has no usable tokenizer ({_first_line(e).rstrip(': ')}); "
+            "the folder needs the model's tokenizer files (tokenizer.json or tokenizer.model)"
+        )
     try:
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
     except ValueError as e:  # transformers says "Unrecognized configuration class ..." for non-causal-LM models
         raise UnsupportedModelError(f"'{name}' cannot be loaded as a causal LM: {_first_line(e)}")
-    except (OSError, RuntimeError) as e:  # missing or corrupt weight files
-        raise ModelNotFoundError(f"cannot load the weights of '{name}': {_first_line(e)}")
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(folder)
-    except (OSError, ValueError) as e:
-        raise ModelNotFoundError(f"'{name}' has no usable tokenizer: {_first_line(e)}")
+    except (OSError, RuntimeError, EOFError, SafetensorError) as e:  # missing, truncated or corrupt weight files
+        raise ModelNotFoundError(
+            f"cannot load the weights of '{name}' ({_first_line(e)}); a weight file is missing, truncated or "
+            "corrupt: fetch the model again"
+        )
     return model.eval(), tokenizer
 
 
@@ -183,7 +214,10 @@ def _read_gguf(read, source: ModelSource):
     try:
         return read()
     except Exception as e:  # struct.error, ValueError, IndexError, ... from the gguf reader
-        raise ModelNotFoundError(f"cannot read '{source.name}' as a GGUF model ({_first_line(e)}); is the file complete?")
+        raise ModelNotFoundError(
+            f"cannot read '{source.name}' as a GGUF model ({_first_line(e)}); the file is truncated or not GGUF: "
+            "fetch it again"
+        )
 
 
 def _first_line(e: BaseException) -> str:

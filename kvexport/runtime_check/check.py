@@ -197,14 +197,19 @@ def check_command(folder, prompts, max_new_tokens, device, model_name, as_json) 
 
     folder = Path(folder)
     manifest = read_manifest(folder)
+    # Checked on the text: "" encodes to a lone BOS for many tokenizers, which is no prompt at all.
+    if prompts and not all(prompts):
+        raise InvalidOptionError("a --prompt is empty; give some text")
+    tokenizer = ArtifactTokenizer(folder)
     if prompts:
-        tokenizer = ArtifactTokenizer(folder)
-        n = max_new_tokens or default_prompts(manifest, tokenizer)[0][1]
+        n = default_prompts(manifest, tokenizer)[0][1] if max_new_tokens is None else max_new_tokens
         chosen = [(p, n) for p in prompts]
-    elif max_new_tokens:
-        chosen = [(p, max_new_tokens) for p, _ in default_prompts(manifest, ArtifactTokenizer(folder))]
+    elif max_new_tokens is not None:
+        chosen = [(p, max_new_tokens) for p, _ in default_prompts(manifest, tokenizer)]
     else:
         chosen = None
+    for text, n in chosen or []:  # before the header line: a request that cannot fit prints one line only
+        check_fits(len(tokenizer.encode(text)), n, manifest["max_cache_len"])
     tolerance = LOGIT_TOLERANCE[manifest["dtype"]]
     if not as_json:
         print(

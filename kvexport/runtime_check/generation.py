@@ -67,6 +67,8 @@ def check_fits(prompt_len: int, max_new_tokens: int | None, max_cache_len: int) 
     """Refuse, before running anything, a generation that cannot fit in the cache."""
     if prompt_len == 0:
         raise InvalidOptionError("the prompt is empty; give some text")
+    if max_new_tokens is not None and max_new_tokens < 1:
+        raise InvalidOptionError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
     if prompt_len > max_cache_len:
         raise PromptTooLongError(
             f"the prompt is {prompt_len} tokens, longer than the artifact's max_cache_len {max_cache_len}; "

@@ -15,8 +15,9 @@ from .tokenizer import ArtifactTokenizer
 class TextStream:
     """Prints text as tokens arrive, decoding the whole tail so multi-byte characters come out whole."""
 
-    def __init__(self, tokenizer: ArtifactTokenizer, out=sys.stdout):
-        self.tokenizer, self.out = tokenizer, out
+    def __init__(self, tokenizer: ArtifactTokenizer, out=None):
+        # sys.stdout when called, not when imported: it may have been replaced since (tests, embedders).
+        self.tokenizer, self.out = tokenizer, out or sys.stdout
         self.ids: list[int] = []
         self.printed = ""
 
@@ -35,7 +36,7 @@ def run_command(folder, prompt, max_new_tokens, ignore_eos, chat, temperature, t
     manifest = read_manifest(folder)
     tokenizer = ArtifactTokenizer(folder)
     text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}]) if chat else prompt
-    prompt_ids = tokenizer.encode(text) if text else []
+    prompt_ids = tokenizer.encode(text) if prompt else []  # an empty --chat message is no prompt either
     check_fits(len(prompt_ids), max_new_tokens, manifest["max_cache_len"])
     sampling = Sampling(temperature, top_p, seed)
     program = load_program(folder, manifest, device)

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import re
+import signal
 
 import pytest
 
@@ -11,7 +14,16 @@ from kvexport.exporter import artifact
 
 
 def minimal_manifest():
-    return {"target": "executorch", "program": "model.pte", "max_cache_len": 8, "vocab_size": 4, "eos_token_ids": [1], "dtype": "float32"}
+    return {
+        "target": "executorch",
+        "program": "model.pte",
+        "max_cache_len": 8,
+        "vocab_size": 4,
+        "eos_token_ids": [1],
+        "dtype": "float32",
+        "layers": [{"cache": "ring", "window": 4}, {"cache": "static", "window": None}],
+        "source": {"name": "tiny-llama", "kind": "preset", "path": None},
+    }
 
 
 def make_artifact(folder):
@@ -37,6 +49,26 @@ def test_a_failed_rebuild_keeps_the_previous_artifact(tmp_path):
             (tmp / "model.pte").write_bytes(b"new")
             raise KeyboardInterrupt
     assert (out / "model.pte").read_bytes() == b"program"
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]
+
+
+def test_an_interrupt_during_the_swap_waits_until_it_is_done(tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    make_artifact(out)
+    rename = os.rename
+
+    def rename_then_interrupt(src, dst):
+        rename(src, dst)
+        if ".out.old-" in str(dst):  # the old artifact is aside, the new one not yet in place
+            signal.raise_signal(signal.SIGINT)
+
+    monkeypatch.setattr(artifact.os, "rename", rename_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        with artifact.staged_folder(out) as tmp:
+            (tmp / "model.pte").write_bytes(b"new")
+            artifact.write_manifest(tmp, minimal_manifest())
+    # The interrupt came once the swap was done: the new artifact is whole, nothing is left aside.
+    assert artifact.read_manifest(out)["files"]["model.pte"]["bytes"] == 3
     assert [p.name for p in tmp_path.iterdir()] == ["out"]
 
 
@@ -71,4 +103,52 @@ def test_a_listed_file_that_is_missing_or_changed_is_refused(tmp_path):
         artifact.read_manifest(out)
     (out / "model.pte").unlink()
     with pytest.raises(ArtifactError, match="missing model.pte"):
+        artifact.read_manifest(out)
+
+
+def test_missing_parent_folders_are_made_and_removed_again_on_failure(tmp_path):
+    out = tmp_path / "a" / "b" / "out"
+    with pytest.raises(RuntimeError):
+        with artifact.staged_folder(out) as tmp:
+            assert tmp.parent == out.parent
+            raise RuntimeError("lowering failed")
+    assert list(tmp_path.iterdir()) == []
+    make_artifact(out)
+    assert artifact.read_manifest(out)["program"] == "model.pte"
+
+
+@pytest.mark.parametrize(
+    "change, phrase",
+    [
+        (lambda m: m.update(max_cache_len="8"), "'max_cache_len' should be a positive integer"),
+        (lambda m: m.update(max_cache_len=True), "'max_cache_len' should be a positive integer"),
+        (lambda m: m.update(target="tflite"), "'target' should be 'executorch' or 'onnx'"),
+        (lambda m: m.update(eos_token_ids=1), "'eos_token_ids' should be a list of token ids"),
+        (lambda m: m.update(layers=[{"cache": "ring", "window": "4"}]), "'layers' should be"),
+        (lambda m: m.pop("source"), "lacks 'source'"),
+        (lambda m: m["files"].update({"../model.pte": m["files"]["model.pte"]}), "'files' should be"),
+        (lambda m: m["files"]["model.pte"].update(bytes="7"), "'files' should be"),
+        (lambda m: m.update(program="other.pte"), "does not list its program file other.pte"),
+        (lambda m: m.update(weights="model.ptd"), "does not list its weights file model.ptd"),
+    ],
+    ids=[
+        "cache-len-string",
+        "cache-len-bool",
+        "unknown-target",
+        "eos-not-a-list",
+        "window-string",
+        "no-source",
+        "file-outside-the-folder",
+        "file-size-string",
+        "program-not-listed",
+        "weights-not-listed",
+    ],
+)
+def test_an_inconsistent_manifest_is_refused(tmp_path, change, phrase):
+    out = tmp_path / "out"
+    make_artifact(out)
+    manifest = json.loads((out / "kvexport.json").read_text())
+    change(manifest)
+    (out / "kvexport.json").write_text(json.dumps(manifest))
+    with pytest.raises(ArtifactError, match=re.escape(phrase)):
         artifact.read_manifest(out)

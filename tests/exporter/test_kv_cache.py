@@ -1,19 +1,30 @@
-"""The caches and masks against a plain full-history attention with transformers' mask semantics."""
+"""The caches and masks against a plain full-history attention with transformers' mask semantics.
+
+Both cache families are checked: the plain ones (``kv_cache``) and the ones the ExecuTorch target
+ships (``custom_op_cache``: ExecuTorch's ``llama::update_cache`` and ``llama::custom_sdpa``, run
+eagerly here). Each example drives a cache through random call lengths (a prefill, decode steps,
+chunks, calls longer than the window), after a random earlier sequence whose leftovers must be
+invisible: a runner starts a new sequence at position 0 without clearing anything.
+"""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers.masking_utils import and_masks, causal_mask_function, sliding_window_overlay
 
-from kvexport.exporter.kv_cache import RingKVCache, StaticKVCache, additive_mask, ring_positions
+from kvexport.exporter.custom_op_cache import CustomOpRingCache, CustomOpStaticCache
+from kvexport.exporter.kv_cache import CallState, RingKVCache, StaticKVCache, additive_mask, ring_positions
 
 HEADS, DIM = 2, 4
+KV_HEADS = 1  # the custom-op caches are tested with grouped queries: two query heads per KV head
 
 
 def reference_attention(q, k, v, window):
     """Attention of every query over the whole history, masked with transformers' own mask functions."""
+    k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))  # transformers' repeat_kv
     mask_fn = causal_mask_function if window is None else and_masks(causal_mask_function, sliding_window_overlay(window))
     n = q.shape[2]
     idx = [torch.tensor(i) for i in range(n)]
@@ -36,15 +47,22 @@ def cached_attention(cache, calls, q, k, v, window):
     return torch.cat(outs, dim=2)
 
 
-@settings(max_examples=300, deadline=None)
-@given(
-    window=st.one_of(st.none(), st.integers(1, 12)),
-    max_len=st.integers(1, 40),
-    calls=st.lists(st.integers(1, 16), min_size=1, max_size=10),
-    seed=st.integers(0, 2**16),
-)
-def test_cache_attention_equals_full_history(window, max_len, calls, seed):
-    # Calls of random lengths (a prefill, then decodes or further chunks) up to the cache size.
+def custom_op_attention(cache, calls, q, k, v, window, max_len):
+    """The same through a custom-op cache, called as kvexport's attention calls it."""
+    outs, start = [], 0
+    for n in calls:
+        positions = torch.arange(start, start + n)
+        mask = additive_mask(cache.key_positions(positions), positions, window, torch.float32)
+        call = CallState(None, positions, max_len)
+        part = slice(start, start + n)
+        out, _ = cache.attend(None, q[:, :, part], k[:, :, part], v[:, :, part], mask, call, scaling=DIM**-0.5)
+        outs.append(out.transpose(1, 2))  # the kernel answers sequence-major, [1, T, heads, D]
+        start += n
+    return torch.cat(outs, dim=2)
+
+
+def fit(calls, max_len):
+    """The call lengths, cut where the cache is full."""
     kept, total = [], 0
     for n in calls:
         n = min(n, max_len - total)
@@ -52,13 +70,46 @@ def test_cache_attention_equals_full_history(window, max_len, calls, seed):
             break
         kept.append(n)
         total += n
-    gen = torch.Generator().manual_seed(seed)
-    q, k, v = (torch.randn(1, HEADS, total, DIM, generator=gen) for _ in range(3))
+    return kept
+
+
+FAMILIES = {
+    # name: (ring, static, attention through the cache, KV heads)
+    "plain": (RingKVCache, StaticKVCache, lambda c, calls, q, k, v, w, m: cached_attention(c, calls, q, k, v, w), HEADS),
+    "custom_op": (CustomOpRingCache, CustomOpStaticCache, custom_op_attention, KV_HEADS),
+}
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+@settings(max_examples=300, deadline=None)
+@given(
+    window=st.one_of(st.none(), st.integers(1, 12)),
+    max_len=st.integers(1, 40),
+    calls=st.lists(st.integers(1, 16), min_size=1, max_size=10),
+    earlier_calls=st.lists(st.integers(1, 16), max_size=4),
+    seed=st.integers(0, 2**16),
+)
+def test_cache_attention_equals_full_history(family, window, max_len, calls, earlier_calls, seed):
+    # Calls of random lengths (a prefill, then decodes or further chunks) up to the cache size.
+    ring, static, attention, kv_heads = FAMILIES[family]
     if window is not None and window < max_len:
-        cache = RingKVCache(1, HEADS, window, DIM, torch.float32)
+        cache = ring(1, kv_heads, window, DIM, torch.float32)
     else:  # a window as long as the cache never hides anything: a static layer serves it
-        cache = StaticKVCache(1, HEADS, max_len, DIM, torch.float32)
-    got = cached_attention(cache, kept, q, k, v, window)
+        cache = static(1, kv_heads, max_len, DIM, torch.float32)
+    gen = torch.Generator().manual_seed(seed)
+
+    def sequence(calls):
+        total = sum(calls)
+        return torch.randn(1, HEADS, total, DIM, generator=gen), *(
+            torch.randn(1, kv_heads, total, DIM, generator=gen) for _ in range(2)
+        )
+
+    earlier = fit(earlier_calls, max_len)
+    if earlier:  # leaves its keys in the cache; the sequence below starts again at position 0
+        attention(cache, earlier, *sequence(earlier), window, max_len)
+    kept = fit(calls, max_len)
+    q, k, v = sequence(kept)
+    got = attention(cache, kept, q, k, v, window, max_len)
     torch.testing.assert_close(got, reference_attention(q, k, v, window), atol=1e-5, rtol=1e-5)
 
 

@@ -46,7 +46,7 @@ def test_without_a_limit_it_stops_when_the_cache_is_full_and_says_so():
 
 @pytest.mark.parametrize(
     "prompt_len, new, error",
-    [(0, 4, InvalidOptionError), (17, 1, PromptTooLongError), (10, 8, PromptTooLongError)],
+    [(0, 4, InvalidOptionError), (4, 0, InvalidOptionError), (4, -1, InvalidOptionError), (17, 1, PromptTooLongError), (10, 8, PromptTooLongError)],
 )
 def test_refuses_what_cannot_fit_before_running(prompt_len, new, error):
     with pytest.raises(error):

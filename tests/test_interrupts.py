@@ -1,0 +1,139 @@
+"""Interrupts and faults during an export leave no partial folder and keep the previous artifact.
+
+The signal tests run a real ``kvexport`` process on a tiny preset and signal it once its stderr
+says the lowering step started (the longest step, so the signal lands inside it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+import kvexport
+from kvexport.cli import main
+from kvexport.exporter import artifact
+
+REPO = Path(kvexport.__file__).resolve().parent.parent
+
+
+def tree(root: Path) -> dict:
+    """Every path under ``root``, hidden ones included, with its file's sha256."""
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
+        for p in sorted(root.rglob("*"))
+    }
+
+
+def previous_artifact(out: Path) -> None:
+    """A small valid artifact at ``out``, standing for the result of an earlier export."""
+    with artifact.staged_folder(out) as tmp:
+        (tmp / "model.pte").write_bytes(b"the previous program")
+        artifact.write_manifest(
+            tmp,
+            {
+                "target": "executorch",
+                "program": "model.pte",
+                "max_cache_len": 16,
+                "vocab_size": 100,
+                "eos_token_ids": [97],
+                "dtype": "float32",
+                "layers": [{"cache": "static", "window": None}],
+                "source": {"name": "tiny-llama", "kind": "preset", "path": None},
+            },
+        )
+
+
+@pytest.mark.parametrize(
+    "signum, code, message",
+    [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated (SIGTERM)")],
+    ids=["SIGINT", "SIGTERM"],
+)
+def test_a_signal_during_lowering_leaves_the_previous_artifact(tmp_path, signum, code, message):
+    out = tmp_path / "out"
+    previous_artifact(out)
+    before = tree(tmp_path)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvexport.cli", "tiny-llama", "-o", str(out), "--max-cache-len", "16", "--force"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        # A shell starts background jobs with SIGINT ignored, and Python then installs no Ctrl-C
+        # handler: give the child the default disposition, as an interactive Ctrl-C would find.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    watchdog = threading.Timer(300, proc.kill)  # a hang fails the test instead of hanging the CI job
+    watchdog.start()
+    try:
+        seen = []
+        for line in proc.stderr:
+            seen.append(line)
+            if line.startswith("lower:"):
+                proc.send_signal(signum)
+                break
+        else:
+            pytest.fail(f"the export ended before lowering (exit {proc.wait()}):\n{''.join(seen)}")
+        rest = proc.stderr.read()  # through the same buffered reader: nothing after "lower:" is lost
+        proc.wait(timeout=60)
+    finally:
+        watchdog.cancel()
+        proc.kill()
+    err = "".join(seen) + rest
+    assert proc.returncode == code, err
+    assert f"kvexport: {message}; no partial output was left behind" in err and "Traceback" not in err, err
+    assert "✓ lower" not in err, "the signal arrived after lowering; the test proved nothing"
+    # The previous artifact is byte for byte what it was, and nothing else is there (no .out.tmp-*).
+    assert tree(tmp_path) == before
+
+
+def test_a_failure_in_lowering_leaves_the_previous_artifact(tmp_path, monkeypatch, capsys):
+    from kvexport.exporter.targets import executorch
+
+    def failing_lower(program, info, folder):
+        (folder / "model.pte").write_bytes(b"half a program")
+        raise RuntimeError("lowering failed")
+
+    # Skip the trace (seconds of CPU): the lowering is what fails here.
+    monkeypatch.setattr(executorch, "export", lambda model, max_cache_len: object())
+    monkeypatch.setattr(executorch, "lower", failing_lower)
+    out = tmp_path / "out"
+    previous_artifact(out)
+    before = tree(tmp_path)
+    # A failure inside kvexport is a bug: it keeps its traceback (it is not a KvexportError).
+    with pytest.raises(RuntimeError, match="lowering failed"):
+        main(["tiny-llama", "-o", str(out), "--max-cache-len", "16", "--force"])
+    assert tree(tmp_path) == before
+    assert artifact.read_manifest(out)["files"]["model.pte"]["bytes"] == len(b"the previous program")
+
+
+def test_a_full_disk_while_lowering_gets_one_line(tmp_path, monkeypatch, capsys):
+    """Simulated: the lowering step fails the way a full disk fails a write (ENOSPC)."""
+    import errno
+
+    from kvexport.exporter.targets import executorch
+
+    def lower_on_a_full_disk(program, info, folder):
+        (folder / "model.pte").write_bytes(b"half a program")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(folder / "model.pte"))
+
+    monkeypatch.setattr(executorch, "export", lambda model, max_cache_len: object())
+    monkeypatch.setattr(executorch, "lower", lower_on_a_full_disk)
+    out = tmp_path / "out"
+    previous_artifact(out)
+    before = tree(tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["tiny-llama", "-o", str(out), "--max-cache-len", "16", "--force"])
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("kvexport: error:")]
+    assert exit_info.value.code == 2 and len(lines) == 1 and "Traceback" not in err, err
+    assert "No space left on device while writing" in lines[0] and "free some space" in lines[0]
+    assert tree(tmp_path) == before
