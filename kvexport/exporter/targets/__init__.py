@@ -19,4 +19,9 @@ TARGETS = ("executorch", "onnx")
 def get_target(name: str):
     if name not in TARGETS:
         raise InvalidOptionError(f"unknown target '{name}'; choose one of: {', '.join(TARGETS)}")
-    return importlib.import_module(f"{__name__}.{name}")
+    try:
+        return importlib.import_module(f"{__name__}.{name}")
+    except ModuleNotFoundError as e:
+        if e.name != f"{__name__}.{name}":  # the target exists but something it imports does not
+            raise
+        raise InvalidOptionError(f"target '{name}' is not built in this version of kvexport yet")
