@@ -89,6 +89,24 @@ def check(
     raise typer.Exit(0 if ok else 1)
 
 
+@app.command()
+def matrix(
+    paths: Annotated[list[str], typer.Argument(metavar="MATRIX.toml | merge REPORT.json...", show_default=False)],
+    shard: Annotated[Optional[str], typer.Option(help="run shard I of N only (rows I-1, I-1+N, ...), e.g. 2/4")] = None,
+    report: Annotated[Optional[Path], typer.Option("--report", help="write the markdown report here")] = None,
+    json_report: Annotated[Optional[Path], typer.Option("--json", help="write the JSON report here (merge reads these)")] = None,
+    work_dir: Annotated[
+        Optional[Path], typer.Option(help="keep each row's log here (default: a temporary folder, removed)")
+    ] = None,
+    keep_artifacts: Annotated[bool, typer.Option("--keep-artifacts", help="keep each row's artifact folder")] = False,
+):
+    """Export and check each row of a matrix file in its own process, or merge shard reports; exit 0 only if all pass."""
+    from .matrix.command import matrix_command
+
+    ok = matrix_command(paths, shard, report, json_report, work_dir, keep_artifacts)
+    raise typer.Exit(0 if ok else 1)
+
+
 def _terminate(signum, frame):
     # Turn SIGTERM into an exception so `finally` blocks remove half-written output.
     raise KeyboardInterrupt(f"signal {signum}")
@@ -118,6 +136,11 @@ def main(argv: list[str] | None = None) -> None:
     signal.signal(signal.SIGTERM, _terminate)
     import click
 
+    try:  # typer 0.2x raises usage errors from its own copy of click
+        from typer._click.exceptions import ClickException as TyperClickException
+    except ImportError:
+        TyperClickException = click.ClickException
+
     try:
         rc = app(args=argv, prog_name="kvexport", standalone_mode=False)
     except KvexportError as e:
@@ -128,7 +151,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(130)
     except click.exceptions.Exit as e:
         sys.exit(e.exit_code)
-    except click.ClickException as e:  # usage errors: unknown option, missing argument, ...
+    except (click.ClickException, TyperClickException) as e:  # usage errors: unknown option, missing argument, ...
         e.show()
         sys.exit(e.exit_code)
     sys.exit(rc if isinstance(rc, int) else 0)
