@@ -78,7 +78,10 @@ def _export(row: Row, model: str, folder: Path) -> dict:
     from ..progress import Progress
 
     start = time.perf_counter()
-    exported = export_model(ExportOptions(model, row.target, folder, row.max_cache_len, row.dtype, force=True), Progress())
+    options = ExportOptions(
+        model=model, target=row.target, out=folder, max_cache_len=row.max_cache_len, dtype=row.dtype, force=True
+    )
+    exported = export_model(options, Progress())
     files = [p for p in folder.iterdir() if p.is_file()]
     return {
         "max_cache_len": exported.manifest["max_cache_len"],
