@@ -31,8 +31,8 @@ def render(report: dict) -> str:
     for row in report["rows"]:
         cells.setdefault((row["model"], row["target"]), []).append(row)
     families = {row["model"]: row.get("family") for row in report["rows"] if row.get("family")}
-    from_config = {row["model"] for row in report["rows"] if row.get("tiny_config")}
-    models = sorted((families.get(m, "?"), m, m in from_config) for m in {row["model"] for row in report["rows"]})
+    configured = {row["model"] for row in report["rows"] if row.get("tiny_config")}  # [models.NAME] in the file
+    models = sorted((families.get(m, "?"), m, m in configured) for m in {row["model"] for row in report["rows"]})
     # Only what reruns elsewhere reproduce: the matrix path from the repository root, versions
     # without local tags (a CPU-only torch is 2.13.0+cpu here and may be 2.13.0 in CI).
     matrix = os.path.relpath(Path(report["matrix"]).absolute(), REPO_ROOT)
