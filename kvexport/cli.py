@@ -90,6 +90,24 @@ def check(
     raise typer.Exit(0 if ok else 1)
 
 
+@app.command()
+def matrix(
+    paths: Annotated[list[str], typer.Argument(metavar="MATRIX.toml | merge REPORT.json...", show_default=False)],
+    shard: Annotated[Optional[str], typer.Option(help="run shard I of N only (rows I-1, I-1+N, ...), e.g. 2/4")] = None,
+    report: Annotated[Optional[Path], typer.Option("--report", help="write the markdown report here")] = None,
+    json_report: Annotated[Optional[Path], typer.Option("--json", help="write the JSON report here (merge reads these)")] = None,
+    work_dir: Annotated[
+        Optional[Path], typer.Option(help="keep each row's log here (default: a temporary folder, removed)")
+    ] = None,
+    keep_artifacts: Annotated[bool, typer.Option("--keep-artifacts", help="keep each row's artifact folder")] = False,
+):
+    """Export and check each row of a matrix file in its own process, or merge shard reports; exit 0 only if all pass."""
+    from .matrix.command import matrix_command
+
+    ok = matrix_command(paths, shard, report, json_report, work_dir, keep_artifacts)
+    raise typer.Exit(0 if ok else 1)
+
+
 class Interrupted(BaseException):
     """Raised by the SIGINT and SIGTERM handler. It unwinds like KeyboardInterrupt, so ``finally``
     and ``except BaseException`` blocks remove half-written output, but is not one: typer turns a

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..models.adapters import prepare_for_export
 from ..models.architecture import LayerSpec, layer_specs
 from . import attention
 from .kv_cache import CallState, ExternalKVLayer, RingKVCache, StaticKVCache, additive_mask
@@ -32,6 +33,7 @@ def _prepare(model: nn.Module) -> nn.Module:
     model.eval()
     model.requires_grad_(False)
     model.set_attn_implementation(attention.NAME)
+    prepare_for_export(model)
     return model
 
 

@@ -12,6 +12,8 @@ into several delegate calls with portable ops between them (slower to run and to
 
 Each rewrite computes the same values; ``rotate_half`` as a product with a signed permutation
 matrix is exact (every output is one input times ±1 plus zeros).
+
+``partitioner_configs`` leaves out of the delegate what XNNPACK gets wrong (see there).
 """
 
 from __future__ import annotations
@@ -25,6 +27,19 @@ from executorch.exir.pass_base import ExportPass
 
 _VIEW = exir_ops.edge.aten.view_copy.default
 _MEAN = exir_ops.edge.aten.mean.dim
+
+
+def partitioner_configs() -> list:
+    """XNNPACK's partitioner configs, without ``max.dim``.
+
+    XNNPACK lowers ``max(dim=-1).values`` over a dynamic dim to a max-pooling, and a softmax that
+    reads ``x - max`` then comes out wrong (off by ~0.7 on probabilities, ExecuTorch 1.5.1): that
+    is how attention sinks (GPT-OSS) stabilise their softmax. ExecuTorch's portable kernel for it
+    is exact, and no other family uses it.
+    """
+    from executorch.backends.xnnpack.partition.config import ALL_PARTITIONER_CONFIGS, MaxDimConfig
+
+    return [config for config in ALL_PARTITIONER_CONFIGS if config is not MaxDimConfig]
 
 
 class XnnpackFriendlyShapes(ExportPass):
@@ -60,13 +75,22 @@ class XnnpackFriendlyShapes(ExportPass):
         )
 
 
-def _rotation(dim: int, dtype: torch.dtype) -> torch.Tensor:
-    """W with linear(x, W) == cat(-x[..., dim/2:], x[..., :dim/2])."""
-    half = dim // 2
-    r = torch.zeros(dim, dim, dtype=dtype)
-    r[torch.arange(half) + half, torch.arange(half)] = -1
-    r[torch.arange(half), torch.arange(half) + half] = 1
-    return r.T.contiguous()
+def _rotation(rotate_half, dim: int, dtype: torch.dtype) -> torch.Tensor | None:
+    """W with ``linear(x, W) == rotate_half(x)``, read off the family's own ``rotate_half``.
+
+    Families rotate differently (Llama pairs the two halves, Cohere interleaves even and odd
+    dims), so the matrix is what the function does to each basis vector. None where that is not a
+    signed permutation (the function is not the linear map it should be): no rewrite then.
+    """
+    rows = rotate_half(torch.eye(dim, dtype=torch.float64))  # row i: rotate_half(e_i)
+    nonzero = rows != 0
+    signed_permutation = (
+        rows.shape == (dim, dim)
+        and bool(torch.all(rows.abs()[nonzero] == 1))
+        and bool(torch.all(nonzero.sum(dim=0) == 1))
+        and bool(torch.all(nonzero.sum(dim=1) == 1))
+    )
+    return rows.T.to(dtype).contiguous() if signed_permutation else None
 
 
 @contextlib.contextmanager
@@ -88,9 +112,10 @@ def rotary_as_matmul(model: torch.nn.Module):
     # Registered as buffers and read back through the model at call time, so the program holds them
     # as the model's constants (a tensor captured from elsewhere becomes a lifted constant, which
     # XNNPACK's lowering does not take).
-    names = {w: f"_kvexport_rotation_{w}" for w in widths if w % 2 == 0}
+    rotations = {w: _rotation(original, w, dtype) for w in widths if w % 2 == 0}
+    names = {w: f"_kvexport_rotation_{w}" for w, r in rotations.items() if r is not None}
     for width, name in names.items():
-        model.register_buffer(name, _rotation(width, dtype), persistent=False)
+        model.register_buffer(name, rotations[width], persistent=False)
 
     def rotate_half(x: torch.Tensor) -> torch.Tensor:
         name = names.get(x.shape[-1])

@@ -15,10 +15,8 @@ from ..errors import UnsupportedModelError
 FULL = "full_attention"
 SLIDING = "sliding_attention"
 
-# Families exercised by the tests; others that follow the same structure are tried, not refused.
-TESTED_FAMILIES = ("llama", "mistral", "qwen3", "gemma3_text")
-
-# Families known not to fit a decoder-only, attention-only KV cache, with the reason.
+# Families whose reason is worth naming precisely. Every other family is judged by the generic rules
+# in check_supported, from what its config and transformers say about it.
 _REFUSED = {
     "mamba": "a state-space model (no attention KV cache)",
     "mamba2": "a state-space model (no attention KV cache)",
@@ -33,12 +31,16 @@ _REFUSED = {
     "qwen3_next": "a hybrid of attention and linear-attention layers",
     "recurrent_gemma": "a recurrent hybrid",
     "gemma3n": "a multimodal model with shared KV layers",
+    "gemma3n_text": "a model with layers that share KV caches",
     "llama4": "chunked attention and multimodal inputs",
     "t5": "an encoder-decoder model",
     "bart": "an encoder-decoder model",
     "whisper": "an encoder-decoder speech model",
     "bert": "an encoder-only model",
 }
+
+# Sub-config names that mean the model takes more than text.
+_MODALITIES = ("vision", "audio", "image", "video", "speech")
 
 
 @dataclass(frozen=True)
@@ -65,27 +67,69 @@ def text_config(config):
 
 
 def check_supported(config) -> None:
-    """Refuse, with the reason, a config whose model cannot become a cached decoder."""
-    config = text_config(config)
+    """Refuse, with the reason, a config whose model cannot become a cached decoder.
+
+    Generic rules, so that a family nobody listed is judged by what its config says: transformers
+    must load it as a causal LM, text in, whose attention goes through transformers'
+    ``AttentionInterface`` (where kvexport's cache plugs in), causal, and made of full or
+    sliding-window attention layers only.
+    """
     model_type = getattr(config, "model_type", None)
+
+    def refuse(reason: str):
+        raise UnsupportedModelError(f"architecture '{model_type}' is not supported: {reason}")
+
     if model_type in _REFUSED:
-        raise UnsupportedModelError(f"architecture '{model_type}' is not supported: it is {_REFUSED[model_type]}")
+        refuse(f"it is {_REFUSED[model_type]}")
     if getattr(config, "is_encoder_decoder", False):
-        raise UnsupportedModelError(f"architecture '{model_type}' is not supported: it is an encoder-decoder model")
-    if getattr(config, "use_bidirectional_attention", False):
-        raise UnsupportedModelError(f"architecture '{model_type}' is configured for bidirectional attention")
-    for layer_type in set(getattr(config, "layer_types", None) or ()):
+        refuse("it is an encoder-decoder model")
+    inputs = sorted(name for name in getattr(config, "sub_configs", None) or {} if any(m in name for m in _MODALITIES))
+    if inputs:
+        refuse(f"it is a multimodal model ({', '.join(inputs)}); kvexport exports text-only decoders")
+    try:
+        text = text_config(config)
+    except ValueError as e:  # several candidate text configs
+        refuse(f"its text model is ambiguous ({e})")
+    if text.model_type in _REFUSED:
+        refuse(f"it is {_REFUSED[text.model_type]}")
+    causal_lm = _causal_lm_class(model_type)
+    if causal_lm is None:
+        refuse("transformers has no causal-LM class for it (AutoModelForCausalLM does not take it)")
+    if not getattr(causal_lm, "_supports_attention_backend", False):
+        refuse(
+            f"{causal_lm.__name__} does not route its attention through transformers' AttentionInterface, "
+            "which kvexport's cache plugs into"
+        )
+    # BERT-style encoders that transformers can also run as decoders declare both settings; with
+    # is_decoder false their attention is bidirectional. (GPT-NeoX declares is_decoder alone, unused.)
+    if getattr(text, "is_decoder", None) is False and getattr(text, "add_cross_attention", None) is not None:
+        refuse("it is an encoder (is_decoder is false: bidirectional attention)")
+    if getattr(text, "use_bidirectional_attention", False):
+        refuse("it is configured for bidirectional attention")
+    for layer_type in sorted(set(getattr(text, "layer_types", None) or ())):
         if layer_type not in (FULL, SLIDING):
-            raise UnsupportedModelError(
-                f"architecture '{model_type}' has '{layer_type}' layers; only full and sliding-window "
-                "attention layers are supported"
-            )
+            refuse(f"it has '{layer_type}' layers; only full and sliding-window attention layers are supported")
+    try:
+        heads = getattr(text, "num_attention_heads", None)
+    except Exception as e:  # transformers refuses a global read of a per-layer attribute
+        refuse(f"its layers differ in shape ({type(e).__name__})")
+    if not heads:
+        refuse("it has no attention heads (a state-space or recurrent model)")
+
+
+def _causal_lm_class(model_type: str | None):
+    """The class AutoModelForCausalLM builds for ``model_type``, or None."""
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
+    return getattr(transformers, name, None) if isinstance(name, str) else None
 
 
 def layer_specs(config) -> list[LayerSpec]:
     """Per-layer attention kind, window and KV shape, from the config alone."""
-    config = text_config(config)
     check_supported(config)
+    config = text_config(config)
     n_layers = config.num_hidden_layers
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads

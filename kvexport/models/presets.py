@@ -63,6 +63,25 @@ PRESETS: dict[str, tuple[str, dict]] = {
         },
     ),
     "tiny-smollm3": ("smollm3", {"no_rope_layer_interval": 2, "tie_word_embeddings": True}),
+    # Attention sinks, a mixture of experts (top 2 of 4) and alternating sliding / full layers.
+    "tiny-gpt-oss": (
+        "gpt_oss",
+        {
+            "head_dim": 16,
+            "sliding_window": WINDOW,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            # The family's YaRN rope, with an original context consistent with max_position_embeddings.
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 150000.0,
+                "factor": 8.0,
+                "original_max_position_embeddings": 64,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+            },
+        },
+    ),
 }
 
 
@@ -72,12 +91,21 @@ def is_preset(name: str) -> bool:
 
 def preset_config(name: str):
     model_type, overrides = PRESETS[name]
+    return tiny_config(model_type, overrides)
+
+
+def tiny_config(model_type: str, overrides: dict):
+    """A tiny config of any family: the shared tiny defaults (they fit the tokenizer), then ``overrides``."""
     return AutoConfig.for_model(model_type, **{**_COMMON, **overrides})
 
 
 def build_preset(name: str, dtype: torch.dtype = torch.float32):
     """The preset's model (eval mode, seeded weights) and its tokenizer."""
-    config = preset_config(name)
+    return build_tiny(preset_config(name), dtype)
+
+
+def build_tiny(config, dtype: torch.dtype = torch.float32):
+    """A tiny config's model (eval mode, seeded weights) and the character tokenizer."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)

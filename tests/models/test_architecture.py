@@ -33,11 +33,39 @@ def test_a_window_as_long_as_the_cache_needs_no_ring():
         ("mamba", {}, "state-space"),
         ("t5", {}, "encoder-decoder"),
         ("qwen3_next", {}, "linear-attention"),
+        # Not named anywhere in kvexport: refused by the generic rules, from the config and transformers.
+        ("pegasus", {}, "encoder-decoder"),
+        ("falcon_mamba", {}, "AttentionInterface"),  # no attention to route at all
+        ("stablelm", {}, "AttentionInterface"),  # its layers do not pass the attention's arguments on
+        ("minimax", {}, "'linear_attention' layers"),
+        ("llama4_text", {}, "'chunked_attention' layers"),
+        ("lfm3", {}, "'conv' layers"),
+        ("roberta", {}, "encoder"),
+        ("gemma3", {}, r"multimodal model \(vision_config\)"),
+        ("mllama", {}, "multimodal"),
+        ("distilbert", {}, "no causal-LM class"),
     ],
 )
 def test_unsupported_families_are_refused_with_the_reason(model_type, kwargs, phrase):
     with pytest.raises(UnsupportedModelError, match=phrase):
         layer_specs(AutoConfig.for_model(model_type, **kwargs))
+
+
+@pytest.mark.parametrize(
+    "model_type, kinds",
+    [
+        ("olmo2", {None}),
+        ("granite", {None}),
+        ("gpt_neox", {None}),
+        ("mixtral", {None}),
+        ("cohere2", {None, 4096}),
+        ("olmo3", {None, 4096}),
+        ("ministral", {4096}),
+    ],
+)
+def test_families_nobody_listed_are_accepted_from_their_config(model_type, kinds):
+    """Decoder-only families with full or sliding attention need no entry anywhere in kvexport."""
+    assert {s.window for s in layer_specs(AutoConfig.for_model(model_type))} == kinds
 
 
 def test_gemma3_270m_cache_at_8192_is_at_most_a_quarter_of_full_length_layers(tmp_path):

@@ -54,13 +54,13 @@ def lower(program: torch.export.ExportedProgram, info: dict, out_dir: Path) -> d
     from executorch.exir.passes import MemoryPlanningPass
     from executorch.exir.passes.sym_shape_eval_pass import ConstraintBasedSymShapeEvalPass
 
-    from ..xnnpack_rewrites import XnnpackFriendlyShapes
+    from ..xnnpack_rewrites import XnnpackFriendlyShapes, partitioner_configs
 
     _tag_weights_for_data_file(program)
     edge = to_edge_transform_and_lower(
         program,
         transform_passes=[XnnpackFriendlyShapes()],
-        partitioner=[XnnpackPartitioner()],
+        partitioner=[XnnpackPartitioner(configs=partitioner_configs())],
         compile_config=EdgeCompileConfig(_check_ir_validity=False),
         constant_methods=_constant_methods(info),
     )

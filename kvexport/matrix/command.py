@@ -1,0 +1,104 @@
+"""``kvexport matrix MATRIX.toml [--shard I/N]`` and ``kvexport matrix merge REPORT.json ...``."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+from ..errors import InvalidOptionError
+from . import report as reports
+from .runner import run_rows
+from .spec import load_matrix, parse_shard, shard_rows
+
+MERGE = "merge"
+
+
+def matrix_command(
+    paths: list[str],
+    shard: str | None,
+    markdown: Path | None,
+    json_path: Path | None,
+    work_dir: Path | None,
+    keep_artifacts: bool,
+) -> bool:
+    """Run (or merge) and write the reports; True when every row passed."""
+    if not paths:
+        raise InvalidOptionError("give a matrix file (kvexport matrix MATRIX.toml) or `merge REPORT.json ...`")
+    if paths[0] == MERGE:
+        if shard or work_dir or keep_artifacts:
+            raise InvalidOptionError("merge takes only report files, --report and --json")
+        return _merge(paths[1:], markdown, json_path)
+    if len(paths) > 1:
+        raise InvalidOptionError(f"one matrix file at a time, got {len(paths)}: {' '.join(paths)}")
+    return _run(Path(paths[0]), shard, markdown, json_path, work_dir, keep_artifacts)
+
+
+def _run(path: Path, shard, markdown, json_path, work_dir, keep_artifacts) -> bool:
+    matrix = load_matrix(path)
+    index, count = parse_shard(shard) if shard else (1, 1)
+    rows = shard_rows(matrix.rows, index, count)
+    _check_writable(markdown, json_path)
+    temporary = work_dir is None
+    work_dir = Path(tempfile.mkdtemp(prefix="kvexport-matrix-")) if temporary else Path(work_dir)
+    work_dir.mkdir(parents=True, exist_ok=True)
+    _say(f"{path}: {len(rows)} of {len(matrix.rows)} rows (shard {index}/{count}); row logs in {work_dir}")
+    done = []
+
+    def on_start(row):
+        _say(f"[{len(done) + 1}/{len(rows)}] {row.model} × {row.target} {row.dtype} {row.max_cache_len or 'default'} ...")
+
+    def on_done(result):
+        done.append(result)
+        _say(f"    {_row_line(result)}")
+
+    try:
+        results = run_rows(rows, work_dir, keep_artifacts, on_start, on_done)
+    finally:
+        if temporary and not keep_artifacts:
+            shutil.rmtree(work_dir, ignore_errors=True)
+    report = reports.new_report(matrix, (index, count), results)
+    _write(report, markdown, json_path)
+    return reports.all_passed(report)
+
+
+def _merge(names: list[str], markdown, json_path) -> bool:
+    if not names:
+        raise InvalidOptionError("merge needs report files: kvexport matrix merge a.json b.json [--report all.md]")
+    _check_writable(markdown, json_path)
+    report = reports.merge_reports([reports.read_report(n) for n in names], names)
+    _write(report, markdown, json_path)
+    return reports.all_passed(report, whole_matrix=True)
+
+
+def _write(report: dict, markdown, json_path) -> None:
+    text = reports.to_markdown(report)
+    if json_path:
+        reports.write_json(report, json_path)
+    if markdown:
+        Path(markdown).write_text(text)
+    print(text, end="")
+    _say(reports.summary(report))
+
+
+def _check_writable(*paths) -> None:
+    """Refuse before hours of work, not after, a report that cannot be written."""
+    for path in paths:
+        if path is not None and not Path(path).absolute().parent.is_dir():
+            raise InvalidOptionError(f"cannot write {path}: folder {Path(path).absolute().parent} does not exist")
+
+
+def _row_line(result: dict) -> str:
+    if result["status"] == "pass":
+        return (
+            f"✓ pass: export {result['export_seconds']:.1f}s (peak RSS {result['export_peak_rss_mb']:.0f} MB, "
+            f"{result['artifact_mb']:.2f} MB), max |logit diff| {result['max_logit_diff']:.1e}, "
+            f"decode {result['decode_tokens_per_s']:.1f} tok/s"
+        )
+    failure = result["failure"] or {}
+    return f"✗ {result['status']} ({failure.get('stage')}): {failure.get('reason')}"
+
+
+def _say(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)

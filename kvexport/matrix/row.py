@@ -1,0 +1,177 @@
+"""One matrix row, in a child process of its own: export, check against eager transformers, and a
+short run for the decode speed.
+
+A process per row gives each row its own peak memory (the export's peak is this process's peak
+when the export ends: it has done nothing else yet), and a crash, a hang or an out-of-memory kill
+takes down that row only. Run as ``python -m kvexport.matrix.row ROW_DIR``: it reads
+``ROW_DIR/row.json`` and writes ``ROW_DIR/result.json``; progress goes to stderr (the row's log).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+from ..errors import KvexportError
+from .spec import Row
+
+ROW_FILE = "row.json"
+RESULT_FILE = "result.json"
+ARTIFACT_DIR = "artifact"
+RUN_PROMPT = "The capital of France is"
+
+
+def run_row(row: Row, row_dir: Path) -> dict:
+    """The row's measurements and verdict; never raises for a failure of the row itself."""
+    result: dict = {"status": "error", "failure": None, "family": None}
+    stage = "model"
+    try:
+        model = _model_argument(row, row_dir)
+        result["family"] = _family(model)
+        stage = "export"
+        result.update(_export(row, model, row_dir / ARTIFACT_DIR))
+        stage = "check"
+        check = _check(row, row_dir / ARTIFACT_DIR)
+        result.update(check)
+        stage = "run"
+        result.update(_decode_speed(row, row_dir / ARTIFACT_DIR))
+        result["status"] = "pass" if check["check_ok"] else "fail"
+        if not check["check_ok"]:
+            result["failure"] = {"stage": "check", "reason": check.pop("check_reason")}
+    except KvexportError as e:  # the row's own problem, said in one line
+        result["failure"] = {"stage": stage, "reason": str(e)}
+    except Exception as e:  # a bug or a limitation underneath: the traceback goes to the row's log
+        traceback.print_exc()
+        lines = str(e).strip().splitlines()
+        result["failure"] = {"stage": stage, "reason": f"{type(e).__name__}: {lines[0] if lines else ''}".rstrip(": ")}
+    result.pop("check_ok", None)
+    result.pop("check_reason", None)
+    return result
+
+
+def _model_argument(row: Row, row_dir: Path) -> str:
+    """What ``kvexport export`` takes for this row: the name, or the folder a tiny config is built into."""
+    if row.tiny_config is None:
+        return row.model
+    from ..models import presets
+
+    folder = row_dir / "model"
+    config = presets.tiny_config(row.tiny_config["model_type"], row.tiny_config["overrides"])
+    model, tokenizer = presets.build_tiny(config)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+def _family(model: str) -> str | None:
+    from ..models import architecture, sources
+
+    return architecture.text_config(sources.load_config(sources.resolve(model))).model_type
+
+
+def _export(row: Row, model: str, folder: Path) -> dict:
+    from ..exporter.pipeline import ExportOptions, export_model
+    from ..progress import Progress
+
+    start = time.perf_counter()
+    options = ExportOptions(
+        model=model, target=row.target, out=folder, max_cache_len=row.max_cache_len, dtype=row.dtype, force=True
+    )
+    exported = export_model(options, Progress())
+    files = [p for p in folder.iterdir() if p.is_file()]
+    return {
+        "max_cache_len": exported.manifest["max_cache_len"],
+        "family": exported.manifest["model_type"],
+        "export_seconds": round(time.perf_counter() - start, 2),
+        "export_steps": {step: round(s, 2) for step, s in exported.seconds.items()},
+        "export_peak_rss_mb": round(exported.peak_rss_mb, 1),
+        "artifact_mb": round(sum(p.stat().st_size for p in files) / 2**20, 3),
+        "kv_cache_mb": round(exported.manifest["kv_cache_bytes"] / 2**20, 3),
+    }
+
+
+def _check(row: Row, folder: Path) -> dict:
+    from ..exporter.artifact import read_manifest
+    from ..runtime_check.check import default_prompts, run_check
+    from ..runtime_check.tokenizer import ArtifactTokenizer
+
+    prompts = None
+    if row.check_new_tokens:
+        defaults = default_prompts(read_manifest(folder, verify=False), ArtifactTokenizer(folder))
+        prompts = [(text, row.check_new_tokens) for text, _ in defaults]
+    report = run_check(folder, prompts)
+    divergence = next(
+        (
+            {
+                "prompt": i,
+                "prompt_tokens": p.prompt_tokens,
+                "step": p.first_divergence,
+                "eager_token": p.eager_token,
+                "artifact_token": p.artifact_token,
+                "eager_margin": p.eager_margin,
+                "near_tie": p.near_tie,
+            }
+            for i, p in enumerate(report.prompts)
+            if not p.match
+        ),
+        None,
+    )
+    max_diff = max((p.max_logit_diff for p in report.prompts), default=0.0)
+    if divergence:
+        kind = "near-tie" if divergence["near_tie"] else "mismatch"
+        reason = (
+            f"tokens diverge at new token {divergence['step']} of prompt {divergence['prompt']} ({kind}: eager "
+            f"{divergence['eager_token']}, artifact {divergence['artifact_token']}, eager margin {divergence['eager_margin']:.3g})"
+        )
+    else:
+        reason = f"max |logit diff| {max_diff:.3g} exceeds the {report.dtype} tolerance {report.logit_tolerance}"
+    return {
+        "check_ok": report.ok,
+        "check_reason": reason,
+        "first_divergence": divergence,
+        "max_logit_diff": max_diff,
+        "logit_tolerance": report.logit_tolerance,
+        "check_prompts": [
+            {"prompt_tokens": p.prompt_tokens, "new_tokens": p.new_tokens, "compared_steps": p.compared_steps, "match": p.match}
+            for p in report.prompts
+        ],
+    }
+
+
+def _decode_speed(row: Row, folder: Path) -> dict:
+    from ..exporter.artifact import read_manifest
+    from ..runtime_check.generation import generate
+    from ..runtime_check.programs import load_program
+    from ..runtime_check.tokenizer import ArtifactTokenizer
+
+    manifest = read_manifest(folder, verify=False)
+    prompt_ids = ArtifactTokenizer(folder).encode(RUN_PROMPT)
+    new_tokens = max(1, min(row.run_new_tokens, manifest["max_cache_len"] - len(prompt_ids) + 1))
+    result = generate(load_program(folder, manifest), prompt_ids, new_tokens)  # EOS does not stop it
+    return {
+        "run_new_tokens": len(result.new_ids),
+        "prefill_tokens_per_s": round(result.prefill_tokens_per_s, 1),
+        "decode_tokens_per_s": round(result.decode_tokens_per_s, 1),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    from ..cli import _quiet_third_party_logs
+
+    argv = sys.argv[1:] if argv is None else argv
+    row_dir = Path(argv[0])
+    _quiet_third_party_logs()
+    row = Row.from_dict(json.loads((row_dir / ROW_FILE).read_text()))
+    result = run_row(row, row_dir)
+    tmp = row_dir / f".{RESULT_FILE}.tmp"
+    tmp.write_text(json.dumps(result, indent=2) + "\n")
+    os.replace(tmp, row_dir / RESULT_FILE)  # the parent never reads half a result
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

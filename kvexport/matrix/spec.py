@@ -1,0 +1,200 @@
+"""The matrix file (TOML): which rows to run, and how they split into shards.
+
+```toml
+[defaults]                      # optional: any row key, for each row that does not set it
+target = ["executorch", "onnx"]
+max_cache_len = 64
+
+[[row]]                         # each [[row]] table expands to the product of its lists
+model = ["tiny-llama", "tiny-gemma3"]
+dtype = "float32"
+
+[models.tiny-olmo2]             # optional: a tiny random model of any transformers family
+model_type = "olmo2"            # other keys override kvexport's tiny defaults (see presets.py)
+```
+
+Row keys: ``model``, ``target``, ``dtype``, ``max_cache_len`` (one value or a list; a missing
+``max_cache_len`` is export's default); ``timeout_s`` (the row's child process is killed after
+it); ``check_new_tokens`` (new tokens per check prompt; default: check's own, past the sliding
+window); ``run_new_tokens`` (tokens of the short run that measures decode speed).
+
+Rows are numbered in file order, each table expanding with ``model`` varying fastest, so that a
+round-robin split (row ``i`` to shard ``i % N + 1``) spreads models and targets over the shards.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import re
+import tomllib
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from ..errors import InvalidOptionError, KvexportError
+
+AXES = ("target", "dtype", "max_cache_len", "model")  # expansion order: the last varies fastest
+_OPTIONS = {"timeout_s": 1800, "check_new_tokens": None, "run_new_tokens": 32}
+_DEFAULTS = {"target": "executorch", "dtype": "float32", "max_cache_len": None}
+ROW_KEYS = (*AXES, *_OPTIONS)
+
+
+@dataclass(frozen=True)
+class Row:
+    index: int  # position in the whole matrix
+    model: str
+    target: str
+    dtype: str
+    max_cache_len: int | None
+    timeout_s: int
+    check_new_tokens: int | None
+    run_new_tokens: int
+    # For a [models.NAME] model: its model_type and config overrides, built in the row's process.
+    tiny_config: dict | None = None
+
+    @property
+    def id(self) -> str:
+        """Unique within a matrix, and usable as a folder name."""
+        model = re.sub(r"[^A-Za-z0-9._-]+", "_", Path(self.model).name)
+        return f"{self.index:03d}-{model}-{self.target}-{self.dtype}-{self.max_cache_len or 'default'}"
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "id": self.id}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Row:
+        return cls(**{k: v for k, v in data.items() if k != "id"})
+
+
+@dataclass(frozen=True)
+class Matrix:
+    path: Path
+    sha256: str  # of the file: shard reports merge only when they come from the same matrix
+    rows: list[Row]
+
+
+def load_matrix(path: Path | str) -> Matrix:
+    """Read and check a matrix file; every mistake is one line naming the file (and row)."""
+    path = Path(path)
+    if not path.is_file():
+        raise InvalidOptionError(f"matrix file {path} not found")
+    raw = path.read_bytes()
+    try:
+        data = tomllib.loads(raw.decode("utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise InvalidOptionError(f"{path} is not valid TOML: {e}")
+    try:
+        rows = _rows(data)
+    except KvexportError as e:
+        raise InvalidOptionError(f"{path}: {e}")
+    return Matrix(path, hashlib.sha256(raw).hexdigest(), rows)
+
+
+def _rows(data: dict) -> list[Row]:
+    _known_keys(data, ("defaults", "row", "models"), "top-level key")
+    defaults = data.get("defaults", {})
+    if not isinstance(defaults, dict):
+        raise InvalidOptionError("[defaults] must be a table")
+    _known_keys(defaults, ROW_KEYS, "key in [defaults]")
+    tiny = _tiny_models(data.get("models", {}))
+    tables = data.get("row", [])
+    if not isinstance(tables, list) or not all(isinstance(t, dict) for t in tables):
+        raise InvalidOptionError("rows are [[row]] tables (an array of tables)")
+    if not tables:
+        raise InvalidOptionError("no [[row]] tables: the matrix has no rows")
+    rows: list[Row] = []
+    seen: dict[tuple, int] = {}
+    for number, table in enumerate(tables, 1):
+        where = f"[[row]] #{number}"
+        _known_keys(table, ROW_KEYS, f"key in {where}")
+        merged = {**_DEFAULTS, **_OPTIONS, **defaults, **table}
+        if "model" not in merged:
+            raise InvalidOptionError(f"{where} has no 'model'")
+        axes = {axis: _values(merged[axis], axis, where) for axis in AXES}
+        options = {key: _option(merged[key], key, where) for key in _OPTIONS}
+        for target, dtype, max_cache_len, model in itertools.product(*(axes[a] for a in AXES)):
+            _check_row(model, target, dtype, max_cache_len, tiny, where)
+            key = (model, target, dtype, max_cache_len)
+            if key in seen:
+                raise InvalidOptionError(f"{where} repeats row {seen[key]} ({model}, {target}, {dtype}, {max_cache_len})")
+            seen[key] = len(rows)
+            rows.append(Row(len(rows), model, target, dtype, max_cache_len, tiny_config=tiny.get(model), **options))
+    return rows
+
+
+def _known_keys(table: dict, allowed: tuple, what: str) -> None:
+    for key in table:
+        if key not in allowed:
+            raise InvalidOptionError(f"unknown {what} '{key}'; expected one of: {', '.join(allowed)}")
+
+
+def _values(value, axis: str, where: str) -> list:
+    values = value if isinstance(value, list) else [value]
+    if not values:
+        raise InvalidOptionError(f"{where}: '{axis}' is an empty list")
+    for v in values:
+        if axis == "max_cache_len":
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                raise InvalidOptionError(f"{where}: max_cache_len must be a positive integer, got {v!r}")
+        elif not isinstance(v, str) or not v:
+            raise InvalidOptionError(f"{where}: '{axis}' must be a string or a list of strings, got {v!r}")
+    return values
+
+
+def _option(value, key: str, where: str):
+    if value is None and _OPTIONS[key] is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise InvalidOptionError(f"{where}: '{key}' must be a positive integer, got {value!r}")
+    return value
+
+
+def _check_row(model: str, target: str, dtype: str, max_cache_len, tiny: dict, where: str) -> None:
+    from ..exporter.targets import TARGETS
+    from ..models import sources
+
+    if target not in TARGETS:
+        raise InvalidOptionError(f"{where}: unknown target '{target}'; choose one of: {', '.join(TARGETS)}")
+    if dtype not in sources.DTYPES:
+        raise InvalidOptionError(f"{where}: unknown dtype '{dtype}'; choose one of: {', '.join(sources.DTYPES)}")
+    if model not in tiny:
+        try:
+            sources.resolve(model)
+        except KvexportError as e:
+            raise InvalidOptionError(f"{where}: {e}")
+
+
+def _tiny_models(models) -> dict[str, dict]:
+    """``[models.NAME]`` tables: ``model_type`` and config overrides, checked against transformers."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    from ..models import sources
+
+    if not isinstance(models, dict):
+        raise InvalidOptionError("[models] must be a table of [models.NAME] tables")
+    tiny = {}
+    for name, table in models.items():
+        if not isinstance(table, dict):
+            raise InvalidOptionError(f"[models.{name}] must be a table")
+        if name in sources.known_names():
+            raise InvalidOptionError(f"[models.{name}]: '{name}' is already a built-in model name; choose another")
+        model_type = table.get("model_type")
+        if not isinstance(model_type, str):
+            raise InvalidOptionError(f"[models.{name}] needs model_type, a transformers model type such as \"olmo2\"")
+        if model_type not in CONFIG_MAPPING_NAMES:
+            raise InvalidOptionError(f"[models.{name}]: transformers has no model type '{model_type}'")
+        tiny[name] = {"model_type": model_type, "overrides": {k: v for k, v in table.items() if k != "model_type"}}
+    return tiny
+
+
+def parse_shard(spec: str) -> tuple[int, int]:
+    """``"I/N"`` -> ``(I, N)``, ``1 <= I <= N``."""
+    match = re.fullmatch(r"\s*(\d+)\s*/\s*(\d+)\s*", spec or "")
+    if not match or not 1 <= int(match[1]) <= int(match[2]):
+        raise InvalidOptionError(f"--shard takes I/N with 1 <= I <= N (e.g. 2/4), got '{spec}'")
+    return int(match[1]), int(match[2])
+
+
+def shard_rows(rows: list[Row], index: int, count: int) -> list[Row]:
+    """Shard ``index`` of ``count``: rows ``index - 1``, ``index - 1 + count``, ... (round robin)."""
+    return [row for row in rows if row.index % count == index - 1]

@@ -1,0 +1,49 @@
+"""The ExecuTorch target's XNNPACK rewrites compute what the model computes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvexport.exporter.xnnpack_rewrites import _rotation, partitioner_configs
+
+
+@pytest.mark.parametrize("family", ["llama", "cohere", "gemma3"])
+def test_rotation_matrix_is_the_familys_own_rotate_half(family):
+    """Llama-style families rotate the two halves; Cohere interleaves even and odd dims."""
+    import importlib
+
+    rotate_half = importlib.import_module(f"transformers.models.{family}.modeling_{family}").rotate_half
+    weight = _rotation(rotate_half, 16, torch.float32)
+    x = torch.randn(5, 16)
+    assert torch.equal(torch.nn.functional.linear(x, weight), rotate_half(x))
+
+
+def test_a_rotate_half_that_is_not_a_signed_permutation_is_left_alone():
+    assert _rotation(lambda x: 0.5 * x, 8, torch.float32) is None
+
+
+def test_softmax_after_a_max_shift_over_a_dynamic_dim_is_exact():
+    """Attention sinks (GPT-OSS) shift logits by their max before the softmax; XNNPACK's max.dim gets
+    that wrong over a dynamic dim, so the target keeps max.dim out of the delegate."""
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+    from executorch.exir import EdgeCompileConfig, to_edge_transform_and_lower
+    from executorch.runtime import Runtime
+
+    class ShiftedSoftmax(torch.nn.Module):
+        def forward(self, x):
+            return torch.softmax(x - x.max(dim=-1, keepdim=True).values, dim=-1)
+
+    keys = torch.export.Dim("keys", min=2, max=64)
+    program = torch.export.export(ShiftedSoftmax(), (torch.randn(1, 4, 3, 10),), dynamic_shapes=({3: keys},))
+    edge = to_edge_transform_and_lower(
+        program,
+        partitioner=[XnnpackPartitioner(configs=partitioner_configs())],
+        compile_config=EdgeCompileConfig(_check_ir_validity=False),
+    )
+    buffer = edge.to_executorch().buffer  # the runtime reads the program from these: keep them alive
+    loaded = Runtime.get().load_program(buffer)
+    method = loaded.load_method("forward")
+    for n in (3, 10, 40):
+        x = torch.randn(1, 4, 3, n)
+        torch.testing.assert_close(method.execute([x])[0], ShiftedSoftmax()(x), atol=1e-6, rtol=0)

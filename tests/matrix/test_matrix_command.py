@@ -1,0 +1,102 @@
+"""``kvexport matrix`` end to end: each row exported and checked in its own process, failures
+recorded without stopping the run, shards merged. One real export (a tiny Cohere 2, a family
+kvexport has no code or preset for), the other rows fail fast."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ..test_cli import run_cli
+
+MATRIX = """
+[defaults]
+max_cache_len = 64
+[[row]]
+model = ["tiny-cohere2", "tiny-stablelm"]
+target = ["executorch", "onnx"]
+
+[models.tiny-cohere2]
+model_type = "cohere2"
+head_dim = 16
+sliding_window = 6
+layer_types = ["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"]
+
+[models.tiny-stablelm]
+model_type = "stablelm"
+"""
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    """The JSON report of each of two shards, and of their merge: (reports, exit codes, folder)."""
+    folder = tmp_path_factory.mktemp("matrix")
+    (folder / "m.toml").write_text(MATRIX)
+    capsys = _Capture()
+    codes = {}
+    for shard in ("1/2", "2/2"):
+        name = shard.replace("/", "of")
+        codes[shard] = run_cli(capsys, "matrix", folder / "m.toml", "--shard", shard, "--json", folder / f"{name}.json",
+                               "--report", folder / f"{name}.md", "--work-dir", folder / "work")[0]
+    codes["merge"] = run_cli(capsys, "matrix", "merge", folder / "2of2.json", folder / "1of2.json",
+                             "--json", folder / "all.json", "--report", folder / "all.md")[0]
+    reports = {name: json.loads((folder / f"{name}.json").read_text()) for name in ("1of2", "2of2", "all")}
+    return reports, codes, folder
+
+
+class _Capture:
+    """run_cli wants capsys; a module fixture cannot have it, and the output is not under test here."""
+
+    def readouterr(self):
+        return "", ""
+
+
+def test_every_row_is_recorded_and_a_failure_fails_the_run(shards):
+    reports, codes, _ = shards
+    assert codes == {"1/2": 1, "2/2": 1, "merge": 1}
+    merged = reports["all"]
+    assert [r["index"] for r in merged["rows"]] == [0, 1, 2, 3]
+    assert [r["index"] for r in reports["1of2"]["rows"]] == [0, 2]  # round robin
+    assert merged["shards"] == ["1/2", "2/2"]
+    statuses = {(r["model"], r["target"]): r["status"] for r in merged["rows"]}
+    assert statuses == {
+        ("tiny-cohere2", "executorch"): "pass",
+        ("tiny-cohere2", "onnx"): "error",
+        ("tiny-stablelm", "executorch"): "error",
+        ("tiny-stablelm", "onnx"): "error",
+    }
+
+
+def test_a_family_with_no_kvexport_code_exports_and_matches_eager(shards):
+    reports, _, _ = shards
+    row = reports["all"]["rows"][0]
+    assert (row["model"], row["family"], row["target"], row["status"]) == ("tiny-cohere2", "cohere2", "executorch", "pass")
+    assert row["first_divergence"] is None and row["max_logit_diff"] <= row["logit_tolerance"]
+    # Both default check prompts ran to the end, past the 6-token window.
+    assert all(p["match"] and p["compared_steps"] == p["new_tokens"] for p in row["check_prompts"])
+    assert sum(p["prompt_tokens"] + p["new_tokens"] for p in row["check_prompts"][:1]) > 6
+    assert row["export_seconds"] > 0 and set(row["export_steps"]) == {"load", "export", "lower", "save"}
+    assert row["export_peak_rss_mb"] > 100 and row["artifact_mb"] > 0.1 and row["decode_tokens_per_s"] > 0
+
+
+def test_failed_rows_say_where_and_why(shards):
+    reports, _, folder = shards
+    rows = {(r["model"], r["target"]): r for r in reports["all"]["rows"]}
+    assert rows["tiny-cohere2", "onnx"]["failure"] == {
+        "stage": "export", "reason": "target 'onnx' is not built in this version of kvexport yet"
+    }
+    refused = rows["tiny-stablelm", "executorch"]["failure"]
+    assert refused["stage"] == "export" and "does not route its attention" in refused["reason"]
+    markdown = (folder / "all.md").read_text()
+    assert "4 rows: 1 pass, 0 fail, 3 error" in markdown
+    assert "- **#2 tiny-cohere2 × onnx** (export): target 'onnx' is not built" in markdown
+
+
+def test_a_hanging_row_is_killed_at_its_timeout(tmp_path, capsys):
+    (tmp_path / "m.toml").write_text('[[row]]\nmodel = "tiny-llama"\ntimeout_s = 1\n')
+    code, _, err = run_cli(capsys, "matrix", tmp_path / "m.toml", "--json", tmp_path / "r.json")
+    (row,) = json.loads((tmp_path / "r.json").read_text())["rows"]
+    assert code == 1
+    assert row["status"] == "error" and row["failure"]["stage"] == "process"
+    assert row["failure"]["reason"].startswith("timed out after 1 s")
