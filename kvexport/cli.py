@@ -11,6 +11,7 @@ from typing import Annotated, Optional
 import typer
 
 from .errors import KvexportError
+from .third_party_logs import quiet as _quiet_third_party_logs
 
 app = typer.Typer(
     add_completion=False,
@@ -92,21 +93,6 @@ def check(
 def _terminate(signum, frame):
     # Turn SIGTERM into an exception so `finally` blocks remove half-written output.
     raise KeyboardInterrupt(f"signal {signum}")
-
-
-def _quiet_third_party_logs() -> None:
-    """Silence import-time chatter that says nothing about the user's job (torchao's optional CUDA
-    kernels failing to load on a CPU machine, torch's pytree deprecation notices)."""
-    import logging
-    import warnings
-
-    for name in ("torchao", "torch.utils._pytree"):
-        logging.getLogger(name).setLevel(logging.ERROR)
-    warnings.filterwarnings("ignore", category=DeprecationWarning)
-    warnings.filterwarnings("ignore", category=FutureWarning)
-    # ExecuTorch notes that mutated buffers start uninitialized: by design, the masks never read a
-    # cache slot before it is written.
-    warnings.filterwarnings("ignore", message="Mutation on a buffer in the model is detected")
 
 
 def main(argv: list[str] | None = None) -> None:
