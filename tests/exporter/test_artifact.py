@@ -72,3 +72,15 @@ def test_a_listed_file_that_is_missing_or_changed_is_refused(tmp_path):
     (out / "model.pte").unlink()
     with pytest.raises(ArtifactError, match="missing model.pte"):
         artifact.read_manifest(out)
+
+
+def test_a_changed_manifest_is_refused(tmp_path):
+    """One digit of the manifest (here the cache length) is as fatal as a byte of the weights."""
+    out = tmp_path / "out"
+    make_artifact(out)
+    text = (out / "kvexport.json").read_text()
+    (out / "kvexport.json").write_text(text.replace('"max_cache_len": 8', '"max_cache_len": 9'))
+    with pytest.raises(ArtifactError, match="kvexport.json does not match kvexport.json.sha256"):
+        artifact.read_manifest(out)
+    (out / "kvexport.json.sha256").unlink()  # a folder exported before the manifest had its own sum
+    assert artifact.read_manifest(out)["max_cache_len"] == 9
