@@ -30,9 +30,12 @@ class TextStream:
         self.printed = text
 
 
-def run_command(folder, prompt, max_new_tokens, ignore_eos, chat, temperature, top_p, seed, device, as_json) -> dict:
+def run_command(
+    folder, prompt, max_new_tokens, ignore_eos, chat, temperature, top_p, seed, device, as_json, manifest=None
+) -> dict:
+    """``kvexport run`` and ``python -m kvexport.device``. ``manifest``: already read and verified."""
     folder = Path(folder)
-    manifest = read_manifest(folder)
+    manifest = manifest or read_manifest(folder)
     tokenizer = ArtifactTokenizer(folder)
     if chat:
         prompt_ids = tokenizer.encode_chat([{"role": "user", "content": prompt}])
