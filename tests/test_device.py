@@ -26,7 +26,7 @@ class Device:
     def find_spec(self, name, path=None, target=None):
         top = name.split(".")[0]
         if top in blocked or (allowed and top not in allowed and top not in sys.stdlib_module_names):
-            raise ImportError(f"{{name}} is not installed on this device")
+            raise ModuleNotFoundError(f"{{name}} is not installed on this device", name=name)
 sys.meta_path.insert(0, Device())
 sys.argv[0] = "kvexport.device"
 runpy.run_module("kvexport.device", run_name="__main__", alter_sys=True)
@@ -77,6 +77,11 @@ def test_a_pte_runs_without_transformers_from_a_packed_archive(artifact, capsys,
     assert done.returncode == 0, done.stderr
     expected = kvexport_run_json(capsys, folder, *args[:-1])
     assert json.loads(done.stdout)["new_ids"] == expected["new_ids"]
+
+
+def test_a_pte_on_a_device_without_executorch_says_what_to_install(artifact):
+    done = run_device([artifact("tiny-gemma3"), "--prompt", "Hi"], allowed=ONNX_DEVICE_PACKAGES)
+    assert_one_line_error(done.returncode, done.stderr, "needs executorch to run", "pip install executorch==")
 
 
 def test_chat_streams_the_reply_and_stops_at_the_end_of_turn(artifact, capsys):
