@@ -57,23 +57,26 @@ def run_with_executorch_runner(folder: Path, manifest: dict, args: argparse.Name
         raise InvalidOptionError(f"ExecuTorch's runner has no {flags}; use the default --runner kvexport for them")
     prompt_ids = ArtifactTokenizer(folder).encode(args.prompt) if args.prompt else []
     check_fits(len(prompt_ids), args.max_new_tokens, manifest["max_cache_len"])
-    from executorch.extension.llm.runner import GenerationConfig, TextLLMRunner
-
+    try:
+        from executorch.extension.llm.runner import GenerationConfig, TextLLMRunner
+    except ModuleNotFoundError as e:
+        version = manifest.get("versions", {}).get("executorch")
+        raise KvexportError(f"--runner executorch needs executorch ({e.name} is not installed): "
+                            f"pip install executorch{'==' + version if version else ''}")
     from .runtime_check.executorch_program import register_kernels
 
     register_kernels()
-    try:
-        runner = TextLLMRunner(
-            str(folder / manifest["program"]), str(folder / "tokenizer.json"), str(folder / manifest["weights"])
-        )
-    except RuntimeError as e:
-        raise KvexportError(f"ExecuTorch's runner cannot load {folder}: {e}")
+    weights = str(folder / manifest["weights"]) if manifest.get("weights") else None
     # Its tokenizer adds no BOS: the runner prepends num_bos of them itself.
     bos = 1 if manifest.get("tokenizer_adds_bos") else 0
     config = GenerationConfig(
-        max_new_tokens=args.max_new_tokens or -1, temperature=args.temperature, echo=False, num_bos=bos, num_eos=0
+        max_new_tokens=-1 if args.max_new_tokens is None else args.max_new_tokens,  # -1: until the cache is full
+        temperature=args.temperature, echo=False, num_bos=bos, num_eos=0,
     )
-    runner.generate(args.prompt, config)
+    try:  # it raises a bare RuntimeError for anything it cannot load or run
+        TextLLMRunner(str(folder / manifest["program"]), str(folder / "tokenizer.json"), weights).generate(args.prompt, config)
+    except RuntimeError as e:
+        raise KvexportError(f"ExecuTorch's runner failed on {folder}: {e}")
 
 
 def main(argv: list[str] | None = None) -> int:
