@@ -12,6 +12,7 @@ from typing import Annotated, Optional
 import typer
 
 from .errors import KvexportError
+from .third_party_logs import quiet as _quiet_third_party_logs
 
 app = typer.Typer(
     add_completion=False,
@@ -64,10 +65,31 @@ def run(
     device: Annotated[str, typer.Option(help="cpu or cuda (ONNX artifacts)")] = "cpu",
     as_json: JsonFlag = False,
 ):
-    """Generate with the artifact and its tokenizer alone (no transformers model)."""
+    """Generate with the artifact (folder or kvexport pack archive) and its tokenizer alone (no transformers model)."""
+    from .exporter.archive import open_artifact
     from .runtime_check.run import run_command
 
-    run_command(folder, prompt, max_new_tokens, ignore_eos, chat, temperature, top_p, seed, device, as_json)
+    with open_artifact(folder) as (folder, manifest):
+        run_command(folder, prompt, max_new_tokens, ignore_eos, chat, temperature, top_p, seed, device, as_json, manifest)
+
+
+@app.command()
+def pack(
+    folder: Annotated[Path, typer.Argument(help="artifact folder")],
+    out: Annotated[
+        Optional[Path], typer.Option("--out", "-o", help="archive [default: FOLDER.tar; a .tar.gz or .tgz name is gzipped]")
+    ] = None,
+    force: Annotated[bool, typer.Option("--force", help="replace an existing archive")] = False,
+    as_json: JsonFlag = False,
+):
+    """Write the artifact folder as one archive for a device; its files are verified first, and again where it runs."""
+    from .exporter.archive import pack as pack_folder
+
+    archive, sha256 = pack_folder(folder, out, force)
+    if as_json:
+        print(json.dumps({"archive": str(archive), "sha256": sha256, "bytes": archive.stat().st_size}))
+    else:  # sha256sum's format: `sha256sum -c` checks the copy on the device
+        print(f"{sha256}  {archive}")
 
 
 @app.command()
@@ -120,21 +142,6 @@ class Interrupted(BaseException):
 
 def _interrupt(signum, frame):
     raise Interrupted(signum)
-
-
-def _quiet_third_party_logs() -> None:
-    """Silence import-time chatter that says nothing about the user's job (torchao's optional CUDA
-    kernels failing to load on a CPU machine, torch's pytree deprecation notices)."""
-    import logging
-    import warnings
-
-    for name in ("torchao", "torch.utils._pytree"):
-        logging.getLogger(name).setLevel(logging.ERROR)
-    warnings.filterwarnings("ignore", category=DeprecationWarning)
-    warnings.filterwarnings("ignore", category=FutureWarning)
-    # ExecuTorch notes that mutated buffers start uninitialized: by design, the masks never read a
-    # cache slot before it is written.
-    warnings.filterwarnings("ignore", message="Mutation on a buffer in the model is detected")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -21,6 +21,9 @@ from ..errors import ArtifactError, InvalidOptionError
 from .targets import TARGETS
 
 MANIFEST = "kvexport.json"
+# The manifest's own sha256, in sha256sum's format: the manifest lists every other file's sum, and
+# a flipped digit in it (a cache length, a window) would otherwise go unnoticed.
+MANIFEST_SUM = "kvexport.json.sha256"
 FORMAT = "kvexport-artifact"
 FORMAT_VERSION = 1
 
@@ -38,13 +41,14 @@ def file_entries(folder: Path) -> dict:
     return {
         p.name: {"sha256": sha256_file(p), "bytes": p.stat().st_size}
         for p in sorted(folder.iterdir())
-        if p.is_file() and p.name != MANIFEST
+        if p.is_file() and p.name not in (MANIFEST, MANIFEST_SUM)
     }
 
 
 def write_manifest(folder: Path, manifest: dict) -> None:
     manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, **manifest, "files": file_entries(folder)}
     (folder / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=False) + "\n")
+    (folder / MANIFEST_SUM).write_text(f"{sha256_file(folder / MANIFEST)}  {MANIFEST}\n")
 
 
 def check_output_path(out: Path, force: bool) -> None:
@@ -168,6 +172,10 @@ def read_manifest(folder: Path, verify: bool = True) -> dict:
             f"{path} has format version {manifest.get('format_version')}, this kvexport reads {FORMAT_VERSION}; "
             "re-export with this version"
         )
+    # Folders exported before the manifest had its own sum have none: their files are still checked.
+    sum_file = folder / MANIFEST_SUM
+    if verify and sum_file.is_file() and sum_file.read_bytes().split()[:1] != [sha256_file(path).encode()]:
+        raise ArtifactError(f"{path} does not match {MANIFEST_SUM}: the manifest is corrupt or was changed")
     for key, (valid, expected) in _FIELDS.items():
         if key not in manifest:
             raise ArtifactError(f"{path} lacks '{key}'; re-run kvexport export")

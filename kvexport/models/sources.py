@@ -19,6 +19,7 @@ import torch
 
 from ..errors import ModelNotFoundError, UnsupportedModelError
 from . import presets
+from .chat_templates import fallback_chat_template
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -144,7 +145,11 @@ def load_model(source: ModelSource, dtype: torch.dtype = torch.float32, cache_di
     if source.kind == "preset":
         return presets.build_preset(source.name, dtype)
     folder = _plain_folder(source, cache_dir) if source.kind in ("alias", "gguf") else source.path
-    return _load_folder(folder, dtype, source.name)
+    model, tokenizer = _load_folder(folder, dtype, source.name)
+    if tokenizer.chat_template is None:  # e.g. Gemma 3 270M's GGUF has no tokenizer.chat_template key
+        model_type = model.config.get_text_config().model_type
+        tokenizer.chat_template = fallback_chat_template(model_type, tokenizer.get_vocab())
+    return model, tokenizer
 
 
 def _load_folder(folder: Path, dtype: torch.dtype, name: str):

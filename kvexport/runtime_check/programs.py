@@ -12,6 +12,7 @@ from typing import Protocol
 
 import numpy as np
 
+from ..errors import KvexportError
 from ..exporter.artifact import read_manifest
 
 
@@ -24,10 +25,23 @@ class Program(Protocol):
 
 
 _RUNNERS = {"executorch": "executorch_program", "onnx": "onnx_program"}
+# The package each target runs on (ExecuTorch's Python runtime brings torch).
+_RUNTIME_PACKAGE = {"executorch": "executorch", "onnx": "onnxruntime"}
 
 
 def load_program(folder: Path, manifest: dict | None = None, device: str = "cpu") -> Program:
     folder = Path(folder)
     manifest = manifest or read_manifest(folder)
-    module = importlib.import_module(f"{__package__}.{_RUNNERS[manifest['target']]}")
-    return module.load(folder, manifest, device)
+    target = manifest["target"]
+    module = importlib.import_module(f"{__package__}.{_RUNNERS[target]}")
+    try:
+        return module.load(folder, manifest, device)
+    except ModuleNotFoundError as e:  # a device that has only the other target's runtime
+        if (e.name or "").split(".")[0] not in ("torch", "executorch", "onnxruntime"):
+            raise
+        package = _RUNTIME_PACKAGE[target]
+        version = manifest.get("versions", {}).get(package)
+        raise KvexportError(
+            f"this {target} artifact needs {package} to run ({e.name} is not installed): "
+            f"pip install {package}{'==' + version if version else ''}"
+        )

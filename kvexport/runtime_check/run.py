@@ -31,17 +31,24 @@ class TextStream:
         self.printed = text
 
 
-def run_command(folder, prompt, max_new_tokens, ignore_eos, chat, temperature, top_p, seed, device, as_json) -> dict:
+def run_command(
+    folder, prompt, max_new_tokens, ignore_eos, chat, temperature, top_p, seed, device, as_json, manifest=None
+) -> dict:
+    """``kvexport run`` and ``python -m kvexport.device``. ``manifest``: already read and verified."""
     folder = Path(folder)
-    manifest = read_manifest(folder)
+    manifest = manifest or read_manifest(folder)
     tokenizer = ArtifactTokenizer(folder)
-    text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}]) if chat else prompt
-    prompt_ids = tokenizer.encode(text) if prompt else []  # an empty --chat message is no prompt either
+    if chat:
+        prompt_ids = tokenizer.encode_chat([{"role": "user", "content": prompt}])
+    else:
+        prompt_ids = tokenizer.encode(prompt) if prompt else []
     check_fits(len(prompt_ids), max_new_tokens, manifest["max_cache_len"])
     sampling = Sampling(temperature, top_p, seed)
     program = load_program(folder, manifest, device)
     stream = None if as_json else TextStream(tokenizer)
     eos = set() if ignore_eos else set(manifest["eos_token_ids"])
+    if chat and not ignore_eos:  # a reply ends at the template's end of turn (Gemma: <end_of_turn>, not <eos>)
+        eos |= set(tokenizer.turn_end_ids())
     result = generate(program, prompt_ids, max_new_tokens, eos, sampling, on_token=stream)
     summary = {
         "prompt_ids": result.prompt_ids,

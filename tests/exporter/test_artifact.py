@@ -150,5 +150,18 @@ def test_an_inconsistent_manifest_is_refused(tmp_path, change, phrase):
     manifest = json.loads((out / "kvexport.json").read_text())
     change(manifest)
     (out / "kvexport.json").write_text(json.dumps(manifest))
+    (out / "kvexport.json.sha256").unlink()  # as if edited with its sum: the fields are checked too
     with pytest.raises(ArtifactError, match=re.escape(phrase)):
         artifact.read_manifest(out)
+
+
+def test_a_changed_manifest_is_refused(tmp_path):
+    """One digit of the manifest (here the cache length) is as fatal as a byte of the weights."""
+    out = tmp_path / "out"
+    make_artifact(out)
+    text = (out / "kvexport.json").read_text()
+    (out / "kvexport.json").write_text(text.replace('"max_cache_len": 8', '"max_cache_len": 9'))
+    with pytest.raises(ArtifactError, match="kvexport.json does not match kvexport.json.sha256"):
+        artifact.read_manifest(out)
+    (out / "kvexport.json.sha256").unlink()  # a folder exported before the manifest had its own sum
+    assert artifact.read_manifest(out)["max_cache_len"] == 9

@@ -103,3 +103,28 @@ def test_executorch_text_llm_runner_generates_eager_text(real):
     expected = eager_ids(model, prompt_ids, 48)
     stop = next((i for i, t in enumerate(expected) if t in manifest["eos_token_ids"]), len(expected))
     assert "".join(pieces).strip() == tokenizer.decode(expected[:stop]).strip()
+
+
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def test_chat_prompt_ids_are_transformers_ids(real):
+    """Both real models chat (Gemma 3 270M with the template the export adds), with transformers' ids."""
+    from transformers import AutoTokenizer
+
+    folder, _ = real
+    expected = AutoTokenizer.from_pretrained(folder).apply_chat_template(CHAT, tokenize=True, add_generation_prompt=True)
+    assert ArtifactTokenizer(folder).encode_chat(CHAT) == expected["input_ids"]
+
+
+def test_the_device_runner_generates_what_run_generates(real, capsys):
+    """python -m kvexport.device on the real folder: ONNX with only onnxruntime, numpy, tokenizers;
+    a .pte without transformers."""
+    from ..test_device import ONNX_DEVICE_PACKAGES, run_device
+
+    folder, _ = real
+    onnx = json.loads((folder / "kvexport.json").read_text())["target"] == "onnx"
+    guard = {"allowed": ONNX_DEVICE_PACKAGES} if onnx else {"blocked": {"transformers", "typer", "rich", "click"}}
+    done = run_device([folder, "--prompt", SHORT_PROMPT, "--max-new-tokens", 48, "--ignore-eos", "--json"], **guard)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["new_ids"] == kvexport_run(capsys, folder, SHORT_PROMPT, 48)["new_ids"]
