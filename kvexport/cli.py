@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 import signal
 import sys
 from pathlib import Path
@@ -144,12 +145,31 @@ def _interrupt(signum, frame):
     raise Interrupted(signum)
 
 
+# Exports run with this hash seed. transformers builds some graphs by iterating over a set of
+# strings (Gemma 3 computes its rotary tables per layer type in `set(config.layer_types)` order),
+# and that order follows Python's per-process hash seed: the traced program, and so the bytes of
+# model.pte, would differ from one run to the next.
+EXPORT_HASH_SEED = "0"
+
+
+def _reexec_with_fixed_hash_seed(argv: list[str]) -> None:
+    if os.environ.get("PYTHONHASHSEED") == EXPORT_HASH_SEED:
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    env = {**os.environ, "PYTHONHASHSEED": EXPORT_HASH_SEED}
+    os.execve(sys.executable, [sys.executable, "-m", "kvexport.cli", *argv], env)
+
+
 def main(argv: list[str] | None = None) -> None:
+    in_own_process = argv is None  # not called from another program (the tests), which exec would replace
     argv = list(sys.argv[1:] if argv is None else argv)
-    _quiet_third_party_logs()
     commands = {c.name or c.callback.__name__ for c in app.registered_commands}
     if argv and not argv[0].startswith("-") and argv[0] not in commands:
         argv.insert(0, "export")
+    if in_own_process and argv[:1] == ["export"] and "--help" not in argv:
+        _reexec_with_fixed_hash_seed(argv)
+    _quiet_third_party_logs()
     import click
 
     previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
