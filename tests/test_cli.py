@@ -10,6 +10,7 @@ import shutil
 import pytest
 
 from kvexport.cli import main
+from kvexport.exporter.artifact import sha256_file
 
 
 def run_cli(capsys, *args) -> tuple[int, str, str]:
@@ -292,11 +293,16 @@ def test_run_on_a_folder_that_is_not_an_artifact(tmp_path, capsys):
     assert_one_line_error(code, err, "no kvexport.json")
 
 
-def _edit_manifest(change):
+def _edit_manifest(change, update_its_sum: bool = True):
+    """Edit kvexport.json; with ``update_its_sum`` as a tool would that rewrites its sum file too,
+    so the manifest's fields themselves are what is checked."""
+
     def damage(folder):
         manifest = json.loads((folder / "kvexport.json").read_text())
         change(manifest)
         (folder / "kvexport.json").write_text(json.dumps(manifest))
+        if update_its_sum:
+            (folder / "kvexport.json.sha256").write_text(f"{sha256_file(folder / 'kvexport.json')}  kvexport.json\n")
 
     return damage
 
@@ -314,6 +320,10 @@ DAMAGED_ARTIFACTS = {
     "foreign-version": (
         _edit_manifest(lambda m: m.update(format_version=2)),
         ["has format version 2, this kvexport reads 1", "re-export"],
+    ),
+    "manifest-changed": (
+        _edit_manifest(lambda m: m.update(max_cache_len=m["max_cache_len"] + 1), update_its_sum=False),
+        ["kvexport.json does not match kvexport.json.sha256", "copy the artifact again or re-run kvexport export"],
     ),
     "field-of-wrong-type": (
         _edit_manifest(lambda m: m.update(max_cache_len="64")),

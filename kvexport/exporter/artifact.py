@@ -175,7 +175,10 @@ def read_manifest(folder: Path, verify: bool = True) -> dict:
     # Folders exported before the manifest had its own sum have none: their files are still checked.
     sum_file = folder / MANIFEST_SUM
     if verify and sum_file.is_file() and sum_file.read_bytes().split()[:1] != [sha256_file(path).encode()]:
-        raise ArtifactError(f"{path} does not match {MANIFEST_SUM}: the manifest is corrupt or was changed")
+        raise ArtifactError(
+            f"{path} does not match {MANIFEST_SUM}: the manifest is corrupt or was changed; "
+            "copy the artifact again or re-run kvexport export"
+        )
     for key, (valid, expected) in _FIELDS.items():
         if key not in manifest:
             raise ArtifactError(f"{path} lacks '{key}'; re-run kvexport export")

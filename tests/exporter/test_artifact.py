@@ -52,6 +52,16 @@ def test_a_failed_rebuild_keeps_the_previous_artifact(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["out"]
 
 
+@pytest.fixture
+def sigint_raises_keyboard_interrupt():
+    """A process a non-interactive shell starts in the background ignores SIGINT; give this one
+    Python's own handler for the test, as a kvexport started from a terminal has."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+@pytest.mark.usefixtures("sigint_raises_keyboard_interrupt")
 def test_an_interrupt_during_the_swap_waits_until_it_is_done(tmp_path, monkeypatch):
     out = tmp_path / "out"
     make_artifact(out)
