@@ -192,7 +192,8 @@ def work_textllm(spec: dict) -> dict:
         os.dup2(saved, 1)
     s = stats[-1]
     ms = s.SCALING_FACTOR_UNITS_PER_SECOND
-    # Its own accounting: the prefill's token is not in num_generated_tokens; each counted one is a decode step.
+    # Its own accounting, in whole milliseconds (a tiny model's prefill can take 0 ms: no rate then).
+    # The prefill's token is not in num_generated_tokens; each counted one is a decode step.
     return {
         "prompt_tokens": s.num_prompt_tokens,
         "new_tokens": s.num_generated_tokens + 1,
@@ -260,7 +261,7 @@ def exact_prompt(tokenizer, n: int) -> tuple[str, list[int]]:
         if size == n:
             return longer, tokenizer.encode(longer)
         if size > n:  # this word overshoots: a part of it may not
-            for k in range(len(word) - 1, 0, -1):
+            for k in range(len(word) - 1, -1 if text else 0, -1):  # k = 0: a trailing space
                 part = f"{text} {word[:k]}" if text else word[:k]
                 if len(tokenizer.encode(part)) == n:
                     return part, tokenizer.encode(part)
@@ -499,9 +500,9 @@ def main(argv=None) -> int:
                     continue
                 result = run_job(job, common, Path(tmp))
                 job.setdefault("runs", []).append(result)
-                shown = "error: " + result["error"] if "error" in result else (
-                    f"ttft {result['ttft_ms']:.0f} ms, prefill {result['prefill_tokens_per_s']:.0f} tok/s, "
-                    f"decode {result['decode_tokens_per_s']:.1f} tok/s, peak RSS {result['peak_rss_mb']:.0f} MB")
+                shown = "error: " + result["error"] if "error" in result else ", ".join(
+                    f"{title} {'–' if result.get(key) is None else f'{result[key]:.{digits}f}'}"
+                    for key, title, digits in METRICS)
                 print(f"[{repeat + 1}/{args.repeats}] {job['label']}: {shown}", file=sys.stderr, flush=True)
     finish(jobs, args)
     report = {
