@@ -64,7 +64,8 @@ class _Layer:
 
 
 class OnnxProgram:
-    def __init__(self, folder: Path, manifest: dict, device: str):
+    def __init__(self, folder: Path, manifest: dict, device: str, threads: int | None = None):
+        """``threads``: ONNX Runtime's intra-op threads (default: its own choice, one per physical core)."""
         import onnxruntime as ort
 
         if device not in ("cpu", "cuda"):
@@ -79,8 +80,12 @@ class OnnxProgram:
         self._max_cache_len = manifest["max_cache_len"]
         path = folder / manifest["program"]
         providers = ["CUDAExecutionProvider", "CPUExecutionProvider"] if device == "cuda" else ["CPUExecutionProvider"]
+        options = ort.SessionOptions()
+        if threads is not None:
+            options.intra_op_num_threads = threads
+            options.inter_op_num_threads = 1
         try:
-            self._session = ort.InferenceSession(str(path), providers=providers)
+            self._session = ort.InferenceSession(str(path), options, providers=providers)
         except Exception as e:  # onnxruntime raises its own exception types for unreadable models
             raise ArtifactError(f"ONNX Runtime cannot load {path}: {str(e).strip().splitlines()[0]}")
         if device == "cuda" and self._session.get_providers()[0] != "CUDAExecutionProvider":

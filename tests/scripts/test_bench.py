@@ -1,0 +1,72 @@
+"""scripts/bench.py on tiny artifacts: every path measured, the report sane (no timing thresholds)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def load_bench():
+    spec = importlib.util.spec_from_file_location("kvexport_bench", ROOT / "scripts" / "bench.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bench_measures_every_path(artifact, tmp_path, capsys):
+    bench = load_bench()
+    pte, onnx = artifact("tiny-gemma3", "executorch"), artifact("tiny-gemma3", "onnx")
+    out = tmp_path / "bench.json"
+    code = bench.main(["tiny-gemma3", str(pte), str(onnx), "--prompt-tokens", "8", "--new-tokens", "6",
+                       "--repeats", "1", "--threads", "1", "--json", str(out), "--markdown", str(tmp_path / "b.md")])
+    assert code == 0
+    report = json.loads(out.read_text())
+    table = capsys.readouterr().out
+    assert table.strip() == (tmp_path / "b.md").read_text().strip() and "| path |" in table
+
+    paths = {(p["path"], Path(p["artifact"]).name if p.get("artifact") else None): p for p in report["paths"]}
+    assert set(paths) == {("eager", None), ("run", pte.name), ("run", onnx.name), ("textllm", pte.name), ("llama", None)}
+    assert "no GGUF" in paths["llama", None]["skipped"]  # a preset has no GGUF file
+    assert report["protocol"] == {**report["protocol"], "prompt_tokens": 8, "new_tokens": 6, "threads": 1}
+    for key, job in paths.items():
+        if key[0] == "llama":
+            continue
+        (run,) = job["runs"]
+        assert "error" not in run, (key, run)
+        assert run["prompt_tokens"] == 8 and run["new_tokens"] == 6 and run["decode_steps"] == 5, (key, run)
+        for metric in ("ttft_ms", "prefill_tokens_per_s", "decode_tokens_per_s", "peak_rss_mb", "load_s"):
+            summary = job["summary"][metric]
+            if key[0] == "textllm" and metric in ("ttft_ms", "prefill_tokens_per_s", "decode_tokens_per_s"):
+                assert summary is None or summary["median"] >= 0  # its Stats count whole milliseconds: maybe 0
+                continue
+            assert summary["median"] > 0, (key, metric)
+        assert 10 < run["peak_rss_mb"] < 8000 and 0 <= run["ttft_ms"] < 60_000, (key, run)
+    # fp32 artifacts generate eager's tokens; TextLLMRunner prints kvexport run's text.
+    assert paths["run", pte.name]["same_tokens_as_eager"] == 6
+    assert paths["run", onnx.name]["same_tokens_as_eager"] == 6
+    assert paths["textllm", pte.name]["same_text_as_run"] is True
+    assert set(report["ratios"]["run_vs_textllm"]) == {str(pte)}
+    assert len(report["ratios"]["decode_vs_eager"]) == 3
+
+
+def test_bench_prompt_has_exactly_the_requested_tokens(artifact):
+    from kvexport.runtime_check.tokenizer import ArtifactTokenizer
+
+    bench = load_bench()
+    tokenizer = ArtifactTokenizer(artifact("tiny-gemma3", "executorch"))
+    for n in (2, 7, 40):
+        text, ids = bench.exact_prompt(tokenizer, n)
+        assert len(ids) == n and tokenizer.encode(text) == ids
+
+
+def test_bench_refuses_a_prompt_that_does_not_fit(artifact):
+    from kvexport.errors import PromptTooLongError
+
+    bench = load_bench()
+    with pytest.raises(PromptTooLongError):
+        bench.main(["tiny-gemma3", str(artifact("tiny-gemma3", "onnx")), "--prompt-tokens", "60", "--new-tokens", "10"])
