@@ -72,6 +72,9 @@ def lower(program: torch.export.ExportedProgram, info: dict, out_dir: Path) -> d
             # Plan activation memory for the largest call (T = max_cache_len), not the example input.
             sym_shape_eval_pass=ConstraintBasedSymShapeEvalPass(),
             external_constants=lambda node: WEIGHTS_TAG,
+            # Quantized embeddings (torchao dequantize + embedding) become ExecuTorch's
+            # quantized_decomposed::embedding_* kernels; constant folding drops the packing ops.
+            do_quant_fusion_and_const_prop=True,
         )
     )
     with open(out_dir / PROGRAM_FILE, "wb") as f:
