@@ -16,32 +16,94 @@ import torch
 
 from ..errors import InvalidOptionError
 
-LINEAR_SCHEMES = {"8da4w": "8da4w", "8da8w": "8da8w"}
+# --quantize: the scheme, and the one target that runs it.
+SCHEMES = {"8da4w": "executorch", "int4": "onnx"}
+# --quantize-embedding (ExecuTorch): kvexport's name -> ExecuTorch's quantize_model_ config.
 EMBEDDING_SCHEMES = {"int8": "8w", "int4": "4w"}
+GROUP_SIZE = 32  # weights per scale, for 4-bit linear weights on both targets and int4 embeddings
 # torchao's quant range for each embedding scheme, and the ExecuTorch kernel that reads it.
 _EMBEDDING_KERNELS = {(-128, 127): ("embedding_byte", 8), (-8, 7): ("embedding_4bit", 4)}
 
 
-def check_schemes(linear: str | None, embedding: str | None) -> None:
-    if linear is not None and linear not in LINEAR_SCHEMES:
-        raise InvalidOptionError(f"unknown --quantize '{linear}'; choose one of: {', '.join(LINEAR_SCHEMES)}")
-    if embedding is not None and embedding not in EMBEDDING_SCHEMES:
+def check_request(target: str, scheme: str | None, embedding: str | None, dtype: str) -> None:
+    """Refuse, before anything loads, a scheme that does not exist or that the target does not run."""
+    if scheme is not None and scheme not in SCHEMES:
+        choices = ", ".join(f"{s} (--target {t})" for s, t in SCHEMES.items())
+        raise InvalidOptionError(f"unknown --quantize '{scheme}'; choose one of: {choices}")
+    if scheme is not None and SCHEMES[scheme] != target:
+        right = next(s for s, t in SCHEMES.items() if t == target)
         raise InvalidOptionError(
-            f"unknown --quantize-embedding '{embedding}'; choose one of: {', '.join(EMBEDDING_SCHEMES)}"
+            f"--quantize {scheme} is for --target {SCHEMES[scheme]}; for --target {target} use --quantize {right}"
         )
+    if embedding is not None:
+        if target != "executorch":
+            raise InvalidOptionError(
+                f"--quantize-embedding is for --target executorch; for --target {target} leave it out "
+                "(--quantize int4 quantizes the embedding too)"
+            )
+        if embedding not in EMBEDDING_SCHEMES:
+            raise InvalidOptionError(
+                f"unknown --quantize-embedding '{embedding}'; choose one of: {', '.join(EMBEDDING_SCHEMES)}"
+            )
+    if (scheme or embedding) and dtype != "float32":
+        raise InvalidOptionError(f"--quantize takes --dtype float32 (the default), not {dtype}; leave --dtype out")
 
 
-def quantize_model(model: torch.nn.Module, linear: str | None, embedding: str | None) -> None:
-    """Quantize ``model``'s linear layers and embeddings in place (before export)."""
+def describe(scheme: str | None, embedding: str | None) -> dict | None:
+    """What ``kvexport.json`` records under ``quantization`` (None: not quantized)."""
+    if not scheme and not embedding:
+        return None
+    if scheme == "int4":
+        return {
+            "scheme": "int4",
+            "by": "onnxruntime.quantization.MatMulNBitsQuantizer",
+            "linear": {"weights": "int4", "symmetric": True, "block_size": GROUP_SIZE,
+                       "op": "com.microsoft::MatMulNBits", "accuracy_level": ONNX_ACCURACY_LEVEL},
+            "embedding": {"weights": "int4", "symmetric": True, "block_size": GROUP_SIZE,
+                          "op": "com.microsoft::GatherBlockQuantized"},
+        }
+    described: dict = {"scheme": scheme, "by": "torchao via executorch.extension.llm.export.quantize"}
+    if scheme:
+        described["linear"] = {"weights": "int4", "group_size": GROUP_SIZE, "activations": "int8, dynamic per token"}
+    if embedding:
+        described["embedding"] = {
+            "weights": embedding,
+            "group_size": GROUP_SIZE if embedding == "int4" else "row",
+            "op": f"quantized_decomposed::{'embedding_4bit' if embedding == 'int4' else 'embedding_byte'}",
+        }
+    return described
+
+
+# MatMulNBits' accuracy_level 4: int8 activations, the CPU's int8 dot products (as 8da4w on
+# XNNPACK, and as onnxruntime-genai's builder does for int4 on the CPU).
+ONNX_ACCURACY_LEVEL = 4
+
+
+def quantize_model(model: torch.nn.Module, scheme: str | None, embedding: str | None) -> list[str]:
+    """Quantize ``model``'s linear layers and embeddings in place (before export, ExecuTorch);
+    return the names of the layers left in float (a width that is no multiple of the group size)."""
+    import contextlib
+    import io
+
     from executorch.extension.llm.export.quantize import quantize_model_
 
-    quantize_model_(
-        model,
-        qlinear_config=LINEAR_SCHEMES[linear] if linear else None,
-        qembedding_config=EMBEDDING_SCHEMES[embedding] if embedding else None,
-        # Layers whose width is not a multiple of the group size stay in float.
-        skip_incompatible_shapes=True,
-    )
+    skipped: list[str] = []
+    # quantize_model_ prints what it does, and each layer it skips, on stdout (which --json owns).
+    with contextlib.redirect_stdout(io.StringIO()) as said:
+        quantize_model_(
+            model,
+            qlinear_config=scheme,
+            qlinear_group_size=GROUP_SIZE if scheme else None,
+            qembedding_config=EMBEDDING_SCHEMES[embedding] if embedding else None,
+            # int8: one scale per row (the embedding_byte kernel's fastest form); int4: groups of 32.
+            qembedding_group_size=(GROUP_SIZE if embedding == "int4" else 0) if embedding else None,
+            # Layers whose width is not a multiple of the group size stay in float.
+            skip_incompatible_shapes=True,
+        )
+    for line in said.getvalue().splitlines():
+        if line.strip().startswith("Skipping "):
+            skipped.append(line.strip().split()[1].rstrip(":"))
+    return skipped
 
 
 def fuse_quantized_embeddings(program: torch.export.ExportedProgram) -> int:
@@ -103,3 +165,44 @@ def _pack_int4_in_place(program: torch.export.ExportedProgram, node) -> None:
     packed = shifted[:, :, 0] * 16 + shifted[:, :, 1]
     store[spec.target] = torch.nn.Parameter(packed, requires_grad=False) if store is program.state_dict else packed
     node.meta["val"] = node.meta["val"].new_empty(packed.shape, dtype=torch.uint8)
+
+
+def quantize_onnx(path, data_file: str, embedding: bool = True) -> dict:
+    """Quantize the saved ONNX graph's weights in place with ONNX Runtime's ``MatMulNBitsQuantizer``,
+    as onnxruntime-genai's builder does for int4: every MatMul with a constant weight (the lm_head
+    included) becomes ``com.microsoft::MatMulNBits``, int4 symmetric in blocks of 32 along K, and
+    the embedding's Gather ``com.microsoft::GatherBlockQuantized`` (blocks of 32 along the hidden
+    dim). Returns op counts for ``kvexport.json``."""
+    import collections
+    import logging
+    import os
+
+    import numpy as np
+    import onnx
+    from onnxruntime.quantization import QuantFormat
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    # The quantizer logs each node, and warns that it raises the opset to 21 for the int4 tensor
+    # type of GatherBlockQuantized's table: opset 21 only adds (u)int4 to the ops this graph uses,
+    # and onnx.checker checks the result below.
+    logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer").setLevel(logging.ERROR)
+    model = onnx.load(str(path), load_external_data=True)
+    quantizer = MatMulNBitsQuantizer(
+        model,
+        bits=4,
+        block_size=GROUP_SIZE,
+        is_symmetric=True,
+        accuracy_level=ONNX_ACCURACY_LEVEL,
+        quant_format=QuantFormat.QOperator,
+        op_types_to_quantize=("MatMul", "Gather") if embedding else ("MatMul",),
+        quant_axes=(("MatMul", 0), ("Gather", 1)),
+    )
+    with np.errstate(divide="ignore", invalid="ignore"):  # an all-zero block (a padding row) has scale 0
+        quantizer.process()
+    model = quantizer.model.model
+    del quantizer
+    # onnx appends to an existing external data file: write a fresh one.
+    os.remove(os.path.join(os.path.dirname(str(path)), data_file))
+    onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True, location=data_file)
+    counts = collections.Counter(n.op_type for n in model.graph.node)
+    return {op: counts[op] for op in ("MatMulNBits", "GatherBlockQuantized", "MatMul", "Gather") if counts[op]}
