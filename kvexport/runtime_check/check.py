@@ -204,6 +204,12 @@ def run_check(
     return CheckReport(str(folder), manifest["target"], manifest["dtype"], device, tolerance, reports, mode, min_agreement)
 
 
+def _scheme(quantization: dict) -> str:
+    embedding = quantization.get("embedding", {}).get("weights")
+    scheme = quantization.get("scheme") or "float linear layers"
+    return f"{scheme}, {embedding} embedding" if embedding and quantization.get("scheme") != "int4" else scheme
+
+
 def _summary_line(report: PromptReport, tolerance: float, min_agreement: float | None = None) -> str:
     head = f"{report.prompt[:40]!r}{'...' if len(report.prompt) > 40 else ''} ({report.prompt_tokens} prompt tokens)"
     if min_agreement is not None:
@@ -250,7 +256,8 @@ def check_command(folder, prompts, max_new_tokens, device, model_name, as_json) 
     min_agreement = MIN_QUANTIZED_AGREEMENT if quantized else None
     if not as_json:
         rule = (
-            f"quantized ({quantized}): eager's tokens fed to both, top-1 agreement must be >= {MIN_QUANTIZED_AGREEMENT:.0%}"
+            f"quantized ({_scheme(quantized)}, not token-exact): eager's tokens fed to both, "
+            f"top-1 agreement with float eager must be >= {MIN_QUANTIZED_AGREEMENT:.0%}"
             if quantized
             else f"tokens must be identical, logits within {tolerance} ({manifest['dtype']} tolerance)"
         )
