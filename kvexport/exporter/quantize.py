@@ -187,6 +187,7 @@ def quantize_onnx(path, data_file: str, embedding: bool = True) -> dict:
     # and onnx.checker checks the result below.
     logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer").setLevel(logging.ERROR)
     model = onnx.load(str(path), load_external_data=True)
+    _fold_weight_transposes(model)
     quantizer = MatMulNBitsQuantizer(
         model,
         bits=4,
@@ -206,3 +207,27 @@ def quantize_onnx(path, data_file: str, embedding: bool = True) -> dict:
     onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True, location=data_file)
     counts = collections.Counter(n.op_type for n in model.graph.node)
     return {op: counts[op] for op in ("MatMulNBits", "GatherBlockQuantized", "MatMul", "Gather") if counts[op]}
+
+
+def _fold_weight_transposes(model) -> None:
+    """A MatMul whose weight is ``Transpose(initializer)`` gets the transposed initializer instead.
+
+    The exporter folds a linear layer's ``W.T`` into a constant, except where the weight is shared
+    (a tied lm_head reads the embedding table through a Transpose, so the table is stored once);
+    MatMulNBitsQuantizer quantizes only constant weights, and would leave that lm_head, the largest
+    matrix of a small model, in float."""
+    from onnx import numpy_helper
+
+    initializers = {i.name: i for i in model.graph.initializer}
+    producers = {out: node for node in model.graph.node for out in node.output}
+    for node in list(model.graph.node):
+        transpose = producers.get(node.input[1]) if node.op_type == "MatMul" and len(node.input) > 1 else None
+        if transpose is None or transpose.op_type != "Transpose" or transpose.input[0] not in initializers:
+            continue
+        weight = initializers[transpose.input[0]]
+        perm = next((list(a.ints) for a in transpose.attribute if a.name == "perm"), [1, 0])
+        if len(weight.dims) != 2 or perm != [1, 0] or transpose not in model.graph.node:
+            continue
+        array = numpy_helper.to_array(weight)
+        model.graph.initializer.append(numpy_helper.from_array(array.T.copy(), transpose.output[0]))
+        model.graph.node.remove(transpose)
