@@ -226,3 +226,38 @@ def test_quantize_mistakes_get_one_line_before_loading(tmp_path, capsys, monkeyp
     code, _, err = run_cli(capsys, "export", "tiny-llama", *args, "-o", tmp_path / "x")
     assert_one_line_error(code, err, *phrases)
     assert not (tmp_path / "x").exists()
+
+
+def test_a_tied_lm_head_read_through_a_transpose_is_quantized_too(tmp_path):
+    """Real tied models (SmolLM2, Gemma 3) come out of the exporter as MatMul(x, Transpose(table)):
+    the quantizer must still see a constant weight, or the largest matrix stays float."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    from kvexport.exporter.quantize import quantize_onnx
+
+    table = np.random.default_rng(0).standard_normal((96, 64)).astype(np.float32)
+    graph = helper.make_graph(
+        [
+            helper.make_node("Gather", ["table", "ids"], ["embedded"]),
+            helper.make_node("Transpose", ["table"], ["table_t"], perm=[1, 0]),
+            helper.make_node("MatMul", ["embedded", "table_t"], ["logits"]),
+        ],
+        "tied",
+        [helper.make_tensor_value_info("ids", TensorProto.INT64, [1, "T"])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, "T", 96])],
+        [numpy_helper.from_array(table, "table")],
+    )
+    path = tmp_path / "model.onnx"
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)], ir_version=10)  # as torch.onnx writes
+    onnx.save_model(model, str(path),
+                    save_as_external_data=True, location="model.onnx.data", size_threshold=0)
+    ops = quantize_onnx(path, "model.onnx.data")
+    assert ops == {"MatMulNBits": 1, "GatherBlockQuantized": 1}
+    onnx.checker.check_model(str(path), full_check=True)
+    import onnxruntime as ort
+
+    ids = np.array([[3, 17, 95]], dtype=np.int64)
+    got = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"ids": ids})[0]
+    rounded = fake_int4(torch.from_numpy(table)).numpy()
+    assert np.abs(got - rounded[ids] @ rounded.T).max() < 0.05 * np.abs(got).max()
