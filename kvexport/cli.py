@@ -37,6 +37,13 @@ def export(
     ] = None,
     dtype: Annotated[str, typer.Option(help="float32, float16 or bfloat16 (per target)")] = "float32",
     force: Annotated[bool, typer.Option("--force", help="replace an existing output folder")] = False,
+    quantize: Annotated[
+        Optional[str],
+        typer.Option(help="4-bit weights: 8da4w (executorch: int8 dynamic activations, int4 weights) or int4 (onnx: MatMulNBits)"),
+    ] = None,
+    quantize_embedding: Annotated[
+        Optional[str], typer.Option(help="executorch: int8 or int4 embedding table")
+    ] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="no progress output")] = False,
     as_json: JsonFlag = False,
 ):
@@ -44,9 +51,10 @@ def export(
     from .exporter.pipeline import ExportOptions, export_model
     from .progress import Progress
 
-    result = export_model(
-        ExportOptions(model, target, out, max_cache_len, dtype, force), Progress(quiet=quiet)
+    options = ExportOptions(
+        model, target, out, max_cache_len, dtype, force, quantize=quantize, quantize_embedding=quantize_embedding
     )
+    result = export_model(options, Progress(quiet=quiet))
     if as_json:
         print(json.dumps({"folder": str(result.folder), "seconds": result.seconds, "peak_rss_mb": result.peak_rss_mb}))
 

@@ -32,17 +32,23 @@ def tiny(preset):
 
 @pytest.fixture(scope="session")
 def artifact(tmp_path_factory):
-    """``artifact(name, target)`` -> folder, exported once per session."""
+    """``artifact(name, target, quantize=None, quantize_embedding=None)`` -> folder, exported once
+    per session."""
     from kvexport.exporter.pipeline import ExportOptions, export_model
     from kvexport.progress import Progress
 
-    cache: dict[tuple[str, str], object] = {}
+    cache: dict[tuple, object] = {}
 
-    def get(name: str, target: str = "executorch"):
-        if (name, target) not in cache:
-            out = tmp_path_factory.mktemp("artifacts") / f"{name}-{target}"
-            export_model(ExportOptions(name, target, out, TEST_CACHE_LEN), Progress(quiet=True))
-            cache[name, target] = out
-        return cache[name, target]
+    def get(name: str, target: str = "executorch", quantize: str | None = None, quantize_embedding: str | None = None):
+        key = (name, target, quantize, quantize_embedding)
+        if key not in cache:
+            suffix = "".join(f"-{q}" for q in (quantize, quantize_embedding) if q)
+            out = tmp_path_factory.mktemp("artifacts") / f"{name}-{target}{suffix}"
+            options = ExportOptions(
+                name, target, out, TEST_CACHE_LEN, quantize=quantize, quantize_embedding=quantize_embedding
+            )
+            export_model(options, Progress(quiet=True))
+            cache[key] = out
+        return cache[key]
 
     return get

@@ -12,7 +12,7 @@ from .. import __version__
 from ..errors import InvalidOptionError
 from ..models import architecture, sources
 from ..progress import Progress, peak_rss_mb
-from . import artifact
+from . import artifact, quantize
 from .targets import get_target
 
 DEFAULT_MAX_CACHE_LEN = 2048
@@ -26,6 +26,8 @@ class ExportOptions:
     max_cache_len: int | None = None
     dtype: str = "float32"
     force: bool = False
+    quantize: str | None = None  # "8da4w" (executorch) or "int4" (onnx)
+    quantize_embedding: str | None = None  # "int8" or "int4" (executorch)
 
 
 @dataclass
@@ -94,6 +96,8 @@ class ExportPlan:
     def summary(self) -> str:
         o = self.options
         rings = sum(s.is_ring(self.max_cache_len) for s in self.specs)
+        schemes = [f"--quantize {o.quantize}" if o.quantize else "", f"--quantize-embedding {o.quantize_embedding}" if o.quantize_embedding else ""]
+        quantized = f" ({', '.join(s for s in schemes if s)})" if any(schemes) else ""
         default = (
             ""
             if o.max_cache_len
@@ -103,7 +107,7 @@ class ExportPlan:
             f"{o.model}: {len(self.specs)} layers ({rings} sliding-window rings), max_cache_len "
             f"{self.max_cache_len}{default}, KV cache {self.kv_cache_bytes / 2**20:.1f} MiB "
             f"({self.kv_cache_bytes / self.kv_cache_bytes_if_all_full:.0%} of full-length layers), "
-            f"{o.dtype} -> {o.target}"
+            f"{o.dtype} -> {o.target}{quantized}"
         )
 
 
@@ -116,6 +120,7 @@ def plan_export(options: ExportOptions) -> ExportPlan:
         raise InvalidOptionError(
             f"target {options.target} does not take --dtype {options.dtype}; it takes {', '.join(target.SUPPORTED_DTYPES)}"
         )
+    quantize.check_request(options.target, options.quantize, options.quantize_embedding, options.dtype)
     out = Path(options.out) if options.out else default_output(options.model, options.target)
     artifact.check_output_path(out, options.force)
     source = sources.resolve(options.model)
@@ -135,6 +140,12 @@ def export_model(options: ExportOptions, progress: Progress | None = None) -> Ex
     with progress.step("load", plan.source.name):
         model, tokenizer = sources.load_model(plan.source, sources.DTYPES[options.dtype])
     info = _manifest_info(plan, model, tokenizer)
+    quantization = info.get("quantization")
+    if quantization and hasattr(target, "quantize_model"):  # ExecuTorch: the module, before export
+        with progress.step("quantize", _quantize_detail(options)):
+            skipped = target.quantize_model(model, options.quantize, options.quantize_embedding)
+        if skipped:
+            quantization["left_in_float"] = skipped
 
     with artifact.staged_folder(plan.out) as folder:
         with progress.step("export", f"torch.export, T dynamic in [1, {plan.max_cache_len}]"):
@@ -142,6 +153,10 @@ def export_model(options: ExportOptions, progress: Progress | None = None) -> Ex
         with progress.step("lower", options.target):
             lowered = target.lower(program, info, folder)
             del program
+        if quantization and hasattr(target, "quantize_files"):  # ONNX: the saved graph's weights
+            del model
+            with progress.step("quantize", _quantize_detail(options)):
+                lowered.update(target.quantize_files(folder, info))
         with progress.step("save", str(plan.out)):
             tokenizer.save_pretrained(folder)
             # The target's facts win: the ONNX target replaces `interface` with its graph's own.
@@ -152,6 +167,13 @@ def export_model(options: ExportOptions, progress: Progress | None = None) -> Ex
     program_bytes = sum(manifest["files"][name]["bytes"] for name in program_files)
     progress.info(f"wrote {plan.out} ({program_bytes / 2**20:.1f} MiB program)")
     return ExportResult(plan.out, manifest, dict(progress.seconds), peak_rss_mb())
+
+
+def _quantize_detail(options: ExportOptions) -> str:
+    if options.quantize == "int4":
+        return "int4 weights, MatMul -> MatMulNBits, Gather -> GatherBlockQuantized (ONNX Runtime)"
+    parts = [f"linear {options.quantize}" if options.quantize else "", f"embedding {options.quantize_embedding}" if options.quantize_embedding else ""]
+    return "torchao, " + ", ".join(p for p in parts if p)
 
 
 def _eos_ids(model, tokenizer) -> list[int]:
@@ -179,10 +201,15 @@ def _manifest_info(plan: ExportPlan, model, tokenizer) -> dict:
             "target": plan.options.target,
             "dtype": dtype,
             "max_cache_len": plan.max_cache_len,
+            # Only when set, so unquantized manifests read as before.
+            **({"quantize": plan.options.quantize} if plan.options.quantize else {}),
+            **({"quantize_embedding": plan.options.quantize_embedding} if plan.options.quantize_embedding else {}),
         },
         "model_type": config.model_type,
         "dtype": dtype,
         "max_cache_len": plan.max_cache_len,
+        # Weight quantization (absent: float weights). `check` then measures agreement with float eager.
+        **({"quantization": q} if (q := quantize.describe(plan.options.quantize, plan.options.quantize_embedding)) else {}),
         "vocab_size": config.vocab_size,
         "bos_token_id": bos,
         "eos_token_ids": _eos_ids(model, tokenizer),

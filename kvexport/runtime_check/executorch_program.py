@@ -39,8 +39,10 @@ class ExecuTorchProgram:
 
 def register_kernels() -> None:
     """Register the kernels of ExecuTorch's LLM custom ops (``llama::custom_sdpa``, ``llama::update_cache``)
-    with the runtime; a ``.pte`` that uses them cannot load otherwise."""
+    and of its quantized ops (``quantized_decomposed::embedding_byte`` / ``embedding_4bit``, a quantized
+    embedding) with the runtime; a ``.pte`` that uses them cannot load otherwise."""
     import executorch.extension.llm.custom_ops.custom_ops  # noqa: F401
+    import executorch.kernels.quantized  # noqa: F401
 
 
 def load(folder: Path, manifest: dict, device: str) -> ExecuTorchProgram:

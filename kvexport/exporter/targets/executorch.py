@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from ..export import export_decoder
+from ..quantize import fuse_quantized_embeddings
 from ..wrapper import ExportableDecoder
 
 PROGRAM_FILE = "model.pte"
@@ -28,6 +29,13 @@ def export(model: torch.nn.Module, max_cache_len: int) -> torch.export.ExportedP
 
     with rotary_as_matmul(model):
         return export_decoder(ExportableDecoder(model, max_cache_len, build_custom_op_caches))
+
+
+def quantize_model(model: torch.nn.Module, scheme: str | None, embedding: str | None) -> list[str]:
+    """Quantize the linear layers (``8da4w``) and embeddings in place with torchao, before export."""
+    from ..quantize import quantize_model as quantize
+
+    return quantize(model, scheme, embedding)
 
 
 def _constant_methods(info: dict) -> dict:
@@ -64,6 +72,8 @@ def lower(program: torch.export.ExportedProgram, info: dict, out_dir: Path) -> d
         compile_config=EdgeCompileConfig(_check_ir_validity=False),
         constant_methods=_constant_methods(info),
     )
+    # A quantized embedding is still torchao's dequantize + embedding: make it ExecuTorch's kernel.
+    fused = fuse_quantized_embeddings(edge.exported_program())
     delegated, portable, custom = _op_counts(edge.exported_program().graph_module)
     et_program = edge.to_executorch(
         ExecutorchBackendConfig(
@@ -72,6 +82,9 @@ def lower(program: torch.export.ExportedProgram, info: dict, out_dir: Path) -> d
             # Plan activation memory for the largest call (T = max_cache_len), not the example input.
             sym_shape_eval_pass=ConstraintBasedSymShapeEvalPass(),
             external_constants=lambda node: WEIGHTS_TAG,
+            # Quantized embeddings (torchao dequantize + embedding) become ExecuTorch's
+            # quantized_decomposed::embedding_* kernels; constant folding drops the packing ops.
+            do_quant_fusion_and_const_prop=True,
         )
     )
     with open(out_dir / PROGRAM_FILE, "wb") as f:
@@ -86,6 +99,7 @@ def lower(program: torch.export.ExportedProgram, info: dict, out_dir: Path) -> d
         "non_delegated_ops": portable,
         # Kernels beyond ExecuTorch's portable set that a runtime must link or register.
         "custom_ops": custom,
+        **({"quantized_embedding_ops": fused} if fused else {}),
     }
 
 
@@ -113,4 +127,6 @@ def _op_counts(graph_module: torch.fx.GraphModule) -> tuple[int, int, list[str]]
             outside += 1
             if "llama." in name:
                 custom.add("llama::" + name.split("llama.")[1].split(".")[0])
+            elif "quantized_decomposed." in name:  # ExecuTorch's quantized kernels (a quantized embedding)
+                custom.add("quantized_decomposed::" + name.split("quantized_decomposed.")[1].split(".")[0])
     return delegated, outside, sorted(custom)

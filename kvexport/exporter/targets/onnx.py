@@ -58,19 +58,43 @@ def lower(program: torch.export.ExportedProgram, info: dict, out_dir: Path) -> d
     path = out_dir / PROGRAM_FILE
     onnx_program.save(path, external_data=True)
     del onnx_program
+    _check(path)
+    graph = onnx.load(str(path), load_external_data=False)
+    return {
+        "program": PROGRAM_FILE,
+        "external_data": DATA_FILE,
+        "opset": _opset(graph),
+        "interface": interface(graph, info),
+    }
+
+
+def quantize_files(out_dir: Path, info: dict) -> dict:
+    """``--quantize int4``: the written graph's weights to 4 bits (ONNX Runtime's MatMulNBits and
+    GatherBlockQuantized), rewritten in place as ``model.onnx`` + ``model.onnx.data``, then checked
+    again. The interface does not change."""
+    import onnx
+
+    from ..quantize import quantize_onnx
+
+    path = out_dir / PROGRAM_FILE
+    ops = quantize_onnx(path, DATA_FILE)
+    _check(path)
+    return {"opset": _opset(onnx.load(str(path), load_external_data=False)), "quantized_ops": ops}
+
+
+def _opset(graph) -> int:
+    return next(o.version for o in graph.opset_import if o.domain in ("", "ai.onnx"))
+
+
+def _check(path: Path) -> None:
+    import onnx
+
     try:
         # By path: the checker then reads the external data file as a runtime would.
         onnx.checker.check_model(str(path), full_check=True)
     except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UnsupportedModelError(f"the exported ONNX model does not pass onnx.checker ({first}); nothing was written")
-    graph = onnx.load(str(path), load_external_data=False)
-    return {
-        "program": PROGRAM_FILE,
-        "external_data": DATA_FILE,
-        "opset": next(o.version for o in graph.opset_import if o.domain in ("", "ai.onnx")),
-        "interface": interface(graph, info),
-    }
 
 
 def _tidy(model, layers: list[dict]) -> None:

@@ -1,0 +1,263 @@
+"""``--quantize`` / ``--quantize-embedding``: the artifact runs the quantized model it claims to.
+
+A tiny random model quantized to 4 bits no longer predicts what its float self predicts (random
+weights have no structure for the scales to follow), so on tiny presets the artifact is held to the
+*quantized* model computed in PyTorch: torchao's own quantized modules for 8da4w, and the float
+model with its weights rounded as ONNX Runtime's int4 quantizer rounds them for int4. Agreement
+with float eager (``kvexport check``) is measured on the real models (README, Quantization).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from kvexport.exporter.artifact import read_manifest
+from kvexport.exporter.quantize import GROUP_SIZE, quantize_model
+from kvexport.models.presets import build_preset
+from kvexport.runtime_check.programs import load_program
+
+from ..conftest import NEW_TOKENS, PROMPT
+from ..helpers import eager_ids
+from ..test_cli import assert_one_line_error, run_cli
+
+
+def teacher_forced(forward, ids: list[int], prompt_len: int) -> np.ndarray:
+    """Logits for positions ``prompt_len - 1 ..``: the prompt in one call, then ``ids`` one by one."""
+    logits = [forward(ids[:prompt_len], 0)]
+    for pos in range(prompt_len, len(ids) - 1):
+        logits.append(forward([ids[pos]], pos))
+    return np.stack(logits)
+
+
+def torch_logits(model, ids: list[int], prompt_len: int) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.tensor([ids[:-1]])).logits[0, prompt_len - 1:].float().numpy()
+
+
+def agreement(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.mean(a.argmax(-1) == b.argmax(-1)))
+
+
+def assert_closer_to(got: np.ndarray, reference: np.ndarray, as_float: np.ndarray) -> None:
+    """The artifact computes the quantized model: its logits are much nearer the quantized
+    reference's than the float model's are. Not equal: the runtimes round activations to int8 on
+    the fly (XNNPACK's 8da4w, MatMulNBits' accuracy level 4) a little differently from PyTorch,
+    and near-ties of a random tiny model flip. A wrong scale, group or packing (the int4
+    embedding's nibbles) puts the artifact at least as far off as the float model."""
+    off = float(np.mean(np.abs(got - reference)))
+    quantization_error = float(np.mean(np.abs(as_float - reference)))
+    numbers = f"mean |artifact - reference| {off:.3g}, |float - reference| {quantization_error:.3g}, "
+    numbers += f"top-1 agreement {agreement(got, reference):.2f} (float model: {agreement(got, as_float):.2f})"
+    assert off < 0.5 * quantization_error, numbers
+    assert agreement(got, reference) > agreement(got, as_float), numbers
+
+
+def sequence(name: str):
+    """(float model, prompt + float greedy continuation, prompt length)."""
+    model, tokenizer = build_preset(name)
+    ids = tokenizer(PROMPT).input_ids
+    return model, ids + eager_ids(model, ids, NEW_TOKENS), len(ids)
+
+
+def artifact_bytes(folder, manifest) -> int:
+    return sum(entry["bytes"] for name, entry in manifest["files"].items() if name.startswith("model."))
+
+
+# --- ExecuTorch: 8da4w linear layers, int8 / int4 embedding ------------------------------------
+
+
+@pytest.mark.parametrize(
+    "name, embedding, kernel",
+    [("tiny-gemma3", "int8", "embedding_byte"), ("tiny-smollm3", "int4", "embedding_4bit")],
+    ids=["gemma3-int8-embedding", "smollm3-tied-int4-embedding"],
+)
+def test_8da4w_pte_runs_the_torchao_quantized_model(artifact, name, embedding, kernel):
+    folder = artifact(name, "executorch", "8da4w", embedding)
+    manifest = read_manifest(folder)
+    assert manifest["quantization"]["scheme"] == "8da4w"
+    assert manifest["quantization"]["embedding"]["weights"] == embedding
+    assert manifest["export_options"]["quantize"] == "8da4w"
+    assert manifest["export_options"]["quantize_embedding"] == embedding
+    # The embedding lookup is ExecuTorch's quantized kernel, not torchao's dequantize of the whole table.
+    assert manifest["quantized_embedding_ops"] == 1
+    assert f"quantized_decomposed::{kernel}" in manifest["custom_ops"]
+
+    model, ids, prompt_len = sequence(name)
+    quantized = copy.deepcopy(model)
+    assert quantize_model(quantized, "8da4w", embedding) == []  # every tiny width is a multiple of 32
+    got = teacher_forced(load_program(folder).forward, ids, prompt_len)
+    reference = torch_logits(quantized, ids, prompt_len)
+    as_float = torch_logits(model, ids, prompt_len)
+    assert_closer_to(got, reference, as_float)
+
+
+def test_8da4w_pte_is_smaller(artifact):
+    fp32 = read_manifest(artifact("tiny-gemma3"))
+    quantized = read_manifest(artifact("tiny-gemma3", "executorch", "8da4w", "int8"))
+    # Tiny layers carry a large share of per-call overhead and float norms; real models shrink ~4x.
+    assert artifact_bytes(None, quantized) < artifact_bytes(None, fp32) / 2.5
+
+
+# --- ONNX: int4 MatMulNBits + GatherBlockQuantized ---------------------------------------------
+
+
+def fake_int4(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` as ONNX Runtime's symmetric int4 quantizer stores it: blocks of 32 along the last
+    dim (a Linear's input dim, an embedding's hidden dim), scale = the block's value of largest
+    magnitude / -8, values rounded to [-8, 7]."""
+    blocks = weight.reshape(*weight.shape[:-1], -1, GROUP_SIZE)
+    extreme = blocks.gather(-1, blocks.abs().argmax(-1, keepdim=True))
+    scale = extreme / -8
+    q = torch.where(scale == 0, torch.zeros_like(blocks), (blocks / scale).round().clamp(-8, 7))
+    return (q * scale).reshape(weight.shape)
+
+
+def test_int4_onnx_export_runs_the_int4_model(tmp_path, capsys):
+    folder = tmp_path / "q"
+    code, out, err = run_cli(
+        capsys, "export", "tiny-gemma3", "--target", "onnx", "--max-cache-len", "64", "--quantize", "int4", "-o", folder
+    )
+    assert code == 0, err
+    assert "✓ quantize " in err and "MatMulNBits" in err  # its own progress step
+    manifest = read_manifest(folder)
+    assert manifest["quantization"]["scheme"] == "int4"
+    assert manifest["export_options"]["quantize"] == "int4"
+    assert "quantize_embedding" not in manifest["export_options"]
+    ops = manifest["quantized_ops"]
+    # Every projection and the lm_head (4 layers x 7 + 1), and the embedding lookup.
+    assert ops["MatMulNBits"] == 29 and ops["GatherBlockQuantized"] == 1
+    assert manifest["external_data"] == "model.onnx.data" and manifest["opset"] == 21
+    assert [i["name"] for i in manifest["interface"]["inputs"]][:2] == ["tokens", "input_pos"]
+
+    model, ids, prompt_len = sequence("tiny-gemma3")
+    rounded = copy.deepcopy(model)
+    with torch.no_grad():
+        for module in rounded.modules():
+            if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
+                module.weight.copy_(fake_int4(module.weight))
+    got = teacher_forced(load_program(folder).forward, ids, prompt_len)
+    reference = torch_logits(rounded, ids, prompt_len)
+    as_float = torch_logits(model, ids, prompt_len)
+    assert_closer_to(got, reference, as_float)
+
+
+def test_int4_onnx_is_smaller_and_reexports_identically(artifact, tmp_path, capsys):
+    first = artifact("tiny-gemma3", "onnx", "int4")
+    fp32 = read_manifest(artifact("tiny-gemma3", "onnx"))
+    manifest = read_manifest(first)
+    assert manifest["files"]["model.onnx.data"]["bytes"] < fp32["files"]["model.onnx.data"]["bytes"] / 4
+    options = manifest["export_options"]
+    again = tmp_path / "again"
+    code, _, err = run_cli(
+        capsys, "export", options["model"], "--target", options["target"], "--max-cache-len", options["max_cache_len"],
+        "--quantize", options["quantize"], "-o", again, "-q",
+    )
+    assert code == 0, err
+    for name, entry in manifest["files"].items():
+        assert read_manifest(again)["files"][name] == entry, name
+
+
+# --- kvexport check on a quantized artifact: agreement, teacher-forced --------------------------
+
+
+def test_check_reports_agreement_on_a_quantized_artifact(artifact, capsys):
+    folder = artifact("tiny-gemma3", "onnx", "int4")
+    code, out, err = run_cli(capsys, "check", folder, "--json")
+    report = json.loads(out)
+    assert report["mode"] == "agreement" and report["min_agreement"] == 0.95
+    for prompt in report["prompts"]:
+        # Teacher-forced: every step is compared, past any disagreement.
+        assert prompt["compared_steps"] == prompt["new_tokens"] > 0
+        assert prompt["top1_agreement"] == pytest.approx(prompt["agreed_steps"] / prompt["compared_steps"])
+        assert prompt["max_logit_diff"] == pytest.approx(max(prompt["logit_diff_per_step"]))
+    # A random 4-bit tiny model does not reach 95%: the check says so and fails.
+    assert report["ok"] == all(p["top1_agreement"] >= 0.95 for p in report["prompts"])
+    assert code == (0 if report["ok"] else 1)
+    code, out, err = run_cli(capsys, "check", folder, "--max-new-tokens", "8")
+    assert "top-1 agreement" in out and "teacher-forced steps" in out
+    assert "quantized" in err and "95%" in err
+
+
+def test_teacher_forcing_on_a_float_artifact_agrees_fully(artifact):
+    from kvexport.runtime_check.check import check_prompt
+
+    model, tokenizer = build_preset("tiny-gemma3")
+    ids = tokenizer(PROMPT).input_ids
+    report = check_prompt(load_program(artifact("tiny-gemma3")), model, ids, NEW_TOKENS, 0.05, teacher_forcing=True)
+    assert report.match and report.top1_agreement == 1.0 and report.compared_steps == NEW_TOKENS
+    assert report.max_logit_diff < 0.05
+
+
+def test_teacher_forcing_goes_on_past_a_divergence(artifact):
+    from kvexport.runtime_check.check import check_prompt
+
+    model, tokenizer = build_preset("tiny-llama")  # another model's artifact: it diverges at once
+    ids = tokenizer(PROMPT).input_ids
+    report = check_prompt(load_program(artifact("tiny-mistral")), model, ids, NEW_TOKENS, 0.05, teacher_forcing=True)
+    assert not report.match and report.first_divergence == 0
+    assert report.compared_steps == NEW_TOKENS and report.top1_agreement < 0.5
+    assert report.eager_ids == eager_ids(model, ids, NEW_TOKENS)  # eager's own greedy run, undisturbed
+
+
+# --- mistakes ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "args, phrases",
+    [
+        (["--quantize", "int4"], ["--quantize int4 is for --target onnx", "use --quantize 8da4w"]),
+        (["--target", "onnx", "--quantize", "8da4w"], ["--quantize 8da4w is for --target executorch", "use --quantize int4"]),
+        (["--target", "onnx", "--quantize", "int4", "--quantize-embedding", "int8"], ["--quantize-embedding is for --target executorch"]),
+        (["--quantize", "int3"], ["unknown --quantize 'int3'", "8da4w (--target executorch), int4 (--target onnx)"]),
+        (["--quantize", "8da4w", "--quantize-embedding", "int2"], ["unknown --quantize-embedding 'int2'", "int8, int4"]),
+        (["--quantize", "8da4w", "--dtype", "float16"], ["--quantize takes --dtype float32"]),
+    ],
+    ids=["int4-on-executorch", "8da4w-on-onnx", "embedding-on-onnx", "unknown-scheme", "unknown-embedding-scheme", "float16"],
+)
+def test_quantize_mistakes_get_one_line_before_loading(tmp_path, capsys, monkeypatch, args, phrases):
+    from kvexport.exporter import pipeline
+
+    monkeypatch.setattr(pipeline.sources, "load_model", lambda *a, **k: pytest.fail("loaded the model"))
+    code, _, err = run_cli(capsys, "export", "tiny-llama", *args, "-o", tmp_path / "x")
+    assert_one_line_error(code, err, *phrases)
+    assert not (tmp_path / "x").exists()
+
+
+def test_a_tied_lm_head_read_through_a_transpose_is_quantized_too(tmp_path):
+    """Real tied models (SmolLM2, Gemma 3) come out of the exporter as MatMul(x, Transpose(table)):
+    the quantizer must still see a constant weight, or the largest matrix stays float."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    from kvexport.exporter.quantize import quantize_onnx
+
+    table = np.random.default_rng(0).standard_normal((96, 64)).astype(np.float32)
+    graph = helper.make_graph(
+        [
+            helper.make_node("Gather", ["table", "ids"], ["embedded"]),
+            helper.make_node("Transpose", ["table"], ["table_t"], perm=[1, 0]),
+            helper.make_node("MatMul", ["embedded", "table_t"], ["logits"]),
+        ],
+        "tied",
+        [helper.make_tensor_value_info("ids", TensorProto.INT64, [1, "T"])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, "T", 96])],
+        [numpy_helper.from_array(table, "table")],
+    )
+    path = tmp_path / "model.onnx"
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)], ir_version=10)  # as torch.onnx writes
+    onnx.save_model(model, str(path),
+                    save_as_external_data=True, location="model.onnx.data", size_threshold=0)
+    ops = quantize_onnx(path, "model.onnx.data")
+    assert ops == {"MatMulNBits": 1, "GatherBlockQuantized": 1}
+    onnx.checker.check_model(str(path), full_check=True)
+    import onnxruntime as ort
+
+    ids = np.array([[3, 17, 95]], dtype=np.int64)
+    got = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"ids": ids})[0]
+    rounded = fake_int4(torch.from_numpy(table)).numpy()
+    assert np.abs(got - rounded[ids] @ rounded.T).max() < 0.05 * np.abs(got).max()
