@@ -25,4 +25,4 @@ def get_target(name: str):
     except ModuleNotFoundError as e:
         if e.name != f"{__name__}.{name}":  # the target exists but a dependency is missing: a bug
             raise
-        raise InvalidOptionError(f"target '{name}' is not built in this version of kvexport; use --target executorch")
+        raise InvalidOptionError(f"target '{name}' is not built in this version of kvexport; use --target executorch or --target onnx")
