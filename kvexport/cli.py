@@ -35,7 +35,7 @@ def export(
     max_cache_len: Annotated[
         Optional[int], typer.Option(help="cache positions [default: min(model max positions, 2048)]")
     ] = None,
-    dtype: Annotated[str, typer.Option(help="float32, float16 or bfloat16 (per target)")] = "float32",
+    dtype: Annotated[str, typer.Option(help="float32 or float16")] = "float32",
     force: Annotated[bool, typer.Option("--force", help="replace an existing output folder")] = False,
     quantize: Annotated[
         Optional[str],
