@@ -6,12 +6,22 @@ import contextlib
 import resource
 import sys
 import time
+from pathlib import Path
 
 from rich.console import Console
 
 
 def peak_rss_mb() -> float:
-    """Peak resident memory of this process so far (Linux reports KiB)."""
+    """Peak resident memory of this process so far, in MB.
+
+    Linux's VmHWM belongs to the current program image; getrusage's maxrss survives exec, so after
+    a re-exec (kvexport export) or in a subprocess it could report the parent's peak instead."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024  # kB
+    except OSError:  # not Linux
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 

@@ -72,7 +72,9 @@ METRICS = (  # key, column title, digits
 
 
 def peak_rss_mb() -> float:
-    """This process's peak resident memory: VmHWM (per address space, so not inherited across exec)."""
+    """This process's peak resident memory: VmHWM (per address space, so not inherited across exec).
+    kvexport.progress has the same function; this copy stays because the llama.cpp worker runs in
+    another interpreter (--llama-python), where kvexport and rich need not be installed."""
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
             if line.startswith("VmHWM:"):

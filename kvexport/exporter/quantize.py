@@ -1,6 +1,6 @@
-"""Weight quantization for the ExecuTorch target (``--quantize``, ``--quantize-embedding``).
+"""Weight quantization (``--quantize``, ``--quantize-embedding``).
 
-Linear layers and embeddings are quantized in place before export with ExecuTorch's own torchao
+ExecuTorch (``8da4w``): linear layers and embeddings are quantized in place before export with ExecuTorch's own torchao
 recipes (``executorch.extension.llm.export.quantize.quantize_model_``): ``8da4w`` is int8 dynamic
 activations with int4 weights in groups of 32, which XNNPACK runs as fused kernels.
 
@@ -8,6 +8,8 @@ torchao leaves a quantized embedding as ``dequantize_affine`` followed by ``embe
 ExecuTorch's own fusion into its quantized embedding kernels no longer matches (the block size
 arrives as a literal, its pattern expects a placeholder), so the lookup would dequantize the whole
 table every call. ``fuse_quantized_embeddings`` does that fusion on the edge program instead.
+
+ONNX (``int4``): the saved graph's weights, with ONNX Runtime's ``MatMulNBitsQuantizer`` (``quantize_onnx``).
 """
 
 from __future__ import annotations
@@ -21,6 +23,9 @@ SCHEMES = {"8da4w": "executorch", "int4": "onnx"}
 # --quantize-embedding (ExecuTorch): kvexport's name -> ExecuTorch's quantize_model_ config.
 EMBEDDING_SCHEMES = {"int8": "8w", "int4": "4w"}
 GROUP_SIZE = 32  # weights per scale, for 4-bit linear weights on both targets and int4 embeddings
+# MatMulNBits' accuracy_level 4: int8 activations, the CPU's int8 dot products (as 8da4w on
+# XNNPACK, and as onnxruntime-genai's builder does for int4 on the CPU).
+ONNX_ACCURACY_LEVEL = 4
 # torchao's quant range for each embedding scheme, and the ExecuTorch kernel that reads it.
 _EMBEDDING_KERNELS = {(-128, 127): ("embedding_byte", 8), (-8, 7): ("embedding_4bit", 4)}
 
@@ -74,10 +79,6 @@ def describe(scheme: str | None, embedding: str | None) -> dict | None:
     return described
 
 
-# MatMulNBits' accuracy_level 4: int8 activations, the CPU's int8 dot products (as 8da4w on
-# XNNPACK, and as onnxruntime-genai's builder does for int4 on the CPU).
-ONNX_ACCURACY_LEVEL = 4
-
 
 def quantize_model(model: torch.nn.Module, scheme: str | None, embedding: str | None) -> list[str]:
     """Quantize ``model``'s linear layers and embeddings in place (before export, ExecuTorch);
@@ -126,13 +127,12 @@ def fuse_quantized_embeddings(program: torch.export.ExportedProgram) -> int:
         kernel = _EMBEDDING_KERNELS.get((low, high))
         if kernel is None or len(dq.users) != 1 or block[0] != 1:
             continue
-        name, bits = kernel
-        if bits == 4:
-            _pack_int4_in_place(program, data)
         zero_values = _constant(program, zero) if zero is not None else None
-        zeros = None if zero_values is None or not zero_values.any() else zero
-        if zeros is not None:
+        if zero_values is not None and zero_values.any():
             continue  # asymmetric: keep the generic path rather than guess the kernel's convention
+        name, bits = kernel
+        if bits == 4:  # only now, once the node is certain to be rewritten
+            _pack_int4_in_place(program, data)
         op = getattr(exir_ops.edge.quantized_decomposed, name).dtype
         with graph.inserting_before(node):
             fused_node = graph.call_function(

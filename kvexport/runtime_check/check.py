@@ -241,7 +241,8 @@ def check_command(folder, prompts, max_new_tokens, device, model_name, as_json) 
     if prompts and not all(prompts):
         raise InvalidOptionError("a --prompt is empty; give some text")
     tokenizer = ArtifactTokenizer(folder)
-    defaults = default_prompts(manifest, tokenizer, QUANTIZED_STEPS if manifest.get("quantization") else None)
+    quantized = manifest.get("quantization")
+    defaults = default_prompts(manifest, tokenizer, QUANTIZED_STEPS if quantized else None)
     if prompts:
         n = defaults[0][1] if max_new_tokens is None else max_new_tokens
         chosen = [(p, n) for p in prompts]
@@ -252,7 +253,6 @@ def check_command(folder, prompts, max_new_tokens, device, model_name, as_json) 
     for text, n in chosen or []:  # before the header line: a request that cannot fit prints one line only
         check_fits(len(tokenizer.encode(text)), n, manifest["max_cache_len"])
     tolerance = LOGIT_TOLERANCE[manifest["dtype"]]
-    quantized = manifest.get("quantization")
     min_agreement = MIN_QUANTIZED_AGREEMENT if quantized else None
     if not as_json:
         rule = (
