@@ -171,7 +171,7 @@ def export_model(options: ExportOptions, progress: Progress | None = None) -> Ex
 
 def _quantize_detail(options: ExportOptions) -> str:
     if options.quantize == "int4":
-        return "int4 weights, MatMul -> MatMulNBits, Gather -> GatherBlockQuantized (ONNX Runtime)"
+        return "int4 linear weights (int8 lm_head), MatMul -> MatMulNBits, Gather -> GatherBlockQuantized int8 (ONNX Runtime)"
     parts = [f"linear {options.quantize}" if options.quantize else "", f"embedding {options.quantize_embedding}" if options.quantize_embedding else ""]
     return "torchao, " + ", ".join(p for p in parts if p)
 

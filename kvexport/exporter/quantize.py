@@ -9,7 +9,7 @@ ExecuTorch's own fusion into its quantized embedding kernels no longer matches (
 arrives as a literal, its pattern expects a placeholder), so the lookup would dequantize the whole
 table every call. ``fuse_quantized_embeddings`` does that fusion on the edge program instead.
 
-ONNX (``int4``): the saved graph's weights, with ONNX Runtime's ``MatMulNBitsQuantizer`` (``quantize_onnx``).
+ONNX (``int4``): the saved graph's weights, rewritten after export (``onnx_quantize``).
 """
 
 from __future__ import annotations
@@ -22,10 +22,7 @@ from ..errors import InvalidOptionError
 SCHEMES = {"8da4w": "executorch", "int4": "onnx"}
 # --quantize-embedding (ExecuTorch): kvexport's name -> ExecuTorch's quantize_model_ config.
 EMBEDDING_SCHEMES = {"int8": "8w", "int4": "4w"}
-GROUP_SIZE = 32  # weights per scale, for 4-bit linear weights on both targets and int4 embeddings
-# MatMulNBits' accuracy_level 4: int8 activations, the CPU's int8 dot products (as 8da4w on
-# XNNPACK, and as onnxruntime-genai's builder does for int4 on the CPU).
-ONNX_ACCURACY_LEVEL = 4
+GROUP_SIZE = 32  # weights per scale, for 4-bit linear weights and int4 embeddings (ExecuTorch)
 # torchao's quant range for each embedding scheme, and the ExecuTorch kernel that reads it.
 _EMBEDDING_KERNELS = {(-128, 127): ("embedding_byte", 8), (-8, 7): ("embedding_4bit", 4)}
 
@@ -59,12 +56,15 @@ def describe(scheme: str | None, embedding: str | None) -> dict | None:
     if not scheme and not embedding:
         return None
     if scheme == "int4":
+        from .onnx_quantize import ACCURACY_LEVEL, BLOCK
+
         return {
             "scheme": "int4",
-            "by": "onnxruntime.quantization.MatMulNBitsQuantizer",
-            "linear": {"weights": "int4", "symmetric": True, "block_size": GROUP_SIZE,
-                       "op": "com.microsoft::MatMulNBits", "accuracy_level": ONNX_ACCURACY_LEVEL},
-            "embedding": {"weights": "int4", "symmetric": True, "block_size": GROUP_SIZE,
+            "by": "kvexport.exporter.onnx_quantize",
+            "linear": {"weights": "int4", "symmetric": False, "block_size": BLOCK, "accuracy_level": ACCURACY_LEVEL,
+                       "op": "com.microsoft::MatMulNBits + per-block offset"},
+            "lm_head": {"weights": "int8", "symmetric": True, "block_size": BLOCK, "op": "com.microsoft::MatMulNBits"},
+            "embedding": {"weights": "int8", "symmetric": True, "block_size": BLOCK,
                           "op": "com.microsoft::GatherBlockQuantized"},
         }
     described: dict = {"scheme": scheme, "by": "torchao via executorch.extension.llm.export.quantize"}
@@ -165,69 +165,3 @@ def _pack_int4_in_place(program: torch.export.ExportedProgram, node) -> None:
     packed = shifted[:, :, 0] * 16 + shifted[:, :, 1]
     store[spec.target] = torch.nn.Parameter(packed, requires_grad=False) if store is program.state_dict else packed
     node.meta["val"] = node.meta["val"].new_empty(packed.shape, dtype=torch.uint8)
-
-
-def quantize_onnx(path, data_file: str, embedding: bool = True) -> dict:
-    """Quantize the saved ONNX graph's weights in place with ONNX Runtime's ``MatMulNBitsQuantizer``,
-    as onnxruntime-genai's builder does for int4: every MatMul with a constant weight (the lm_head
-    included) becomes ``com.microsoft::MatMulNBits``, int4 symmetric in blocks of 32 along K, and
-    the embedding's Gather ``com.microsoft::GatherBlockQuantized`` (blocks of 32 along the hidden
-    dim). Returns op counts for ``kvexport.json``."""
-    import collections
-    import logging
-    import os
-
-    import numpy as np
-    import onnx
-    from onnxruntime.quantization import QuantFormat
-    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
-
-    # The quantizer logs each node, and warns that it raises the opset to 21 for the int4 tensor
-    # type of GatherBlockQuantized's table: opset 21 only adds (u)int4 to the ops this graph uses,
-    # and onnx.checker checks the result below.
-    logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer").setLevel(logging.ERROR)
-    model = onnx.load(str(path), load_external_data=True)
-    _fold_weight_transposes(model)
-    quantizer = MatMulNBitsQuantizer(
-        model,
-        bits=4,
-        block_size=GROUP_SIZE,
-        is_symmetric=True,
-        accuracy_level=ONNX_ACCURACY_LEVEL,
-        quant_format=QuantFormat.QOperator,
-        op_types_to_quantize=("MatMul", "Gather") if embedding else ("MatMul",),
-        quant_axes=(("MatMul", 0), ("Gather", 1)),
-    )
-    with np.errstate(divide="ignore", invalid="ignore"):  # an all-zero block (a padding row) has scale 0
-        quantizer.process()
-    model = quantizer.model.model
-    del quantizer
-    # onnx appends to an existing external data file: write a fresh one.
-    os.remove(os.path.join(os.path.dirname(str(path)), data_file))
-    onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True, location=data_file)
-    counts = collections.Counter(n.op_type for n in model.graph.node)
-    return {op: counts[op] for op in ("MatMulNBits", "GatherBlockQuantized", "MatMul", "Gather") if counts[op]}
-
-
-def _fold_weight_transposes(model) -> None:
-    """A MatMul whose weight is ``Transpose(initializer)`` gets the transposed initializer instead.
-
-    The exporter folds a linear layer's ``W.T`` into a constant, except where the weight is shared
-    (a tied lm_head reads the embedding table through a Transpose, so the table is stored once);
-    MatMulNBitsQuantizer quantizes only constant weights, and would leave that lm_head, the largest
-    matrix of a small model, in float."""
-    from onnx import numpy_helper
-
-    initializers = {i.name: i for i in model.graph.initializer}
-    producers = {out: node for node in model.graph.node for out in node.output}
-    for node in list(model.graph.node):
-        transpose = producers.get(node.input[1]) if node.op_type == "MatMul" and len(node.input) > 1 else None
-        if transpose is None or transpose.op_type != "Transpose" or transpose.input[0] not in initializers:
-            continue
-        weight = initializers[transpose.input[0]]
-        perm = next((list(a.ints) for a in transpose.attribute if a.name == "perm"), [1, 0])
-        if len(weight.dims) != 2 or perm != [1, 0] or transpose not in model.graph.node:
-            continue
-        array = numpy_helper.to_array(weight)
-        model.graph.initializer.append(numpy_helper.from_array(array.T.copy(), transpose.output[0]))
-        model.graph.node.remove(transpose)

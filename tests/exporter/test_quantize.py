@@ -3,7 +3,7 @@
 A tiny random model quantized to 4 bits no longer predicts what its float self predicts (random
 weights have no structure for the scales to follow), so on tiny presets the artifact is held to the
 *quantized* model computed in PyTorch: torchao's own quantized modules for 8da4w, and the float
-model with its weights rounded as ONNX Runtime's int4 quantizer rounds them for int4. Agreement
+model with its weights rounded as kvexport's ONNX int4 rewrite rounds them. Agreement
 with float eager (``kvexport check``) is measured on the real models (README, Quantization).
 """
 
@@ -106,15 +106,35 @@ def test_8da4w_pte_is_smaller(artifact):
 # --- ONNX: int4 MatMulNBits + GatherBlockQuantized ---------------------------------------------
 
 
-def fake_int4(weight: torch.Tensor) -> torch.Tensor:
-    """``weight`` as ONNX Runtime's symmetric int4 quantizer stores it: blocks of 32 along the last
-    dim (a Linear's input dim, an embedding's hidden dim), scale = the block's value of largest
-    magnitude / -8, values rounded to [-8, 7]."""
-    blocks = weight.reshape(*weight.shape[:-1], -1, GROUP_SIZE)
-    extreme = blocks.gather(-1, blocks.abs().argmax(-1, keepdim=True))
-    scale = extreme / -8
-    q = torch.where(scale == 0, torch.zeros_like(blocks), (blocks / scale).round().clamp(-8, 7))
+def asymmetric_int4(weight: torch.Tensor) -> torch.Tensor:
+    """A linear ``weight`` [out, in] as ONNX int4 stores it: blocks of 32 along the input dim, 16
+    levels from the block's minimum to its maximum."""
+    blocks = weight.reshape(weight.shape[0], -1, GROUP_SIZE)
+    lo, hi = blocks.amin(-1, keepdim=True), blocks.amax(-1, keepdim=True)
+    step = (hi - lo) / 15
+    q = torch.where(step == 0, torch.zeros_like(blocks), ((blocks - lo) / step).round().clamp(0, 15))
+    return (lo + q * step).reshape(weight.shape)
+
+
+def symmetric_int8(weight: torch.Tensor) -> torch.Tensor:
+    """The lm_head and the embedding table: blocks of 32 along the hidden dim, scale = the block's
+    largest magnitude / 127 (GGUF's Q8_0 rule)."""
+    blocks = weight.reshape(weight.shape[0], -1, GROUP_SIZE)
+    scale = blocks.abs().amax(-1, keepdim=True) / 127
+    q = torch.where(scale == 0, torch.zeros_like(blocks), (blocks / scale).round().clamp(-127, 127))
     return (q * scale).reshape(weight.shape)
+
+
+def as_onnx_int4(model: torch.nn.Module) -> torch.nn.Module:
+    rounded = copy.deepcopy(model)
+    head = rounded.get_output_embeddings()
+    with torch.no_grad():
+        for module in rounded.modules():
+            if isinstance(module, torch.nn.Embedding) or module is head:
+                module.weight.copy_(symmetric_int8(module.weight))  # a tied table: once, 8-bit both ways
+            elif isinstance(module, torch.nn.Linear):
+                module.weight.copy_(asymmetric_int4(module.weight))
+    return rounded
 
 
 def test_int4_onnx_export_runs_the_int4_model(tmp_path, capsys):
@@ -130,27 +150,34 @@ def test_int4_onnx_export_runs_the_int4_model(tmp_path, capsys):
     assert "quantize_embedding" not in manifest["export_options"]
     ops = manifest["quantized_ops"]
     # Every projection and the lm_head (4 layers x 7 + 1), and the embedding lookup.
-    assert ops["MatMulNBits"] == 29 and ops["GatherBlockQuantized"] == 1
-    assert manifest["external_data"] == "model.onnx.data" and manifest["opset"] == 21
+    assert ops == {"MatMulNBits": 29, "GatherBlockQuantized": 1}
+    assert manifest["external_data"] == "model.onnx.data"
     assert [i["name"] for i in manifest["interface"]["inputs"]][:2] == ["tokens", "input_pos"]
+    nbits = nbits_ops(folder / "model.onnx")  # (bits, N): the projections 4-bit, the lm_head 8-bit
+    assert sorted(bits for bits, _ in nbits) == [4] * 28 + [8] and (8, manifest["vocab_size"]) in nbits
 
     model, ids, prompt_len = sequence("tiny-gemma3")
-    rounded = copy.deepcopy(model)
-    with torch.no_grad():
-        for module in rounded.modules():
-            if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
-                module.weight.copy_(fake_int4(module.weight))
     got = teacher_forced(load_program(folder).forward, ids, prompt_len)
-    reference = torch_logits(rounded, ids, prompt_len)
+    reference = torch_logits(as_onnx_int4(model), ids, prompt_len)
     as_float = torch_logits(model, ids, prompt_len)
     assert_closer_to(got, reference, as_float)
+
+
+def nbits_ops(path) -> list[tuple[int, int]]:
+    import onnx
+    from onnx import helper
+
+    graph = onnx.load(str(path), load_external_data=False).graph
+    attributes = [{a.name: helper.get_attribute_value(a) for a in n.attribute} for n in graph.node if n.op_type == "MatMulNBits"]
+    return [(a["bits"], a["N"]) for a in attributes]
 
 
 def test_int4_onnx_is_smaller_and_reexports_identically(artifact, tmp_path, capsys):
     first = artifact("tiny-gemma3", "onnx", "int4")
     fp32 = read_manifest(artifact("tiny-gemma3", "onnx"))
     manifest = read_manifest(first)
-    assert manifest["files"]["model.onnx.data"]["bytes"] < fp32["files"]["model.onnx.data"]["bytes"] / 4
+    # The tiny model is mostly its 8-bit table (stored twice: lookup and tied lm_head).
+    assert manifest["files"]["model.onnx.data"]["bytes"] < fp32["files"]["model.onnx.data"]["bytes"] / 1.5
     options = manifest["export_options"]
     again = tmp_path / "again"
     code, _, err = run_cli(
@@ -229,35 +256,87 @@ def test_quantize_mistakes_get_one_line_before_loading(tmp_path, capsys, monkeyp
 
 
 def test_a_tied_lm_head_read_through_a_transpose_is_quantized_too(tmp_path):
-    """Real tied models (SmolLM2, Gemma 3) come out of the exporter as MatMul(x, Transpose(table)):
-    the quantizer must still see a constant weight, or the largest matrix stays float."""
+    """Real tied models (SmolLM2, Gemma 3) come out of the exporter as MatMul(x, Transpose(table)),
+    and the logits then pass through more ops (the last position's selection): the quantizer must
+    still see a constant weight and know it for the lm_head, or the largest matrix stays float."""
+    from onnx import helper
+
+    table = np.random.default_rng(0).standard_normal((96, 64)).astype(np.float32)
+    path = save_graph(tmp_path, [
+        helper.make_node("Gather", ["table", "ids"], ["embedded"]),
+        helper.make_node("Transpose", ["table"], ["table_t"], perm=[1, 0]),
+        helper.make_node("MatMul", ["embedded", "table_t"], ["all_logits"]),
+        helper.make_node("Identity", ["all_logits"], ["logits"]),
+    ], {"table": table}, output_shape=[1, "T", 96])
+    ids = np.array([[3, 17, 95]], dtype=np.int64)
+    got, ops = quantize_and_run(path, {"ids": ids})
+    assert ops == {"MatMulNBits": 1, "GatherBlockQuantized": 1}
+    assert nbits_ops(path) == [(8, 96)]
+    rounded = symmetric_int8(torch.from_numpy(table)).numpy()
+    assert np.abs(got - rounded[ids] @ rounded.T).max() < 0.01 * np.abs(got).max()
+
+
+def test_int4_reproduces_a_weight_already_on_a_4_bit_grid(tmp_path):
+    """A weight read from a 4-bit GGUF (Q4_1: ``m + d * q`` per block of 32, q in 0..15) comes out
+    exactly: the rewrite adds no error of its own. Symmetric int4 would round it again."""
+    from onnx import helper
+
+    from kvexport.exporter.onnx_quantize import int4_blocks
+
+    rng = np.random.default_rng(1)
+    n, k = 64, 128  # n: the head below (an identity) is quantized too, so a multiple of 32
+    q = rng.integers(0, 16, size=(n, k // GROUP_SIZE, GROUP_SIZE))
+    q[..., 0], q[..., 1] = 0, 15  # as Q4_1's rule makes it: the block's min and max are levels 0 and 15
+    d = rng.uniform(0.001, 0.02, size=(n, k // GROUP_SIZE, 1))
+    m = rng.uniform(-0.1, 0.0, size=(n, k // GROUP_SIZE, 1))
+    weight = (m + d * q).reshape(n, k).astype(np.float32)  # [out, in]
+    levels, scale, offset = int4_blocks(weight)
+    rebuilt = (scale[..., None] * (levels.astype(np.float32) - 8) + offset[..., None]).reshape(n, k)
+    assert np.abs(rebuilt - weight).max() < 1e-6
+
+    x = rng.standard_normal((1, 5, k)).astype(np.float32)
+    path = save_graph(tmp_path, [
+        helper.make_node("MatMul", ["x", "w"], ["hidden"]),
+        helper.make_node("MatMul", ["hidden", "head"], ["logits"]),
+    ], {"w": np.ascontiguousarray(weight.T), "head": np.eye(n, dtype=np.float32)}, [1, 5, n], input_name="x", input_shape=[1, 5, k])
+    got, ops = quantize_and_run(path, {"x": x})
+    assert ops == {"MatMulNBits": 2}
+    exact = x @ weight.T
+    symmetric = x @ fake_symmetric_int4(weight).T
+    # Off only by the int8 activations (accuracy_level 4), far less than a second rounding would be.
+    assert np.abs(got - exact).max() < 0.25 * np.abs(symmetric - exact).max()
+
+
+def fake_symmetric_int4(weight: np.ndarray) -> np.ndarray:
+    blocks = weight.reshape(weight.shape[0], -1, GROUP_SIZE)
+    scale = np.abs(blocks).max(-1, keepdims=True) / 7.5
+    return (np.clip(np.rint(blocks / scale), -8, 7) * scale).reshape(weight.shape)
+
+
+def save_graph(tmp_path, nodes, weights: dict, output_shape, input_name="ids", input_shape=(1, "T")):
+    """A float graph saved as the ONNX target saves one: weights in one external file."""
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
-    from kvexport.exporter.quantize import quantize_onnx
-
-    table = np.random.default_rng(0).standard_normal((96, 64)).astype(np.float32)
+    input_type = TensorProto.INT64 if input_name == "ids" else TensorProto.FLOAT
     graph = helper.make_graph(
-        [
-            helper.make_node("Gather", ["table", "ids"], ["embedded"]),
-            helper.make_node("Transpose", ["table"], ["table_t"], perm=[1, 0]),
-            helper.make_node("MatMul", ["embedded", "table_t"], ["logits"]),
-        ],
-        "tied",
-        [helper.make_tensor_value_info("ids", TensorProto.INT64, [1, "T"])],
-        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, "T", 96])],
-        [numpy_helper.from_array(table, "table")],
+        nodes, "g", [helper.make_tensor_value_info(input_name, input_type, list(input_shape))],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, list(output_shape))],
+        [numpy_helper.from_array(w, name) for name, w in weights.items()],
     )
     path = tmp_path / "model.onnx"
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)], ir_version=10)  # as torch.onnx writes
-    onnx.save_model(model, str(path),
-                    save_as_external_data=True, location="model.onnx.data", size_threshold=0)
-    ops = quantize_onnx(path, "model.onnx.data")
-    assert ops == {"MatMulNBits": 1, "GatherBlockQuantized": 1}
-    onnx.checker.check_model(str(path), full_check=True)
+    onnx.save_model(model, str(path), save_as_external_data=True, location="model.onnx.data", size_threshold=0)
+    return path
+
+
+def quantize_and_run(path, feeds: dict):
+    import onnx
     import onnxruntime as ort
 
-    ids = np.array([[3, 17, 95]], dtype=np.int64)
-    got = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"ids": ids})[0]
-    rounded = fake_int4(torch.from_numpy(table)).numpy()
-    assert np.abs(got - rounded[ids] @ rounded.T).max() < 0.05 * np.abs(got).max()
+    from kvexport.exporter.onnx_quantize import quantize_onnx
+
+    ops = quantize_onnx(path, "model.onnx.data")
+    onnx.checker.check_model(str(path), full_check=True)
+    got = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+    return got, ops

@@ -69,12 +69,12 @@ def lower(program: torch.export.ExportedProgram, info: dict, out_dir: Path) -> d
 
 
 def quantize_files(out_dir: Path, info: dict) -> dict:
-    """``--quantize int4``: the written graph's weights to 4 bits (ONNX Runtime's MatMulNBits and
-    GatherBlockQuantized), rewritten in place as ``model.onnx`` + ``model.onnx.data``, then checked
+    """``--quantize int4``: the written graph's weights to 4 bits (8 for the lm_head and the
+    embedding; ONNX Runtime's MatMulNBits and GatherBlockQuantized), rewritten in place as ``model.onnx`` + ``model.onnx.data``, then checked
     again. The interface does not change."""
     import onnx
 
-    from ..quantize import quantize_onnx
+    from ..onnx_quantize import quantize_onnx
 
     path = out_dir / PROGRAM_FILE
     ops = quantize_onnx(path, DATA_FILE)
