@@ -2,9 +2,9 @@
 
 - Every MatMul with a constant weight becomes ``com.microsoft::MatMulNBits`` with int4 weights in
   blocks of 32 along K, *asymmetric*: each block keeps its own minimum and maximum (``w = lo +
-  d * q``, ``q`` in 0..15). A model read from a 4-bit GGUF (SmolLM2's Q4_1, most of Gemma 3's
-  Q4_K) already lies on such a grid, so those weights come out exactly as the float reference
-  sees them; symmetric int4 would round them onto a second grid (top-1 agreement with float eager
+  d * q``, ``q`` in 0..15). A model read from a 4-bit GGUF (SmolLM2's Q4_1; Gemma 3's Q4_K_M
+  mixes Q4_K with 5-, 6- and 8-bit tensors) already lies on such a grid, so those weights come
+  out exactly as the float reference sees them; symmetric int4 would round them onto a second grid (top-1 agreement with float eager
   fell to ~70% on SmolLM2 that way).
   MatMulNBits takes a float zero point only on a path ~40x slower than its default, so the weight
   is stored as the symmetric ``d * (q - 8)`` the fast kernel reads, and the per-block offset
