@@ -4,8 +4,8 @@
   blocks of 32 along K, *asymmetric*: each block keeps its own minimum and maximum (``w = lo +
   d * q``, ``q`` in 0..15). A model read from a 4-bit GGUF (SmolLM2's Q4_1; Gemma 3's Q4_K_M
   mixes Q4_K with 5-, 6- and 8-bit tensors) already lies on such a grid, so those weights come
-  out exactly as the float reference sees them; symmetric int4 would round them onto a second grid (top-1 agreement with float eager
-  fell to ~70% on SmolLM2 that way).
+  out exactly as the float reference sees them; symmetric int4 would round them onto a second
+  grid (top-1 agreement with float eager fell to ~70% on SmolLM2 that way).
   MatMulNBits takes a float zero point only on a path ~40x slower than its default, so the weight
   is stored as the symmetric ``d * (q - 8)`` the fast kernel reads, and the per-block offset
   ``lo + 8 d`` is added back as ``blocksum(x) @ offsets`` (two small MatMuls; ``blocksum(x)``
@@ -67,6 +67,7 @@ def quantize_onnx(path, data_file: str) -> dict:
     readers = collections.Counter(name for node in graph.node for name in node.input)
     added: list = []  # new initializers
     block_sums: dict[str, str] = {}  # MatMul input -> its per-block sums (shared by q/k/v, gate/up)
+    memberships: set[int] = set()  # K of each [K, K/32] block-membership matrix already added
     nodes = []
     for node in graph.node:
         weight = initializers.get(node.input[1]) if len(node.input) > 1 else None
@@ -87,9 +88,10 @@ def quantize_onnx(path, data_file: str) -> dict:
                 sums = block_sums.get(node.input[0])
                 if sums is None:
                     ones = f"block_sum_{k}"
-                    if ones not in {a.name for a in added}:  # [K, K/32]: 1 where row i is in block j
+                    if k not in memberships:  # [K, K/32]: 1 where row i is in block j
                         membership = np.kron(np.eye(k // BLOCK, dtype=np.float32), np.ones((BLOCK, 1), np.float32))
                         added.append(numpy_helper.from_array(membership, ones))
+                        memberships.add(k)
                     sums = block_sums[node.input[0]] = f"{node.input[0]}_block_sums"
                     nodes.append(helper.make_node("MatMul", [node.input[0], ones], [sums], name=f"{base}_block_sums"))
                 nodes += [
@@ -125,13 +127,15 @@ def quantize_onnx(path, data_file: str) -> dict:
 
 
 def _lm_head(graph) -> str | None:
-    """The output of the MatMul that computes the logits (the graph's first output): found walking back from
-    them through what follows it (the last position's selection, a soft-cap)."""
+    """The output of the MatMul that computes the logits (the graph's first output), found walking
+    back from them through what follows it (the last position's selection, a soft-cap)."""
     producers = {out: node for node in graph.node for out in node.output}
     node = producers.get(graph.output[0].name)
     for _ in range(16):
-        if node is None or node.op_type == "MatMul":
-            return node.output[0] if node is not None else None
+        if node is None:
+            return None
+        if node.op_type == "MatMul":
+            return node.output[0]
         node = producers.get(node.input[0]) if node.input else None
     return None
 

@@ -79,7 +79,6 @@ def describe(scheme: str | None, embedding: str | None) -> dict | None:
     return described
 
 
-
 def quantize_model(model: torch.nn.Module, scheme: str | None, embedding: str | None) -> list[str]:
     """Quantize ``model``'s linear layers and embeddings in place (before export, ExecuTorch);
     return the names of the layers left in float (a width that is no multiple of the group size)."""
