@@ -80,3 +80,20 @@ def test_executorch_text_llm_runner_generates_eager_text(artifact):
     )
     runner.generate(PROMPT, config, token_callback=pieces.append)
     assert "".join(pieces) == tokenizer.decode(eager_ids)
+
+
+def test_lowering_shares_the_programs_weights_rather_than_copying_them():
+    """to_edge deep-copies its program: while lowering, that copy must reuse the weights (one less
+    copy of the model at the export's peak RSS), and afterwards deepcopy copies again."""
+    import copy
+
+    import torch
+
+    from kvexport.exporter.targets.executorch import _weights_shared_on_deepcopy
+
+    program = torch.export.export(torch.nn.Linear(4, 3), (torch.ones(1, 4),))
+    weight = program.state_dict["weight"]
+    with _weights_shared_on_deepcopy(program):
+        assert copy.deepcopy(program).state_dict["weight"] is weight
+    assert copy.deepcopy(program).state_dict["weight"] is not weight
+    assert "__deepcopy__" not in weight.__dict__

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import torch
@@ -65,13 +66,14 @@ def lower(program: torch.export.ExportedProgram, info: dict, out_dir: Path) -> d
     from ..xnnpack_rewrites import XnnpackFriendlyShapes, partitioner_configs
 
     _tag_weights_for_data_file(program)
-    edge = to_edge_transform_and_lower(
-        program,
-        transform_passes=[XnnpackFriendlyShapes()],
-        partitioner=[XnnpackPartitioner(configs=partitioner_configs())],
-        compile_config=EdgeCompileConfig(_check_ir_validity=False),
-        constant_methods=_constant_methods(info),
-    )
+    with _weights_shared_on_deepcopy(program):
+        edge = to_edge_transform_and_lower(
+            program,
+            transform_passes=[XnnpackFriendlyShapes()],
+            partitioner=[XnnpackPartitioner(configs=partitioner_configs())],
+            compile_config=EdgeCompileConfig(_check_ir_validity=False),
+            constant_methods=_constant_methods(info),
+        )
     # A quantized embedding is still torchao's dequantize + embedding: make it ExecuTorch's kernel.
     fused = fuse_quantized_embeddings(edge.exported_program())
     delegated, portable, custom = _op_counts(edge.exported_program().graph_module)
@@ -101,6 +103,22 @@ def lower(program: torch.export.ExportedProgram, info: dict, out_dir: Path) -> d
         "custom_ops": custom,
         **({"quantized_embedding_ops": fused} if fused else {}),
     }
+
+
+@contextlib.contextmanager
+def _weights_shared_on_deepcopy(program: torch.export.ExportedProgram):
+    """``to_edge`` deep-copies the program it is given, weights included, while the caller's program
+    (and the model it came from) keep theirs: one more copy of every weight at the export's peak
+    (Gemma 3 270M: 4.67 GB peak RSS with the copy, 3.65 GB without; the artifact is byte-identical).
+    Lowering reads the weights and never changes them, so the copy may share them."""
+    tensors = [t for t in (*program.state_dict.values(), *program.constants.values()) if isinstance(t, torch.Tensor)]
+    for t in tensors:
+        t.__deepcopy__ = lambda memo, t=t: t
+    try:
+        yield
+    finally:
+        for t in tensors:
+            t.__dict__.pop("__deepcopy__", None)
 
 
 def _tag_weights_for_data_file(program: torch.export.ExportedProgram) -> None:
