@@ -98,6 +98,7 @@ def staged_folder(out: Path):
     tmp = None
     try:
         tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
+        tmp.chmod(0o777 & ~_umask())  # mkdtemp's is owner-only; the artifact gets what mkdir gives
         yield tmp
         # An interrupt between the two renames of a swap would leave the old artifact aside under
         # its hidden name: SIGINT/SIGTERM wait until the swap is done.
@@ -110,6 +111,12 @@ def staged_folder(out: Path):
             with contextlib.suppress(OSError):
                 parent.rmdir()
         raise
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 @contextlib.contextmanager

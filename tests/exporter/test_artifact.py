@@ -92,6 +92,13 @@ def test_a_successful_rebuild_replaces_it(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["out"]
 
 
+def test_the_artifact_folder_gets_the_permissions_mkdir_would_give(tmp_path):
+    """It is built in a temporary folder (owner-only), but is published for whoever deploys it."""
+    (tmp_path / "plain").mkdir()
+    make_artifact(tmp_path / "out")
+    assert (tmp_path / "out").stat().st_mode == (tmp_path / "plain").stat().st_mode
+
+
 def test_manifest_checks(tmp_path):
     out = tmp_path / "out"
     make_artifact(out)
