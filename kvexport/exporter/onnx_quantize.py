@@ -13,6 +13,8 @@
 - The lm_head (the MatMul that computes the graph's logits) and the embedding lookup stay 8-bit
   (symmetric, blocks of 32: MatMulNBits ``bits=8`` and ``GatherBlockQuantized``): their error
   lands straight on the logits, and both real models ship their tied table as 8-bit (Q8_0).
+  A tied table is stored once: both ops read one ``[N, K/32, 32]`` initializer (MatMulNBits'
+  layout; the lookup quantizes along its last axis and reshapes its result back to ``[..., K]``).
 - ``accuracy_level`` 4: int8 activations and the CPU's int8 dot products, as onnxruntime-genai's
   builder uses for int4 on the CPU.
 """
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import os
+import shutil
 
 import numpy as np
 
@@ -60,7 +63,7 @@ def quantize_onnx(path, data_file: str) -> dict:
     from onnx import helper, numpy_helper
 
     model = onnx.load(str(path), load_external_data=True)
-    _fold_weight_transposes(model)
+    tied = _fold_weight_transposes(model)
     graph = model.graph
     initializers = {i.name: i for i in graph.initializer}
     lm_head = _lm_head(graph)
@@ -68,6 +71,18 @@ def quantize_onnx(path, data_file: str) -> dict:
     added: list = []  # new initializers
     block_sums: dict[str, str] = {}  # MatMul input -> its per-block sums (shared by q/k/v, gate/up)
     memberships: set[int] = set()  # K of each [K, K/32] block-membership matrix already added
+    tables: dict[str, tuple[str, str]] = {}  # source initializer -> its 8-bit (data, scales)
+
+    def int8_table(source: str, matrix_nk: np.ndarray) -> tuple[str, str]:
+        """The 8-bit blocks of a [N, K] matrix, added once however many ops read it."""
+        if source not in tables:
+            q, scale = int8_blocks(matrix_nk)
+            n, k = q.shape
+            tables[source] = (f"{source}_q8", f"{source}_scales")
+            added.extend([numpy_helper.from_array(q.reshape(n, k // BLOCK, BLOCK), f"{source}_q8"),
+                          numpy_helper.from_array(scale, f"{source}_scales")])
+        return tables[source]
+
     nodes = []
     for node in graph.node:
         weight = initializers.get(node.input[1]) if len(node.input) > 1 else None
@@ -75,11 +90,9 @@ def quantize_onnx(path, data_file: str) -> dict:
             w = numpy_helper.to_array(weight)  # [K, N]
             k, n = w.shape
             base = node.name or node.output[0]
-            if node.output[0] == lm_head:  # 8-bit
-                q, scale = int8_blocks(np.ascontiguousarray(w.T))
-                added += [numpy_helper.from_array(q.reshape(n, k // BLOCK, BLOCK), f"{base}_q8"),
-                          numpy_helper.from_array(scale, f"{base}_scales")]
-                nodes.append(_matmul_nbits(helper, node.input[0], f"{base}_q8", f"{base}_scales", node.output[0], k, n, 8))
+            if node.output[0] == lm_head:  # 8-bit; a tied one shares the lookup's blocks
+                data, scales = int8_table(tied.get(weight.name, weight.name), np.ascontiguousarray(w.T))
+                nodes.append(_matmul_nbits(helper, node.input[0], data, scales, node.output[0], k, n, 8))
             else:
                 q, scale, offset = int4_blocks(np.ascontiguousarray(w.T))
                 packed = q[..., 0::2] | (q[..., 1::2] << 4)  # two per byte, low nibble first
@@ -102,13 +115,22 @@ def quantize_onnx(path, data_file: str) -> dict:
             readers[weight.name] -= 1
         elif node.op_type == "Gather" and _quantizable(initializers.get(node.input[0]), axis=1) and _attribute(node, "axis", 0) == 0:
             table = numpy_helper.to_array(initializers[node.input[0]])
+            n, k = table.shape
             base = node.name or node.output[0]
-            q, scale = int8_blocks(table)
-            added += [numpy_helper.from_array(q, f"{base}_q8"), numpy_helper.from_array(scale, f"{base}_scales")]
-            nodes.append(helper.make_node(
-                "GatherBlockQuantized", [f"{base}_q8", node.input[1], f"{base}_scales"], [node.output[0]], name=base,
-                domain=MS_DOMAIN, bits=8, block_size=BLOCK, gather_axis=0, quantize_axis=1,
-            ))
+            data, scales = int8_table(node.input[0], table)  # [N, K/32, 32], [N, K/32]
+            ids = node.input[1]
+            added += [numpy_helper.from_array(np.array([n, k // BLOCK, 1], np.int64), f"{base}_scales_shape"),
+                      numpy_helper.from_array(np.array([k], np.int64), f"{base}_hidden")]
+            nodes += [
+                helper.make_node("Reshape", [scales, f"{base}_scales_shape"], [f"{base}_scales"], name=f"{base}_scales"),
+                helper.make_node(
+                    "GatherBlockQuantized", [data, ids, f"{base}_scales"], [f"{base}_blocks"], name=base,
+                    domain=MS_DOMAIN, bits=8, block_size=BLOCK, gather_axis=0, quantize_axis=2,
+                ),  # [*ids.shape, K/32, 32]
+                helper.make_node("Shape", [ids], [f"{base}_ids_shape"], name=f"{base}_ids_shape"),
+                helper.make_node("Concat", [f"{base}_ids_shape", f"{base}_hidden"], [f"{base}_shape"], name=f"{base}_shape", axis=0),
+                helper.make_node("Reshape", [f"{base}_blocks", f"{base}_shape"], [node.output[0]], name=f"{base}_reshape"),
+            ]
             readers[node.input[0]] -= 1
         else:
             nodes.append(node)
@@ -120,8 +142,10 @@ def quantize_onnx(path, data_file: str) -> dict:
     if not any(o.domain == MS_DOMAIN for o in model.opset_import):
         model.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))
     # onnx appends to an existing external data file: write a fresh one.
-    os.remove(os.path.join(os.path.dirname(str(path)), data_file))
+    data_path = os.path.join(os.path.dirname(str(path)), data_file)
+    os.remove(data_path)
     onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True, location=data_file)
+    shutil.copymode(path, data_path)  # onnx creates it owner-only (0600); readable like the graph beside it
     counts = collections.Counter(n.op_type for n in model.graph.node)
     return {op: counts[op] for op in ("MatMulNBits", "GatherBlockQuantized") if counts[op]}
 
@@ -161,8 +185,9 @@ def _attribute(node, name: str, default):
     return next((helper.get_attribute_value(a) for a in node.attribute if a.name == name), default)
 
 
-def _fold_weight_transposes(model) -> None:
-    """A MatMul whose weight is ``Transpose(initializer)`` gets the transposed initializer instead.
+def _fold_weight_transposes(model) -> dict[str, str]:
+    """A MatMul whose weight is ``Transpose(initializer)`` gets the transposed initializer instead;
+    returns ``{transposed initializer: the initializer it was transposed from}``.
 
     The exporter folds a linear layer's ``W.T`` into a constant, except where the weight is shared
     (a tied lm_head reads the embedding table through a Transpose, so the table is stored once);
@@ -172,6 +197,7 @@ def _fold_weight_transposes(model) -> None:
 
     initializers = {i.name: i for i in model.graph.initializer}
     producers = {out: node for node in model.graph.node for out in node.output}
+    folded: dict[str, str] = {}
     for node in list(model.graph.node):
         transpose = producers.get(node.input[1]) if node.op_type == "MatMul" and len(node.input) > 1 else None
         if transpose is None or transpose.op_type != "Transpose" or transpose.input[0] not in initializers:
@@ -183,3 +209,5 @@ def _fold_weight_transposes(model) -> None:
         array = numpy_helper.to_array(weight)
         model.graph.initializer.append(numpy_helper.from_array(array.T.copy(), transpose.output[0]))
         model.graph.node.remove(transpose)
+        folded[transpose.output[0]] = transpose.input[0]
+    return folded

@@ -152,6 +152,8 @@ def test_int4_onnx_export_runs_the_int4_model(tmp_path, capsys):
     # Every projection and the lm_head (4 layers x 7 + 1), and the embedding lookup.
     assert ops == {"MatMulNBits": 29, "GatherBlockQuantized": 1}
     assert manifest["external_data"] == "model.onnx.data"
+    # Rewritten by onnx, which creates it owner-only: as readable as the graph, for whoever deploys it.
+    assert (folder / "model.onnx.data").stat().st_mode == (folder / "model.onnx").stat().st_mode
     assert [i["name"] for i in manifest["interface"]["inputs"]][:2] == ["tokens", "input_pos"]
     nbits = nbits_ops(folder / "model.onnx")  # (bits, N): the projections 4-bit, the lm_head 8-bit
     assert sorted(bits for bits, _ in nbits) == [4] * 28 + [8] and (8, manifest["vocab_size"]) in nbits
@@ -176,7 +178,7 @@ def test_int4_onnx_is_smaller_and_reexports_identically(artifact, tmp_path, caps
     first = artifact("tiny-gemma3", "onnx", "int4")
     fp32 = read_manifest(artifact("tiny-gemma3", "onnx"))
     manifest = read_manifest(first)
-    # The tiny model is mostly its 8-bit table (stored twice: lookup and tied lm_head).
+    # The tiny model is mostly its 8-bit embedding table and lm_head (untied: two matrices).
     assert manifest["files"]["model.onnx.data"]["bytes"] < fp32["files"]["model.onnx.data"]["bytes"] / 1.5
     options = manifest["export_options"]
     again = tmp_path / "again"
@@ -259,6 +261,7 @@ def test_a_tied_lm_head_read_through_a_transpose_is_quantized_too(tmp_path):
     """Real tied models (SmolLM2, Gemma 3) come out of the exporter as MatMul(x, Transpose(table)),
     and the logits then pass through more ops (the last position's selection): the quantizer must
     still see a constant weight and know it for the lm_head, or the largest matrix stays float."""
+    import onnx
     from onnx import helper
 
     table = np.random.default_rng(0).standard_normal((96, 64)).astype(np.float32)
@@ -274,6 +277,13 @@ def test_a_tied_lm_head_read_through_a_transpose_is_quantized_too(tmp_path):
     assert nbits_ops(path) == [(8, 96)]
     rounded = symmetric_int8(torch.from_numpy(table)).numpy()
     assert np.abs(got - rounded[ids] @ rounded.T).max() < 0.01 * np.abs(got).max()
+    # Stored once: the lookup and the lm_head read one 8-bit initializer, and the data file holds
+    # one byte per table entry (a second copy would double it) plus the scales.
+    graph = onnx.load(str(path), load_external_data=False).graph
+    reads = {n.op_type: n.input[0 if n.op_type == "GatherBlockQuantized" else 1] for n in graph.node
+             if n.op_type in ("GatherBlockQuantized", "MatMulNBits")}
+    assert reads["GatherBlockQuantized"] == reads["MatMulNBits"]
+    assert (tmp_path / "model.onnx.data").stat().st_size < 1.5 * table.size
 
 
 def test_int4_reproduces_a_weight_already_on_a_4_bit_grid(tmp_path):
