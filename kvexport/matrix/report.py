@@ -120,11 +120,11 @@ def to_markdown(report: dict) -> str:
             row["model"],
             row.get("family") or "",
             row["target"],
-            row["dtype"],
+            " · ".join(q for q in (row["dtype"], row.get("quantize"), row.get("quantize_embedding") and f"embedding {row['quantize_embedding']}") if q),
             row.get("max_cache_len") or "default",
             STATUS_MARK[row["status"]],
-            # Blank where the check never ran (the row failed before it).
-            _divergence(row.get("first_divergence")) if "max_logit_diff" in row else "",
+            # Blank where the check never ran (the row failed before it); a quantized row's agreement.
+            _agreement_or_divergence(row) if "max_logit_diff" in row else "",
             _number(row.get("max_logit_diff"), ".1e") if "max_logit_diff" in row else "",
             _number(row.get("export_seconds"), ".1f"),
             _number(row.get("export_peak_rss_mb"), ".0f"),
@@ -142,6 +142,12 @@ def to_markdown(report: dict) -> str:
     if missing:
         lines += ["", f"Missing rows (no shard reported them): {', '.join(str(i) for i in missing)}"]
     return "\n".join(lines) + "\n"
+
+
+def _agreement_or_divergence(row: dict) -> str:
+    if "top1_agreement" in row:
+        return f"top-1 agreement {row['top1_agreement']:.1%}"
+    return _divergence(row.get("first_divergence"))
 
 
 def _divergence(d: dict | None) -> str:

@@ -79,7 +79,8 @@ def _export(row: Row, model: str, folder: Path) -> dict:
 
     start = time.perf_counter()
     options = ExportOptions(
-        model=model, target=row.target, out=folder, max_cache_len=row.max_cache_len, dtype=row.dtype, force=True
+        model=model, target=row.target, out=folder, max_cache_len=row.max_cache_len, dtype=row.dtype, force=True,
+        quantize=row.quantize, quantize_embedding=row.quantize_embedding,
     )
     exported = export_model(options, Progress())
     files = [p for p in folder.iterdir() if p.is_file()]
@@ -121,7 +122,12 @@ def _check(row: Row, folder: Path) -> dict:
         None,
     )
     max_diff = max((p.max_logit_diff for p in report.prompts), default=0.0)
-    if divergence:
+    agreement = min((p.top1_agreement for p in report.prompts), default=1.0)
+    if report.mode == "agreement":  # quantized: its tokens may differ; how often its top-1 is eager's counts
+        worst = min(range(len(report.prompts)), key=lambda i: report.prompts[i].top1_agreement)
+        reason = f"top-1 agreement {agreement:.1%} at prompt {worst} is under {report.min_agreement:.0%}"
+        divergence = None
+    elif divergence:
         kind = "near-tie" if divergence["near_tie"] else "mismatch"
         reason = (
             f"tokens diverge at new token {divergence['step']} of prompt {divergence['prompt']} ({kind}: eager "
@@ -135,6 +141,7 @@ def _check(row: Row, folder: Path) -> dict:
         "first_divergence": divergence,
         "max_logit_diff": max_diff,
         "logit_tolerance": report.logit_tolerance,
+        **({"top1_agreement": agreement} if report.mode == "agreement" else {}),
         "check_prompts": [
             {"prompt_tokens": p.prompt_tokens, "new_tokens": p.new_tokens, "compared_steps": p.compared_steps, "match": p.match}
             for p in report.prompts

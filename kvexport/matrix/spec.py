@@ -14,9 +14,11 @@ model_type = "olmo2"            # other keys override kvexport's tiny defaults (
 ```
 
 Row keys: ``model``, ``target``, ``dtype``, ``max_cache_len`` (one value or a list; a missing
-``max_cache_len`` is export's default); ``timeout_s`` (the row's child process is killed after
-it); ``check_new_tokens`` (new tokens per check prompt; default: check's own, past the sliding
-window); ``run_new_tokens`` (tokens of the short run that measures decode speed).
+``max_cache_len`` is export's default); ``quantize`` and ``quantize_embedding`` (one value each,
+as ``kvexport export`` takes them: ``int4`` for onnx, ``8da4w`` / ``int8`` / ``int4`` for
+executorch; the row's check then measures top-1 agreement); ``timeout_s`` (the row's child process
+is killed after it); ``check_new_tokens`` (new tokens per check prompt; default: check's own, past
+the sliding window); ``run_new_tokens`` (tokens of the short run that measures decode speed).
 
 Rows are numbered in file order, each table expanding with ``model`` varying fastest, so that a
 round-robin split (row ``i`` to shard ``i % N + 1``) spreads models and targets over the shards.
@@ -36,7 +38,8 @@ from ..errors import InvalidOptionError, KvexportError
 AXES = ("target", "dtype", "max_cache_len", "model")  # expansion order: the last varies fastest
 _OPTIONS = {"timeout_s": 1800, "check_new_tokens": None, "run_new_tokens": 32}
 _DEFAULTS = {"target": "executorch", "dtype": "float32", "max_cache_len": None}
-ROW_KEYS = (*AXES, *_OPTIONS)
+QUANTIZATION = ("quantize", "quantize_embedding")  # one value per [[row]] (TOML has no null for "float")
+ROW_KEYS = (*AXES, *QUANTIZATION, *_OPTIONS)
 
 
 @dataclass(frozen=True)
@@ -51,12 +54,15 @@ class Row:
     run_new_tokens: int
     # For a [models.NAME] model: its model_type and config overrides, built in the row's process.
     tiny_config: dict | None = None
+    quantize: str | None = None
+    quantize_embedding: str | None = None
 
     @property
     def id(self) -> str:
         """Unique within a matrix, and usable as a folder name."""
         model = re.sub(r"[^A-Za-z0-9._-]+", "_", Path(self.model).name)
-        return f"{self.index:03d}-{model}-{self.target}-{self.dtype}-{self.max_cache_len or 'default'}"
+        schemes = "".join(f"-{q}" for q in (self.quantize, self.quantize_embedding and f"emb{self.quantize_embedding}") if q)
+        return f"{self.index:03d}-{model}-{self.target}-{self.dtype}-{self.max_cache_len or 'default'}{schemes}"
 
     def to_dict(self) -> dict:
         return {**asdict(self), "id": self.id}
@@ -112,13 +118,14 @@ def _rows(data: dict) -> list[Row]:
             raise InvalidOptionError(f"{where} has no 'model'")
         axes = {axis: _values(merged[axis], axis, where) for axis in AXES}
         options = {key: _option(merged[key], key, where) for key in _OPTIONS}
+        schemes = {key: _scheme(merged.get(key), key, where) for key in QUANTIZATION}
         for target, dtype, max_cache_len, model in itertools.product(*(axes[a] for a in AXES)):
-            _check_row(model, target, dtype, max_cache_len, tiny, where)
-            key = (model, target, dtype, max_cache_len)
+            _check_row(model, target, dtype, max_cache_len, tiny, where, **schemes)
+            key = (model, target, dtype, max_cache_len, *schemes.values())
             if key in seen:
-                raise InvalidOptionError(f"{where} repeats row {seen[key]} ({model}, {target}, {dtype}, {max_cache_len})")
+                raise InvalidOptionError(f"{where} repeats row {seen[key]} ({', '.join(str(k) for k in key if k is not None)})")
             seen[key] = len(rows)
-            rows.append(Row(len(rows), model, target, dtype, max_cache_len, tiny_config=tiny.get(model), **options))
+            rows.append(Row(len(rows), model, target, dtype, max_cache_len, tiny_config=tiny.get(model), **options, **schemes))
     return rows
 
 
@@ -149,7 +156,15 @@ def _option(value, key: str, where: str):
     return value
 
 
-def _check_row(model: str, target: str, dtype: str, max_cache_len, tiny: dict, where: str) -> None:
+def _scheme(value, key: str, where: str) -> str | None:
+    if value is not None and (not isinstance(value, str) or not value):
+        raise InvalidOptionError(f"{where}: '{key}' must be one string (a row's scheme), got {value!r}")
+    return value
+
+
+def _check_row(model: str, target: str, dtype: str, max_cache_len, tiny: dict, where: str,
+               quantize: str | None = None, quantize_embedding: str | None = None) -> None:
+    from ..exporter import quantize as quantization
     from ..exporter.targets import TARGETS
     from ..models import sources
 
@@ -157,6 +172,10 @@ def _check_row(model: str, target: str, dtype: str, max_cache_len, tiny: dict, w
         raise InvalidOptionError(f"{where}: unknown target '{target}'; choose one of: {', '.join(TARGETS)}")
     if dtype not in sources.DTYPES:
         raise InvalidOptionError(f"{where}: unknown dtype '{dtype}'; choose one of: {', '.join(sources.DTYPES)}")
+    try:  # the same one-line refusal `kvexport export` gives, per expanded row
+        quantization.check_request(target, quantize, quantize_embedding, dtype)
+    except KvexportError as e:
+        raise InvalidOptionError(f"{where} ({target}): {e}")
     if model not in tiny:
         try:
             sources.resolve(model)

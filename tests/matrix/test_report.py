@@ -73,6 +73,15 @@ def test_markdown_has_a_line_per_row_and_the_failures_reasons():
     assert "- **#1 tiny-llama × onnx** (export): target 'onnx' is not built" in text
 
 
+def test_a_quantized_row_shows_its_scheme_and_agreement():
+    quantized = row(0, target="onnx", quantize="int4", top1_agreement=0.9727, max_logit_diff=1.59)
+    embedding = row(1, quantize="8da4w", quantize_embedding="int8", top1_agreement=0.9, status="fail",
+                    failure={"stage": "check", "reason": "top-1 agreement 90.0% at prompt 0 is under 95%"})
+    lines = to_markdown(report([quantized, embedding], total=2)).splitlines()
+    assert any(l.startswith("| 0 | tiny-llama | llama | onnx | float32 · int4 | 64 | ✓ pass | top-1 agreement 97.3% | 1.6e+00 |") for l in lines)
+    assert any(l.startswith("| 1 | tiny-llama | llama | executorch | float32 · 8da4w · embedding int8 | 64 | ✗ fail | top-1 agreement 90.0% |") for l in lines)
+
+
 def test_merge_command_writes_both_reports_and_exits_1_on_a_failed_row(tmp_path, capsys):
     (tmp_path / "a.json").write_text(json.dumps(report([row(0), row(2, target="onnx", status="error")], "1/2")))
     (tmp_path / "b.json").write_text(json.dumps(report([row(1), row(3)], "2/2")))

@@ -45,6 +45,28 @@ timeout_s = 60
     assert len({r.id for r in matrix.rows}) == 6
 
 
+def test_a_quantized_row_is_a_row_of_its_own(tmp_path):
+    """The same model and target, float and quantized: two rows, two ids, the scheme passed on."""
+    matrix = load_matrix(write(tmp_path, """
+[defaults]
+model = "tiny-gemma3"
+target = "onnx"
+[[row]]
+[[row]]
+quantize = "int4"
+[[row]]
+target = "executorch"
+quantize = "8da4w"
+quantize_embedding = "int8"
+"""))
+    got = [(r.target, r.quantize, r.quantize_embedding) for r in matrix.rows]
+    assert got == [("onnx", None, None), ("onnx", "int4", None), ("executorch", "8da4w", "int8")]
+    assert [r.id.split("-", 1)[1] for r in matrix.rows] == [
+        "tiny-gemma3-onnx-float32-default", "tiny-gemma3-onnx-float32-default-int4",
+        "tiny-gemma3-executorch-float32-default-8da4w-embint8",
+    ]
+
+
 def test_a_model_built_from_a_config_in_the_file(tmp_path):
     matrix = load_matrix(write(tmp_path, """
 [[row]]
@@ -86,6 +108,10 @@ def test_shards_cover_every_row_exactly_once(count):
         ("[[row]]\nmodel = 'x'\n[models.x]\nmodel_type = 'nope'", "no model type 'nope'"),
         ("[[row]]\nmodel = 'tiny-llama'\n[models.tiny-llama]\nmodel_type = 'llama'", "already a built-in model name"),
         ("colour = 1\n[[row]]\nmodel = 'tiny-llama'", "unknown top-level key 'colour'"),
+        ("[[row]]\nmodel = 'tiny-llama'\ntarget = ['onnx', 'executorch']\nquantize = 'int4'",
+         "[[row]] #1 (executorch): --quantize int4 is for --target onnx"),
+        ("[[row]]\nmodel = 'tiny-llama'\ntarget = 'onnx'\nquantize = ['int4']", "'quantize' must be one string"),
+        ("[[row]]\nmodel = 'tiny-llama'\ntarget = 'onnx'\nquantize = 'int4'\ndtype = 'float16'", "--quantize takes --dtype float32"),
     ],
 )
 def test_mistakes_in_the_file_get_one_line(tmp_path, capsys, text, phrase):

@@ -1,0 +1,24 @@
+"""One matrix row run in this process: a quantized row is exported with its scheme and checked for
+agreement (its tokens may differ from eager's), not for identical tokens."""
+
+from __future__ import annotations
+
+from kvexport.exporter.artifact import read_manifest
+from kvexport.matrix.row import ARTIFACT_DIR, run_row
+from kvexport.matrix.spec import Row
+
+
+def test_a_quantized_row_is_checked_for_agreement(tmp_path):
+    row = Row(0, "tiny-gemma3", "onnx", "float32", 64, timeout_s=600, check_new_tokens=None, run_new_tokens=4,
+              quantize="int4")
+    result = run_row(row, tmp_path)
+    assert read_manifest(tmp_path / ARTIFACT_DIR)["export_options"]["quantize"] == "int4"
+    assert "quantize" in result["export_steps"]
+    assert 0.0 <= result["top1_agreement"] <= 1.0 and result["first_divergence"] is None
+    # A random 4-bit tiny model may or may not reach 95%; the verdict and its reason follow the figure.
+    if result["top1_agreement"] >= 0.95:
+        assert result["status"] == "pass" and result["failure"] is None
+    else:
+        assert result["status"] == "fail"
+        assert result["failure"]["stage"] == "check" and "top-1 agreement" in result["failure"]["reason"]
+    assert result["decode_tokens_per_s"] > 0
