@@ -73,10 +73,11 @@ def quantize_onnx(path, data_file: str) -> dict:
     memberships: set[int] = set()  # K of each [K, K/32] block-membership matrix already added
     tables: dict[str, tuple[str, str]] = {}  # source initializer -> its 8-bit (data, scales)
 
-    def int8_table(source: str, matrix_nk: np.ndarray) -> tuple[str, str]:
-        """The 8-bit blocks of a [N, K] matrix, added once however many ops read it."""
+    def int8_table(source: str, matrix_nk) -> tuple[str, str]:
+        """The 8-bit blocks of the [N, K] matrix ``matrix_nk()``, computed and added once however
+        many ops read it (a tied table's second reader reads no float copy at all)."""
         if source not in tables:
-            q, scale = int8_blocks(matrix_nk)
+            q, scale = int8_blocks(matrix_nk())
             n, k = q.shape
             tables[source] = (f"{source}_q8", f"{source}_scales")
             added.extend([numpy_helper.from_array(q.reshape(n, k // BLOCK, BLOCK), f"{source}_q8"),
@@ -87,14 +88,14 @@ def quantize_onnx(path, data_file: str) -> dict:
     for node in graph.node:
         weight = initializers.get(node.input[1]) if len(node.input) > 1 else None
         if node.op_type == "MatMul" and _quantizable(weight, axis=0):
-            w = numpy_helper.to_array(weight)  # [K, N]
-            k, n = w.shape
+            k, n = weight.dims  # [K, N]
             base = node.name or node.output[0]
             if node.output[0] == lm_head:  # 8-bit; a tied one shares the lookup's blocks
-                data, scales = int8_table(tied.get(weight.name, weight.name), np.ascontiguousarray(w.T))
+                data, scales = int8_table(tied.get(weight.name, weight.name),
+                                          lambda: np.ascontiguousarray(numpy_helper.to_array(weight).T))
                 nodes.append(_matmul_nbits(helper, node.input[0], data, scales, node.output[0], k, n, 8))
             else:
-                q, scale, offset = int4_blocks(np.ascontiguousarray(w.T))
+                q, scale, offset = int4_blocks(np.ascontiguousarray(numpy_helper.to_array(weight).T))
                 packed = q[..., 0::2] | (q[..., 1::2] << 4)  # two per byte, low nibble first
                 added += [numpy_helper.from_array(packed, f"{base}_q4"), numpy_helper.from_array(scale, f"{base}_scales"),
                           numpy_helper.from_array(np.ascontiguousarray(offset.T), f"{base}_offsets")]
@@ -114,10 +115,10 @@ def quantize_onnx(path, data_file: str) -> dict:
                 ]
             readers[weight.name] -= 1
         elif node.op_type == "Gather" and _quantizable(initializers.get(node.input[0]), axis=1) and _attribute(node, "axis", 0) == 0:
-            table = numpy_helper.to_array(initializers[node.input[0]])
-            n, k = table.shape
+            table = initializers[node.input[0]]
+            n, k = table.dims
             base = node.name or node.output[0]
-            data, scales = int8_table(node.input[0], table)  # [N, K/32, 32], [N, K/32]
+            data, scales = int8_table(node.input[0], lambda: numpy_helper.to_array(table))  # [N, K/32, 32], [N, K/32]
             ids = node.input[1]
             added += [numpy_helper.from_array(np.array([n, k // BLOCK, 1], np.int64), f"{base}_scales_shape"),
                       numpy_helper.from_array(np.array([k], np.int64), f"{base}_hidden")]

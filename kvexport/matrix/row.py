@@ -122,9 +122,9 @@ def _check(row: Row, folder: Path) -> dict:
         None,
     )
     max_diff = max((p.max_logit_diff for p in report.prompts), default=0.0)
-    agreement = min((p.top1_agreement for p in report.prompts), default=1.0)
     if report.mode == "agreement":  # quantized: its tokens may differ; how often its top-1 is eager's counts
         worst = min(range(len(report.prompts)), key=lambda i: report.prompts[i].top1_agreement)
+        agreement = report.prompts[worst].top1_agreement
         reason = f"top-1 agreement {agreement:.1%} at prompt {worst} is under {report.min_agreement:.0%}"
         divergence = None
     elif divergence:
