@@ -110,7 +110,7 @@ def to_markdown(report: dict) -> str:
         f"transformers {v['transformers']}, executorch {v['executorch']}, onnxruntime {v['onnxruntime']}; "
         f"{report['host']['cpus']} CPUs.",
         "",
-        "| # | model | family | target | dtype | max_cache_len | status | first divergence | max \\|logit diff\\| "
+        "| # | model | family | target | dtype | max_cache_len | status | tokens vs eager | max \\|logit diff\\| "
         "| export s | export peak RSS MB | artifact MB | decode tok/s |",
         "|---:|---|---|---|---|---:|---|---|---:|---:|---:|---:|---:|",
     ]

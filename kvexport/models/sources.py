@@ -7,6 +7,8 @@ first load also saves a plain HF folder under the kvexport cache; later loads re
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import importlib.util
 import json
 import os
@@ -181,8 +183,21 @@ def default_cache_dir() -> Path:
 
 
 def _converted_folder(gguf: Path, cache_dir: Path | None) -> Path:
+    """Named by the file's content: reinstalling a model package writes the same GGUF with a new
+    mtime, and a name from size and mtime gave each install its own converted copy (0.5-1 GB)."""
     stat = gguf.stat()
-    return (cache_dir or default_cache_dir()) / "gguf" / f"{gguf.stem}-{stat.st_size}-{int(stat.st_mtime)}"
+    digest = _sha256(gguf.resolve(), stat.st_size, stat.st_mtime_ns)
+    return (cache_dir or default_cache_dir()) / "gguf" / f"{gguf.stem}-{digest[:16]}"
+
+
+@functools.lru_cache(maxsize=8)
+def _sha256(path: Path, size: int, mtime_ns: int) -> str:
+    """A file's sha256, read once per process while its size and mtime stay (0.4 s for 250 MB)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 22):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def _plain_folder(source: ModelSource, cache_dir: Path | None) -> Path:

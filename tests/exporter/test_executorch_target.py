@@ -97,3 +97,34 @@ def test_lowering_shares_the_programs_weights_rather_than_copying_them():
         assert copy.deepcopy(program).state_dict["weight"] is weight
     assert copy.deepcopy(program).state_dict["weight"] is not weight
     assert "__deepcopy__" not in weight.__dict__
+
+
+def test_weights_serialized_while_lowering_wait_on_disk(tmp_path, monkeypatch):
+    """XNNPACK's serialized weights go to files (not memory) until model.ptd is written; the artifact
+    is the same bytes as one lowered in memory, and no spill file is left behind."""
+    from executorch.exir._serialize._cord import FileBackedData
+
+    from kvexport.exporter.pipeline import ExportOptions, export_model
+    from kvexport.exporter.targets import executorch
+    from kvexport.progress import Progress
+
+    monkeypatch.setattr(executorch, "SPILL_MIN_BYTES", 1 << 62)  # nothing spilled
+    in_memory = tmp_path / "in-memory"
+    export_model(ExportOptions("tiny-smollm3", "executorch", in_memory, TEST_CACHE_LEN), Progress(quiet=True))
+
+    written_from_disk = []
+    write_to_file = FileBackedData.write_to_file
+    monkeypatch.setattr(FileBackedData, "write_to_file", lambda self, f: written_from_disk.append(len(self)) or write_to_file(self, f))
+    monkeypatch.setattr(executorch, "SPILL_MIN_BYTES", 0)  # everything spilled
+    spilled = tmp_path / "spilled"
+    export_model(ExportOptions("tiny-smollm3", "executorch", spilled, TEST_CACHE_LEN), Progress(quiet=True))
+
+    import torch
+
+    model, _ = build_preset("tiny-smollm3")
+    # Every linear layer is XNNPACK's; the tied lm_head's weight is written once, from the lookup's copy.
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not model.get_output_embeddings()]
+    assert sum(written_from_disk) >= sum(m.weight.numel() * 4 for m in linears)
+    for name in ("model.pte", "model.ptd"):
+        assert (spilled / name).read_bytes() == (in_memory / name).read_bytes(), name
+    assert sorted(p.name for p in spilled.iterdir()) == sorted(p.name for p in in_memory.iterdir())

@@ -26,6 +26,21 @@ def test_local_folder_and_gguf(tmp_path):
     assert sources.resolve(str(gguf)).kind == "gguf"
 
 
+def test_a_gguf_is_converted_once_per_content_not_per_copy(tmp_path):
+    """A reinstalled model package rewrites its GGUF with a new mtime: it must reuse the conversion."""
+    import os
+
+    first, reinstalled, other = tmp_path / "a" / "m.gguf", tmp_path / "b" / "m.gguf", tmp_path / "c" / "m.gguf"
+    for path, content in ((first, b"GGUF same"), (reinstalled, b"GGUF same"), (other, b"GGUF diff")):
+        path.parent.mkdir()
+        path.write_bytes(content)
+    os.utime(reinstalled, (1e9, 1e9))
+    folder = sources._converted_folder(first, tmp_path)
+    assert sources._converted_folder(reinstalled, tmp_path) == folder
+    assert sources._converted_folder(other, tmp_path) != folder
+    assert folder.parent == tmp_path / "gguf" and folder.name.startswith("m-")
+
+
 @pytest.mark.parametrize(
     "name, phrase",
     [("definitely/not-cached-anywhere", "not in the local Hugging Face cache"), ("./missing-folder", "not found")],
