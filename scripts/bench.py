@@ -218,13 +218,17 @@ def work_llama(spec: dict) -> dict:
     llm = Llama(model_path=spec["gguf"], n_ctx=len(ids) + n + 16, n_batch=len(ids), n_ubatch=len(ids),
                 n_threads=threads, n_threads_batch=threads, logits_all=False, verbose=False)
     load_s = time.perf_counter() - t
+    vocab = llm.n_vocab()
 
     def generate(count: int, stamps: list[float]) -> list[int]:
         llm.reset()
         llm.eval(ids)
         out: list[int] = []
         while True:
-            out.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
+            # Without logits_all, llama-cpp-python 0.3 no longer copies logits into llm.scores:
+            # read the last evaluated token's row from the context.
+            logits = np.ctypeslib.as_array(llm._ctx.get_logits_ith(-1), shape=(vocab,))
+            out.append(int(np.argmax(logits)))
             stamps.append(time.perf_counter())
             if len(out) == count:
                 return out
