@@ -99,18 +99,20 @@ def test_lowering_shares_the_programs_weights_rather_than_copying_them():
     assert "__deepcopy__" not in weight.__dict__
 
 
-def test_weights_serialized_while_lowering_wait_on_disk(tmp_path, monkeypatch):
+def test_weights_serialized_while_lowering_wait_on_disk(artifact, tmp_path, monkeypatch):
     """XNNPACK's serialized weights go to files (not memory) until model.ptd is written; the artifact
     is the same bytes as one lowered in memory, and no spill file is left behind."""
+    import torch
     from executorch.exir._serialize._cord import FileBackedData
 
     from kvexport.exporter.pipeline import ExportOptions, export_model
     from kvexport.exporter.targets import executorch
     from kvexport.progress import Progress
 
-    monkeypatch.setattr(executorch, "SPILL_MIN_BYTES", 1 << 62)  # nothing spilled
-    in_memory = tmp_path / "in-memory"
-    export_model(ExportOptions("tiny-smollm3", "executorch", in_memory, TEST_CACHE_LEN), Progress(quiet=True))
+    model, _ = build_preset("tiny-smollm3")
+    # The session's artifact was lowered in memory: no weight of this tiny model reaches the threshold.
+    assert max(p.numel() * p.element_size() for p in model.parameters()) < executorch.SPILL_MIN_BYTES
+    in_memory = artifact("tiny-smollm3")
 
     written_from_disk = []
     write_to_file = FileBackedData.write_to_file
@@ -119,9 +121,6 @@ def test_weights_serialized_while_lowering_wait_on_disk(tmp_path, monkeypatch):
     spilled = tmp_path / "spilled"
     export_model(ExportOptions("tiny-smollm3", "executorch", spilled, TEST_CACHE_LEN), Progress(quiet=True))
 
-    import torch
-
-    model, _ = build_preset("tiny-smollm3")
     # Every linear layer is XNNPACK's; the tied lm_head's weight is written once, from the lookup's copy.
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not model.get_output_embeddings()]
     assert sum(written_from_disk) >= sum(m.weight.numel() * 4 for m in linears)
