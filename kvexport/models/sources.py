@@ -8,7 +8,6 @@ first load also saves a plain HF folder under the kvexport cache; later loads re
 from __future__ import annotations
 
 import functools
-import hashlib
 import importlib.util
 import json
 import os
@@ -193,11 +192,9 @@ def _converted_folder(gguf: Path, cache_dir: Path | None) -> Path:
 @functools.lru_cache(maxsize=8)
 def _sha256(path: Path, size: int, mtime_ns: int) -> str:
     """A file's sha256, read once per process while its size and mtime stay (0.4 s for 250 MB)."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 22):
-            digest.update(block)
-    return digest.hexdigest()
+    from ..exporter.artifact import sha256_file
+
+    return sha256_file(path)
 
 
 def _plain_folder(source: ModelSource, cache_dir: Path | None) -> Path:

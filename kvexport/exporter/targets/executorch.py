@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import tempfile
 from pathlib import Path
 
@@ -144,7 +143,7 @@ def _serialized_weights_on_disk(folder: Path):
         if external_tag == WEIGHTS_TAG and isinstance(data, bytes) and len(data) >= SPILL_MIN_BYTES:
             with tempfile.NamedTemporaryFile(dir=folder, suffix=".bin", delete=False) as f:
                 f.write(data)
-            data = FileBackedData(f.name, cleanup=True, sha256=hashlib.sha256(data).digest())
+            data = FileBackedData(f.name, cleanup=True)  # its sha256 only if dedup asks (lazily)
         return add_named_data(self, key, data, alignment, external_tag, tensor_layout)
 
     NamedDataStore.add_named_data = add_spilled
