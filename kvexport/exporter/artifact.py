@@ -25,7 +25,11 @@ MANIFEST = "kvexport.json"
 # a flipped digit in it (a cache length, a window) would otherwise go unnoticed.
 MANIFEST_SUM = "kvexport.json.sha256"
 FORMAT = "kvexport-artifact"
-FORMAT_VERSION = 1
+# 2: an ONNX graph's full-attention layers take and return the whole head-major buffer
+# (GroupQueryAttention); version 1 took the filled prefix, sequence-major, and returned new rows.
+FORMAT_VERSION = 2
+# The versions each target still runs: 2 changed nothing in an ExecuTorch artifact.
+_READABLE_VERSIONS = {"executorch": (1, 2), "onnx": (2,)}
 
 
 def sha256_file(path: Path) -> str:
@@ -174,10 +178,11 @@ def read_manifest(folder: Path, verify: bool = True) -> dict:
         raise ArtifactError(f"{path} is not valid JSON ({e}); re-run kvexport export")
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise ArtifactError(f"{path} is not a kvexport manifest; re-run kvexport export")
-    if manifest.get("format_version") != FORMAT_VERSION:
+    readable = _READABLE_VERSIONS.get(manifest.get("target"), (FORMAT_VERSION,))
+    if manifest.get("format_version") not in readable:
         raise ArtifactError(
-            f"{path} has format version {manifest.get('format_version')}, this kvexport reads {FORMAT_VERSION}; "
-            "re-export with this version"
+            f"{path} has format version {manifest.get('format_version')}, this kvexport reads "
+            f"{' or '.join(map(str, readable))} for {manifest.get('target')} artifacts; re-export with this version"
         )
     # Folders exported before the manifest had its own sum have none: their files are still checked.
     sum_file = folder / MANIFEST_SUM

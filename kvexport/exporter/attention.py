@@ -22,6 +22,12 @@ def family_eager_attention(module):
     return getattr(sys.modules[type(module).__module__], "eager_attention_forward", modeling_llama.eager_attention_forward)
 
 
+def plain_softmax_attention(kwargs: dict) -> bool:
+    """Whether the family's attention is softmax(QK^T·scale + mask)·V, what fused kernels compute
+    (no soft-capping, no attention sinks, no dropout)."""
+    return kwargs.get("softcap") is None and kwargs.get("s_aux") is None and not kwargs.get("dropout")
+
+
 def kvexport_attention(module, query, key, value, attention_mask, kvexport_call=None, **kwargs):
     if kvexport_call is None:  # called by plain transformers (e.g. generate): its own cache ran already
         return family_eager_attention(module)(module, query, key, value, attention_mask, **kwargs)

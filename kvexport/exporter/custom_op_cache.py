@@ -17,12 +17,8 @@ from torch import nn
 
 import executorch.extension.llm.custom_ops.custom_ops  # noqa: F401  (registers torch.ops.llama.*)
 
-from .attention import family_eager_attention
+from .attention import family_eager_attention, plain_softmax_attention
 from .kv_cache import CallState, newest_in_slot, ring_key_positions
-
-
-def _plain_softmax_attention(kwargs: dict) -> bool:
-    return kwargs.get("softcap") is None and kwargs.get("s_aux") is None and not kwargs.get("dropout")
 
 
 def _to_seq_major(x: torch.Tensor) -> torch.Tensor:
@@ -41,7 +37,7 @@ class CustomOpStaticCache(nn.Module):
     def attend(self, module, query, key, value, mask, call: CallState, scaling=None, **kwargs):
         torch.ops.llama.update_cache(_to_seq_major(key), self.k, call.start)
         torch.ops.llama.update_cache(_to_seq_major(value), self.v, call.start)
-        if _plain_softmax_attention(kwargs):
+        if plain_softmax_attention(kwargs):
             out = torch.ops.llama.custom_sdpa(_to_seq_major(query), self.k, self.v, call.start, None, 0.0, True, scaling)
             return out, None
         end = call.start + query.shape[2]
@@ -67,7 +63,7 @@ class CustomOpRingCache(nn.Module):
         k_new, v_new = _to_seq_major(key), _to_seq_major(value)
         keys = torch.cat([self.k, k_new], dim=1)
         values = torch.cat([self.v, v_new], dim=1)
-        if _plain_softmax_attention(kwargs):
+        if plain_softmax_attention(kwargs):
             out = torch.ops.llama.custom_sdpa(_to_seq_major(query), keys, values, 0, mask[0, 0], 0.0, False, scaling)
             result = (out, None)
         else:

@@ -24,25 +24,26 @@ def export_decoder(decoder: ExportableDecoder) -> torch.export.ExportedProgram:
     return program
 
 
-# Example length of the static layers' past (any P >= 2 that differs from T and every window, so
-# no dimension is specialised to, or equated with, another by its example value).
-_EXAMPLE_PAST = 5
+# Example start position: any P >= 2 that differs from T and every window, so no dimension is
+# specialised to, or equated with, another by its example value.
+_EXAMPLE_START = 5
 
 
 def external_cache_example_inputs(decoder: ExternalCacheDecoder) -> tuple[torch.Tensor, ...]:
     tokens, _ = example_inputs(decoder.max_cache_len)
     past = []
     for layer, spec in zip(decoder.caches, decoder.specs):
-        rows = layer.window or _EXAMPLE_PAST
-        past += [torch.zeros((1, rows, spec.kv_heads, spec.head_dim), dtype=decoder.dtype) for _ in range(2)]
-    return (tokens, torch.tensor([_EXAMPLE_PAST]), *past)
+        if layer.window:  # a ring, sequence-major
+            shape = (1, layer.window, spec.kv_heads, spec.head_dim)
+        else:  # a static buffer, head-major (GroupQueryAttention's layout)
+            shape = (1, spec.kv_heads, decoder.max_cache_len, spec.head_dim)
+        past += [torch.zeros(shape, dtype=decoder.dtype) for _ in range(2)]
+    return (tokens, torch.tensor([_EXAMPLE_START]), *past)
 
 
 def export_external_cache_decoder(decoder: ExternalCacheDecoder) -> torch.export.ExportedProgram:
-    """T dynamic as above; each static layer's past length dynamic too (P = 0 included), rings fixed."""
-    past_shapes = tuple(
-        None if layer.window else {1: torch.export.Dim.DYNAMIC} for layer in decoder.caches for _ in range(2)
-    )
+    """T dynamic as above; every past has a fixed shape (whole buffers and whole rings)."""
+    past_shapes = tuple(None for _ in range(2 * len(decoder.caches)))
     dynamic_shapes = ({1: torch.export.Dim.DYNAMIC}, None, past_shapes)
     with torch.no_grad():
         program = torch.export.export(

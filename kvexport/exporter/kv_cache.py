@@ -70,44 +70,6 @@ class RingKVCache(nn.Module):
         return ring_key_positions(positions, self.window)
 
 
-class ExternalKVLayer:
-    """A layer whose cache lives outside the program (ONNX has no mutable state).
-
-    Before each call the wrapper binds the past rows that came in as graph inputs, sequence-major
-    ``[1, P, kv_heads, head_dim]``; ``update`` returns what attention sees, exactly as the
-    in-program caches do, and keeps the call's new rows for the wrapper to return, so a runner
-    writes only those into its own buffers (no whole-cache copy per step):
-
-    - static (``window`` None): the past is the first ``P`` positions (``P`` = the start
-      position); keys are ``past + new`` and column ``i`` holds position ``i``;
-    - ring (``window`` W): the past is the whole ring of ``W`` slots; keys are ``ring + new``
-      with positions from ``ring_positions``, as in ``RingKVCache``.
-
-    Not an ``nn.Module``: it holds only the tensors of the call being traced, no state.
-    """
-
-    def __init__(self, window: int | None = None):
-        self.window = window
-        self.past_k = self.past_v = self.new_k = self.new_v = None
-
-    def bind(self, past_k: torch.Tensor, past_v: torch.Tensor) -> None:
-        self.past_k, self.past_v = past_k, past_v
-
-    def update(self, positions: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor):
-        # transformers' states are [1, kv_heads, T, head_dim]; the runner's rows are sequence-major.
-        self.new_k, self.new_v = k_new.transpose(1, 2), v_new.transpose(1, 2)
-        keys = torch.cat([self.past_k.transpose(1, 2), k_new], dim=2)
-        values = torch.cat([self.past_v.transpose(1, 2), v_new], dim=2)
-        return keys, values
-
-    def key_positions(self, positions: torch.Tensor) -> torch.Tensor:
-        if self.window is not None:
-            return ring_key_positions(positions, self.window)
-        # Derived from the past's length, not from the start position, so the mask always has
-        # as many columns as the keys (a runner binding the wrong prefix gets wrong text, not a crash).
-        return torch.arange(self.past_k.shape[1] + positions.shape[0], device=positions.device)
-
-
 def ring_key_positions(positions: torch.Tensor, window: int) -> torch.Tensor:
     """Position of each key column a ring returns: the ring's slots, then the call's tokens."""
     return torch.cat([ring_positions(positions[:1], window), positions])

@@ -15,7 +15,8 @@ from torch import nn
 from ..models.adapters import prepare_for_export
 from ..models.architecture import LayerSpec, layer_specs
 from . import attention
-from .kv_cache import CallState, ExternalKVLayer, RingKVCache, StaticKVCache, additive_mask
+from .kv_cache import CallState, RingKVCache, StaticKVCache, additive_mask
+from .onnx_attention import ExternalRingLayer, ExternalStaticLayer
 
 
 def build_caches(specs: list[LayerSpec], max_cache_len: int, dtype: torch.dtype, batch: int = 1) -> nn.ModuleList:
@@ -89,18 +90,19 @@ class ExportableDecoder(nn.Module):
         return out.logits[:, -1, :]
 
 
-def build_external_layers(specs: list[LayerSpec], max_cache_len: int, dtype: torch.dtype) -> list[ExternalKVLayer]:
-    return [ExternalKVLayer(spec.window if spec.is_ring(max_cache_len) else None) for spec in specs]
+def build_external_layers(specs: list[LayerSpec], max_cache_len: int, dtype: torch.dtype) -> list:
+    return [ExternalRingLayer(spec.window) if spec.is_ring(max_cache_len) else ExternalStaticLayer() for spec in specs]
 
 
 class ExternalCacheDecoder(ExportableDecoder):
     """The cache crosses the program boundary: ONNX graphs hold no mutable state.
 
     ``forward(tokens[1, T], input_pos[1], past_key_0, past_value_0, ...) -> (logits[1, vocab],
-    present_key_0, present_value_0, ...)``. Each past is sequence-major ``[1, rows, kv_heads,
-    head_dim]``: the first ``input_pos`` positions for a static layer, the whole ring for a ring
-    layer. Each present is the call's new rows ``[1, T, kv_heads, head_dim]``, which the runner
-    writes into its own buffers (see ``ExternalKVLayer``).
+    present_key_0, present_value_0, ...)``. A static layer's past is its whole buffer, head-major
+    ``[1, kv_heads, max_cache_len, head_dim]``, and its present the same buffer with the call's
+    rows written (in place when the runner binds both to one buffer). A ring layer's past is the
+    whole ring, sequence-major ``[1, W, kv_heads, head_dim]``, and its present the call's new rows
+    ``[1, T, kv_heads, head_dim]``, which the runner writes into its ring. See ``onnx_attention``.
     """
 
     def __init__(self, model: nn.Module, max_cache_len: int):
@@ -113,4 +115,4 @@ class ExternalCacheDecoder(ExportableDecoder):
         for layer, past_k, past_v in zip(self.caches, past[0::2], past[1::2], strict=True):
             layer.bind(past_k, past_v)
         logits = self.last_logits(tokens, input_pos)
-        return (logits, *[row for layer in self.caches for row in (layer.new_k, layer.new_v)])
+        return (logits, *[kv for layer in self.caches for kv in (layer.present_k, layer.present_v)])

@@ -2,18 +2,20 @@
 
 numpy and onnxruntime only (no torch, no transformers), so an ONNX folder runs where neither is
 installed. The graph's interface is in ``kvexport.json`` (``interface``); in short, per layer a key
-and a value buffer ``[1, slots, kv_heads, head_dim]``, allocated once, zero-filled, where the
-session runs (host memory on CPU, device memory on CUDA), and every call bound with IOBinding to
-raw pointers into them, so nothing is copied in or out by Python:
+and a value buffer, allocated once, zero-filled, where the session runs (host memory on CPU,
+device memory on CUDA), and bound with IOBinding to raw pointers into them, so nothing is copied
+in or out by Python:
 
-- a static layer's past is the prefix of its buffer (rows ``0 .. start-1``), bound in place, and
-  its new rows are written by ONNX Runtime straight to rows ``start .. start+T-1`` (disjoint from
-  the past), so a decode step reads the filled rows only, whatever ``max_cache_len`` is;
-- a ring's past is the whole ring. A one-token call's new row goes straight to its slot
-  ``start % window``: that slot's old row (position ``start - window``) is outside the window of
-  the only query, so the mask gives it weight 0 whether ONNX Runtime reads it before or after the
-  write. A multi-token call's rows come back to host memory and the newest one per slot is
-  written, as ``RingKVCache.update`` does (prefill and chunked prefill only).
+- a static layer's buffer ``[1, kv_heads, max_cache_len, head_dim]`` is bound once as both its
+  past and its present: ONNX Runtime's GroupQueryAttention then writes the call's rows in place
+  and reads rows ``0 .. start+T-1`` only, so a decode step costs the filled length, whatever
+  ``max_cache_len`` is;
+- a ring ``[1, window, kv_heads, head_dim]`` is bound once as its past. A one-token call's new
+  row goes straight to its slot ``start % window``: that slot's old row (position
+  ``start - window``) is outside the window of the only query, so the mask gives it weight 0
+  whether ONNX Runtime reads it before or after the write. A multi-token call's rows come back to
+  host memory and the newest one per slot is written, as ``RingKVCache.update`` does (prefill and
+  chunked prefill only).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ _GPU_HINT = "install onnxruntime-gpu (pip install 'kvexport[gpu]') on a machine 
 
 
 class _Buffer:
-    """One layer's key or value rows ``[1, slots, kv_heads, head_dim]``, zero-filled, where the session runs."""
+    """One layer's key or value buffer, zero-filled, where the session runs."""
 
     def __init__(self, ort, shape: tuple[int, ...], dtype: np.dtype, device: str):
         zeros = np.zeros(shape, dtype=dtype)
@@ -39,7 +41,7 @@ class _Buffer:
         else:
             self.value = ort.OrtValue.ortvalue_from_numpy(zeros, device, 0)
             self.ptr = self.value.data_ptr()
-        self.row_bytes = int(np.prod(shape[2:])) * dtype.itemsize
+        self.row_bytes = int(np.prod(shape[2:])) * dtype.itemsize  # a ring's slot (sequence-major)
 
     def row_ptr(self, row: int) -> int:
         return self.ptr + row * self.row_bytes
@@ -59,8 +61,11 @@ class _Layer:
         self.index = spec["index"]
         self.window = spec["window"] if spec["cache"] == "ring" else None
         self.row_shape = (spec["kv_heads"], spec["head_dim"])
-        slots = self.window or max_cache_len
-        self.buffers = {kv: _Buffer(ort, (1, slots, *self.row_shape), dtype, device) for kv in ("key", "value")}
+        if self.window is None:  # head-major, GroupQueryAttention's layout
+            self.shape = [1, spec["kv_heads"], max_cache_len, spec["head_dim"]]
+        else:
+            self.shape = [1, self.window, *self.row_shape]
+        self.buffers = {kv: _Buffer(ort, tuple(self.shape), dtype, device) for kv in ("key", "value")}
 
 
 class OnnxProgram:
@@ -81,6 +86,9 @@ class OnnxProgram:
         path = folder / manifest["program"]
         providers = ["CUDAExecutionProvider", "CPUExecutionProvider"] if device == "cuda" else ["CPUExecutionProvider"]
         options = ort.SessionOptions()
+        # Errors only: a ring's GroupQueryAttention also returns ring + new keys (W + T rows), which
+        # nothing reads, and ONNX Runtime's shape inference, expecting W, warns on every call.
+        options.log_severity_level = 3
         if threads is not None:
             options.intra_op_num_threads = threads
             options.inter_op_num_threads = 1
@@ -98,10 +106,11 @@ class OnnxProgram:
         self._logits = np.zeros((1, manifest["vocab_size"]), dtype=self._dtype)
         self._binding = self._session.io_binding()
         self._binding.bind_output("logits", "cpu", 0, self._dtype, list(self._logits.shape), self._logits.ctypes.data)
-        for layer in self._layers:
-            if layer.window is not None:  # a ring's past is always the whole ring: bound once
-                for kv, buf in layer.buffers.items():
-                    self._bind_input(f"past_{kv}_{layer.index}", [1, layer.window, *layer.row_shape], buf.ptr)
+        for layer in self._layers:  # every past is a whole buffer: bound once
+            for kv, buf in layer.buffers.items():
+                self._bind_input(f"past_{kv}_{layer.index}", layer.shape, buf.ptr)
+                if layer.window is None:  # present is the past, written in place
+                    self._bind_output(f"present_{kv}_{layer.index}", layer.shape, buf.ptr)
         self._next_start = 0
 
     def _bind_input(self, name: str, shape: list[int], ptr: int) -> None:
@@ -132,12 +141,11 @@ class OnnxProgram:
         binding.bind_input("input_pos", "cpu", 0, np.int64, [1], self._input_pos.ctypes.data)
         staged = []  # (layer, kv, host rows) of multi-token ring calls, written after the run
         for layer in self._layers:
+            if layer.window is None:
+                continue
             for kv, buf in layer.buffers.items():
                 present = f"present_{kv}_{layer.index}"
-                if layer.window is None:
-                    self._bind_input(f"past_{kv}_{layer.index}", [1, start, *layer.row_shape], buf.ptr)
-                    self._bind_output(present, [1, n, *layer.row_shape], buf.row_ptr(start))
-                elif n == 1:
+                if n == 1:
                     self._bind_output(present, [1, 1, *layer.row_shape], buf.row_ptr(start % layer.window))
                 else:
                     rows = np.empty((1, n, *layer.row_shape), dtype=self._dtype)

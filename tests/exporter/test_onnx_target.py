@@ -7,7 +7,7 @@ import json
 import onnx
 
 from kvexport.exporter.artifact import read_manifest
-from kvexport.models.presets import build_preset
+from kvexport.models.presets import build_preset, preset_config
 from kvexport.runtime_check.programs import load_program
 
 from ..conftest import NEW_TOKENS, PROMPT, TEST_CACHE_LEN
@@ -54,22 +54,46 @@ def test_folder_layout_and_manifest_describe_the_graph(artifact):
     assert by_name["tokens"]["shape"] == [1, "T"] and by_name["input_pos"]["shape"] == [1]
     assert (by_name["logits"]["dtype"], by_name["logits"]["shape"]) == ("float32", [1, manifest["vocab_size"]])
     for layer in manifest["layers"]:
-        i, rows = layer["index"], (layer["window"] if layer["cache"] == "ring" else "P")
+        i, heads, dim = layer["index"], layer["kv_heads"], layer["head_dim"]
         for kv in ("key", "value"):
-            assert by_name[f"past_{kv}_{i}"]["shape"] == [1, rows, layer["kv_heads"], layer["head_dim"]]
-            assert by_name[f"present_{kv}_{i}"]["shape"] == [1, "T", layer["kv_heads"], layer["head_dim"]]
+            if layer["cache"] == "ring":  # sequence-major ring in, the call's rows out
+                assert by_name[f"past_{kv}_{i}"]["shape"] == [1, layer["window"], heads, dim]
+                assert by_name[f"present_{kv}_{i}"]["shape"] == [1, "T", heads, dim]
+            else:  # head-major whole buffer in and out (GroupQueryAttention)
+                assert by_name[f"past_{kv}_{i}"]["shape"] == [1, heads, TEST_CACHE_LEN, dim]
+                assert by_name[f"present_{kv}_{i}"]["shape"] == [1, heads, TEST_CACHE_LEN, dim]
     assert [layer["cache"] for layer in manifest["layers"]] == ["ring", "ring", "ring", "static"]
-    assert set(interface["symbols"]) == {"T", "P"}
+    assert set(interface["symbols"]) == {"T"}
     assert {"layout", "static", "ring"} <= set(interface["cache"])
 
 
-def test_no_graph_input_is_sized_by_max_cache_len(artifact):
-    """The graph never sees a whole static buffer: its past is the filled prefix, P rows."""
-    folder = artifact("tiny-llama", "onnx")
+def test_every_layer_attends_with_one_group_query_attention_node(artifact):
+    """A static layer's node takes and returns the graph's cache buffers directly (so a runner
+    binding present to past's memory gets rows written in place); a ring's node takes the ring and
+    the window mask as its attention_bias."""
+    folder = artifact("tiny-gemma3", "onnx")  # layers 0-2: rings; layer 3: static
     graph = onnx.load(str(folder / "model.onnx"), load_external_data=False).graph
-    sizes = {d.dim_value for v in graph.input for d in v.type.tensor_type.shape.dim}
-    assert TEST_CACHE_LEN not in sizes
-    assert all(v.type.tensor_type.shape.dim[1].dim_param == "P" for v in graph.input if v.name.startswith("past_"))
+    nodes = [n for n in graph.node if n.op_type == "GroupQueryAttention"]
+    layers = read_manifest(folder)["layers"]
+    heads = preset_config("tiny-gemma3").num_attention_heads
+    assert len(nodes) == len(layers) and all(n.domain == "com.microsoft" for n in nodes)
+    for node, layer in zip(nodes, layers):
+        i = layer["index"]
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        assert (attrs["num_heads"], attrs["kv_num_heads"]) == (heads, layer["kv_heads"])
+        if layer["cache"] == "static":
+            assert list(node.input[3:5]) == [f"past_key_{i}", f"past_value_{i}"] and len(node.input) == 7
+            assert list(node.output[1:]) == [f"present_key_{i}", f"present_value_{i}"]
+        else:
+            assert len(node.input) == 11 and node.input[10]  # attention_bias
+            assert not {f"present_key_{i}", f"present_value_{i}"} & set(node.output)
+
+
+def test_soft_capped_attention_falls_back_to_the_family_attention(artifact):
+    # Gemma 2 soft-caps its attention scores, which GroupQueryAttention is not asked to do here.
+    graph = onnx.load(str(artifact("tiny-gemma2", "onnx") / "model.onnx"), load_external_data=False).graph
+    assert not any(n.op_type == "GroupQueryAttention" for n in graph.node)
+    assert any(n.op_type == "Tanh" for n in graph.node)
 
 
 def test_float16_export_is_within_the_float16_tolerance(tmp_path, capsys):

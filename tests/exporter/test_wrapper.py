@@ -50,18 +50,21 @@ def external_cache_forward(decoder: ExternalCacheDecoder):
     kvexport.json's ``interface`` written in torch (the ONNX runner's, without ONNX)."""
     buffers = []
     for layer, spec in zip(decoder.caches, decoder.specs):
-        slots = layer.window or decoder.max_cache_len
-        buffers.append([torch.zeros(1, slots, spec.kv_heads, spec.head_dim) for _ in range(2)])
+        if layer.window:  # a sequence-major ring
+            shape = (1, layer.window, spec.kv_heads, spec.head_dim)
+        else:  # a head-major static buffer
+            shape = (1, spec.kv_heads, decoder.max_cache_len, spec.head_dim)
+        buffers.append([torch.zeros(shape) for _ in range(2)])
 
     def forward(tokens, start):
         n = len(tokens)
-        past = [b if layer.window else b[:, :start] for layer, kv in zip(decoder.caches, buffers) for b in kv]
+        past = [b for kv in buffers for b in kv]
         with torch.no_grad():
             logits, *present = decoder(torch.tensor([tokens]), torch.tensor([start]), *past)
         for layer, kv, rows in zip(decoder.caches, buffers, zip(present[0::2], present[1::2])):
             for buffer, new in zip(kv, rows):
-                if layer.window is None:
-                    buffer[:, start:start + n] = new
+                if layer.window is None:  # present is the whole buffer, rows start .. start+n-1 written
+                    buffer.copy_(new)
                 else:  # the newest token of each slot
                     keep = min(n, layer.window)
                     buffer[:, [p % layer.window for p in range(start + n - keep, start + n)]] = new[:, n - keep:]

@@ -1,9 +1,11 @@
 """ONNX target: ``model.onnx`` + ``model.onnx.data``, with the KV cache owned by the runtime.
 
 ONNX graphs hold no mutable state, so the cache crosses the graph boundary (see
-``ExternalCacheDecoder``): the graph takes each layer's past rows and returns only the call's new
-rows, which the runtime writes into buffers it allocated once. ``kvexport.json``'s ``interface``
-says how, for any runtime.
+``ExternalCacheDecoder``, ``onnx_attention``): a full-attention layer is one
+``GroupQueryAttention`` node that takes the runtime's whole buffer and returns it with the call's
+rows written (in place when both are bound to the same memory); a sliding layer takes its whole
+ring and returns only the call's new rows, which the runtime writes into the ring. ``kvexport.json``'s ``interface`` says how, for
+any runtime.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 
 from ...errors import UnsupportedModelError
 from ..export import export_external_cache_decoder
+from ..onnx_attention import ONNX_TRANSLATIONS
 from ..wrapper import ExternalCacheDecoder
 
 PROGRAM_FILE = "model.onnx"
@@ -26,8 +29,7 @@ RUNTIME_PACKAGES = ("onnx", "onnxruntime", "onnxscript")
 
 # Symbolic dimensions of the graph's inputs and outputs.
 SYMBOLS = {
-    "T": "tokens in this call: 1 <= T, and P + T <= max_cache_len",
-    "P": "positions already in the cache = input_pos[0] (0 for the first call of a sequence)",
+    "T": "tokens in this call: 1 <= T, and input_pos[0] + T <= max_cache_len",
 }
 
 
@@ -52,9 +54,15 @@ def lower(program: torch.export.ExportedProgram, info: dict, out_dir: Path) -> d
 
     input_names, output_names = io_names(info["layers"])
     onnx_program = torch.onnx.export(
-        program, (), dynamo=True, input_names=input_names, output_names=output_names, verbose=False
+        program,
+        (),
+        dynamo=True,
+        input_names=input_names,
+        output_names=output_names,
+        custom_translation_table=ONNX_TRANSLATIONS,
+        verbose=False,
     )
-    _tidy(onnx_program.model, info["layers"])
+    _tidy(onnx_program.model)
     path = out_dir / PROGRAM_FILE
     onnx_program.save(path, external_data=True)
     del onnx_program
@@ -97,17 +105,13 @@ def _check(path: Path) -> None:
         raise UnsupportedModelError(f"the exported ONNX model does not pass onnx.checker ({first}); nothing was written")
 
 
-def _tidy(model, layers: list[dict]) -> None:
-    """Rename the exporter's symbols (``s27``, ``s37 + s27``, ...) to ``T`` and ``P`` everywhere in
-    the graph, and drop the export's stack traces from the nodes."""
+def _tidy(model) -> None:
+    """Rename the exporter's symbol for the call's length (``s27``, ``s27 + 6``, ...) to ``T``
+    everywhere in the graph, and drop the export's stack traces from the nodes."""
     import onnx_ir as ir
 
     inputs = {v.name: v for v in model.graph.inputs}
     names = {str(inputs["tokens"].shape[1]): "T"}
-    for layer in layers:
-        if layer["cache"] == "static":
-            for kv in ("key", "value"):
-                names[str(inputs[f"past_{kv}_{layer['index']}"].shape[1])] = "P"
     pattern = re.compile(r"\b(" + "|".join(map(re.escape, names)) + r")\b")
 
     def rename(dim):
@@ -134,19 +138,21 @@ def _describe(value, layers_by_index: dict) -> dict:
     if value.name == "tokens":
         entry["meaning"] = "token ids of this call"
     elif value.name == "input_pos":
-        entry["meaning"] = "position of tokens[0, 0], = P"
+        entry["meaning"] = "position of tokens[0, 0] = P, the positions already in the cache (0 starts a sequence)"
     elif value.name == "logits":
         entry["meaning"] = "logits of the call's last position"
     elif match:
         kind, kv, index = match.group(1), match.group(2), int(match.group(3))
         layer = layers_by_index[index]
         entry["layer"] = index
-        if kind == "present":
-            entry["meaning"] = f"the call's new {kv} rows (positions P .. P+T-1) for the runtime to write into its buffer"
+        if layer["cache"] == "static" and kind == "past":
+            entry["meaning"] = f"the layer's whole {kv} buffer (rows 0 .. P-1 filled)"
         elif layer["cache"] == "static":
-            entry["meaning"] = f"rows 0 .. P-1 of the layer's {kv} buffer (a prefix: bind it without copying)"
-        else:
+            entry["meaning"] = f"the {kv} buffer with rows P .. P+T-1 written: bind it to the past's memory"
+        elif kind == "past":
             entry["meaning"] = f"the layer's whole {kv} ring ({layer['window']} slots)"
+        else:
+            entry["meaning"] = f"the call's new {kv} rows (positions P .. P+T-1) for the runtime to write into its ring"
     return entry
 
 
@@ -161,8 +167,11 @@ def interface(graph, info: dict) -> dict:
         "cache": {
             "owner": "the runtime: per layer, a key and a value buffer allocated once and filled with zeros "
             "(a masked slot still enters attention with weight 0, so it must hold finite numbers)",
-            "layout": "[1, slots, kv_heads, head_dim] (sequence-major), slots from 'layers'",
-            "static": "past = rows 0 .. P-1 of the buffer; write present row j to row P + j",
+            "layout": "static: [1, kv_heads, max_cache_len, head_dim] (head-major); "
+            "ring: [1, window, kv_heads, head_dim] (sequence-major)",
+            "static": "past = the whole buffer; present = the same buffer with rows P .. P+T-1 written "
+            "(ONNX Runtime's GroupQueryAttention): bind present to the past's memory and it is written in place, "
+            "reading rows 0 .. P+T-1 only; a runtime that does not alias them passes present as the next past",
             "ring": "past = the whole ring; write present row j (position P + j) to slot (P + j) % window, "
             "only for the last min(T, window) rows (an earlier row of a longer call would be overwritten "
             "by a later one in the same slot)",
