@@ -4,8 +4,8 @@ ONNX graphs hold no mutable state, so the cache crosses the graph boundary (see
 ``ExternalCacheDecoder``, ``onnx_attention``): a full-attention layer is one
 ``GroupQueryAttention`` node that takes the runtime's whole buffer and returns it with the call's
 rows written (in place when both are bound to the same memory); a sliding layer takes its whole
-ring and returns only the call's new rows, which the runtime writes into the ring. ``kvexport.json``'s ``interface`` says how, for
-any runtime.
+ring and returns only the call's new rows, which the runtime writes into the ring.
+``kvexport.json``'s ``interface`` says how, for any runtime.
 """
 
 from __future__ import annotations
