@@ -1,15 +1,24 @@
 """``--quantize int4`` for ONNX: the saved graph's weights rewritten for ONNX Runtime's CPU kernels.
 
+No weight the float reference sees is rounded a second time: a quantized source's grid is found
+in the weights themselves (``grid_steps``) and kept.
+
 - Every MatMul with a constant weight becomes ``com.microsoft::MatMulNBits`` with int4 weights in
-  blocks of 32 along K, *asymmetric*: each block keeps its own minimum and maximum (``w = lo +
-  d * q``, ``q`` in 0..15). A model read from a 4-bit GGUF (SmolLM2's Q4_1; Gemma 3's Q4_K_M
-  mixes Q4_K with 5-, 6- and 8-bit tensors) already lies on such a grid, so those weights come
-  out exactly as the float reference sees them; symmetric int4 would round them onto a second
-  grid (top-1 agreement with float eager fell to ~70% on SmolLM2 that way).
+  blocks of 32 along K, *asymmetric* (``w = lo + d * q``, ``q`` in 0..15). A block on a grid of
+  at most 16 levels keeps its grid's step ``d``, so a 4-bit GGUF's weights come out exactly
+  (SmolLM2's Q4_1; Gemma 3's Q4_K, whose blocks need not use their grid's lowest or highest
+  level); a float block spans its min..max in 15 steps. Symmetric int4 would round a 4-bit GGUF's
+  weights onto a second grid (top-1 agreement with float eager fell to ~70% on SmolLM2 that way).
   MatMulNBits takes a float zero point only on a path ~40x slower than its default, so the weight
   is stored as the symmetric ``d * (q - 8)`` the fast kernel reads, and the per-block offset
-  ``lo + 8 d`` is added back as ``blocksum(x) @ offsets`` (two small MatMuls; ``blocksum(x)``
-  computed once per input shared by several projections): exact, and ~1 extra bit per weight.
+  ``lo + 8 d`` is added back as ``blocksum(x) @ offsets`` (a reshape and a sum, one small MatMul
+  and an Add): exact, and ~1 extra bit per weight.
+- A weight the source stores *finer* than 4 bits (Gemma 3's GGUF keeps q/k/v, gate/up in Q5_0
+  and some down projections in Q6_K or Q8_0; ``finer_than_4_bits``) is stored 8-bit in blocks of
+  16, each keeping its grid's step: exact for those types. Rounded to 4 bits they held Gemma 3 at
+  ~95% top-1 agreement; exact, 98.4%.
+- Projections that read one input (q/k/v; gate/up) at the same bits are one MatMulNBits over
+  their stacked weights, then a Split: fewer, larger kernels per step.
 - The lm_head (the MatMul that computes the graph's logits) and the embedding lookup stay 8-bit
   (symmetric, blocks of 32: MatMulNBits ``bits=8`` and ``GatherBlockQuantized``): their error
   lands straight on the logits, and both real models ship their tied table as 8-bit (Q8_0).
@@ -32,28 +41,98 @@ ACCURACY_LEVEL = 4
 MS_DOMAIN = "com.microsoft"
 
 
+FINE_BLOCK = 16  # weights per scale of an 8-bit projection: GGUF's Q6_K scales runs of 16
+
+
 def int4_blocks(weight_nk: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``weight_nk`` [N, K] as (q [N, K/32, 32] in 0..15, scale [N, K/32], offset [N, K/32]) with
-    ``weight ~= scale * (q - 8) + offset`` per block; exact for a weight already on a 4-bit grid
-    whose block uses its lowest and highest level (as GGUF's Q4_1 does)."""
+    ``weight ~= scale * (q - 8) + offset`` per block. A block on a grid of at most 16 levels keeps
+    its grid's step, so it comes out exactly even where it does not reach its grid's lowest and
+    highest level (GGUF's Q4_K); any other block spans its min..max in 15 steps (exact for Q4_1)."""
     n, k = weight_nk.shape
     blocks = weight_nk.reshape(n, k // BLOCK, BLOCK).astype(np.float32)
     lo, hi = blocks.min(-1), blocks.max(-1)
     scale = (hi - lo) / np.float32(15)
+    step = grid_steps(weight_nk, BLOCK)
+    if step is not None:
+        step = step.reshape(n, k // BLOCK)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            scale = np.where((step > 0) & (np.rint((hi - lo) / step) <= 15), step, scale)
     safe = np.where(scale == 0, np.float32(1), scale)
     q = np.clip(np.rint((blocks - lo[..., None]) / safe[..., None]), 0, 15).astype(np.uint8)
     return q, scale.astype(np.float32), (lo + 8 * scale).astype(np.float32)
 
 
-def int8_blocks(weight: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``weight`` [R, C] as (q [R, C] as uint8 with zero point 128, scale [R, C/32]), symmetric:
-    ``scale = max |block| / 127`` (GGUF's Q8_0 rule, so a Q8_0 table comes out unchanged)."""
+def int8_blocks(weight: np.ndarray, block: int = BLOCK, on_grid: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """``weight`` [R, C] as (q [R, C] as uint8 with zero point 128, scale [R, C/block]), symmetric:
+    ``scale = max |block| / 127`` (GGUF's Q8_0 rule, so a Q8_0 table comes out unchanged). With
+    ``on_grid``, a block on a grid through 0 of at most 127 steps each way keeps its grid's step
+    (exact for GGUF's Q5_0 and Q6_K too)."""
     r, c = weight.shape
-    blocks = weight.reshape(r, c // BLOCK, BLOCK).astype(np.float32)
-    scale = np.abs(blocks).max(-1) / np.float32(127)
+    blocks = weight.reshape(r, c // block, block).astype(np.float32)
+    absmax = np.abs(blocks).max(-1)
+    scale = absmax / np.float32(127)
+    step = grid_steps(weight, block) if on_grid else None
+    if step is not None:
+        step = step.reshape(r, c // block)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            zero_level = blocks[..., 0] / step  # the grid passes through 0: an integer
+            through_zero = np.abs(zero_level - np.rint(zero_level)) < 1e-3
+            scale = np.where((step > 0) & through_zero & (np.rint(absmax / step) <= 127), step, scale)
     safe = np.where(scale == 0, np.float32(1), scale)
     q = np.clip(np.rint(blocks / safe[..., None]), -127, 127).astype(np.int16) + 128
     return q.astype(np.uint8).reshape(r, c), scale.astype(np.float32)
+
+
+def finer_than_4_bits(weight_nk: np.ndarray) -> bool:
+    """Whether ``weight_nk`` [N, K] comes from a quantized source finer than 4 bits (GGUF's Q5_0,
+    Q6_K, Q8_0, ...): every run of 16 weights along K lies on a uniform grid of at most 256 levels,
+    and some block of 32 spans more than 16 of them. Int4 would round such a weight again; a
+    float weight (no grid) or one already on a 4-bit grid is not finer."""
+    fine = grid_steps(weight_nk, FINE_BLOCK)
+    if fine is None or np.isnan(fine).any() or (_spans(weight_nk, FINE_BLOCK) > 255 * fine).any():
+        return False
+    coarse = grid_steps(weight_nk, BLOCK)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return bool(coarse is None or np.isnan(coarse).any() or (np.rint(_spans(weight_nk, BLOCK) / coarse) > 15).any())
+
+
+def _spans(weight_nk: np.ndarray, size: int) -> np.ndarray:
+    runs = weight_nk.reshape(-1, size)
+    return runs.max(-1) - runs.min(-1)
+
+
+def grid_steps(weight_nk: np.ndarray, size: int) -> np.ndarray | None:
+    """Per run of ``size`` weights along K (row-major): the step of the uniform grid the run's
+    values lie on, 0 for a constant run, nan for a run on no grid; None for a float weight (its
+    first runs lie on no grid: not worth scanning the rest)."""
+    runs = weight_nk.reshape(-1, size)
+    if np.isnan(_run_grid_steps(runs[:4096])).any():
+        return None
+    return _run_grid_steps(runs)
+
+
+def _run_grid_steps(runs: np.ndarray) -> np.ndarray:
+    """The coarsest step whose grid holds each run's values, tried at 1/1 .. 1/64 of the closest
+    gap between them (a run need not use neighbouring levels: 16 of Q8_0's 255 may lie far apart)."""
+    runs = np.sort(runs.astype(np.float32), axis=-1)
+    gaps = np.diff(runs, axis=-1)
+    closest = np.where(gaps > 0, gaps, np.inf).min(axis=-1)
+    steps = np.where(np.isfinite(closest), np.nan, 0).astype(np.float32)
+    todo = np.flatnonzero(np.isfinite(closest))
+    for divisor in range(1, 65):
+        step = closest[todo] / divisor
+        top = np.rint((runs[todo, -1] - runs[todo, 0]) / step)
+        # The closest gap is a difference of two rounded floats; the whole span, over its number of
+        # steps, gives the step to 1e-7, which a 255-level grid needs.
+        step = (runs[todo, -1] - runs[todo, 0]) / np.maximum(top, 1)
+        levels = (runs[todo] - runs[todo, :1]) / step[:, None]
+        on_grid = np.abs(levels - np.rint(levels)).max(axis=-1) < 1e-3
+        steps[todo[on_grid]] = step[on_grid]
+        todo = todo[~on_grid]
+        if not len(todo):
+            break
+    return steps
 
 
 def quantize_onnx(path, data_file: str) -> dict:
@@ -69,8 +148,6 @@ def quantize_onnx(path, data_file: str) -> dict:
     lm_head = _lm_head(graph)
     readers = collections.Counter(name for node in graph.node for name in node.input)
     added: list = []  # new initializers
-    block_sums: dict[str, str] = {}  # MatMul input -> its per-block sums (shared by q/k/v, gate/up)
-    memberships: set[int] = set()  # K of each [K, K/32] block-membership matrix already added
     tables: dict[str, tuple[str, str]] = {}  # source initializer -> its 8-bit (data, scales)
 
     def int8_table(source: str, matrix_nk) -> tuple[str, str]:
@@ -84,36 +161,85 @@ def quantize_onnx(path, data_file: str) -> dict:
                           numpy_helper.from_array(scale, f"{source}_scales")])
         return tables[source]
 
+    # Projections grouped by their input and bits: q/k/v (and gate/up) become one MatMulNBits over
+    # their weights stacked along N (4-bit: one offset MatMul and one Add), then a Split. Every node
+    # costs a thread-pool dispatch per step, which at this size costs as much as the arithmetic.
+    groups: dict[tuple[str, int], list] = collections.defaultdict(list)
+    group_of: dict[str, tuple[str, int]] = {}  # a member's output -> its group
+    for node in graph.node:
+        weight = initializers.get(node.input[1]) if len(node.input) > 1 else None
+        if node.op_type == "MatMul" and node.output[0] != lm_head and _quantizable(weight, axis=0):
+            bits = 8 if finer_than_4_bits(numpy_helper.to_array(weight).T) else 4
+            group_of[node.output[0]] = (node.input[0], bits)
+            groups[group_of[node.output[0]]].append(node)
+    ranks = {v.name: len(v.type.tensor_type.shape.dim) for v in [*graph.input, *graph.value_info] if v.type.tensor_type.HasField("shape")}
+
+    def shared_constant(name: str, make) -> str:
+        """An initializer several nodes read, added the first time it is asked for."""
+        if name not in shared:
+            added.append(numpy_helper.from_array(make(), name))
+            shared.add(name)
+        return name
+
+    def block_sums(x: str, k: int, base: str) -> str:
+        """``x [..., K]`` summed per block of 32: ``[..., K/32]``, the offsets' multiplier."""
+        sums = f"{x}_block_sums"
+        if x in ranks:  # a reshape to [..., K/32, 32] and a sum over the last axis
+            rank = ranks[x]
+            shape = shared_constant(f"block_shape_{rank}_{k}", lambda: np.array([0] * (rank - 1) + [k // BLOCK, BLOCK], np.int64))
+            axes = shared_constant("block_sum_axes", lambda: np.array([-1], np.int64))
+            nodes.append(helper.make_node("Reshape", [x, shape], [f"{x}_blocks"], name=f"{base}_blocks"))
+            nodes.append(helper.make_node("ReduceSum", [f"{x}_blocks", axes], [sums], name=f"{base}_block_sums", keepdims=0))
+        else:  # x's rank unknown: a MatMul by [K, K/32], 1 where row i is in block j
+            membership = shared_constant(
+                f"block_sum_{k}", lambda: np.kron(np.eye(k // BLOCK, dtype=np.float32), np.ones((BLOCK, 1), np.float32))
+            )
+            nodes.append(helper.make_node("MatMul", [x, membership], [sums], name=f"{base}_block_sums"))
+        return sums
+
+    def projection_group(members: list, bits: int) -> None:
+        x, base = members[0].input[0], members[0].name or members[0].output[0]
+        weights = [initializers[m.input[1]] for m in members]
+        k, n = weights[0].dims[0], sum(w.dims[1] for w in weights)
+        stacked = np.concatenate([numpy_helper.to_array(w).T for w in weights])  # [N, K], stacked along N
+        out = members[0].output[0] if len(members) == 1 else f"{base}_packed"
+        if bits == 8:
+            q8, scale = int8_blocks(stacked, FINE_BLOCK, on_grid=True)
+            added.extend([numpy_helper.from_array(q8.reshape(n, k // FINE_BLOCK, FINE_BLOCK), f"{base}_q8"),
+                          numpy_helper.from_array(scale, f"{base}_scales")])
+            nodes.append(_matmul_nbits(helper, x, f"{base}_q8", f"{base}_scales", out, k, n, 8, FINE_BLOCK))
+        else:
+            q, scale, offset = int4_blocks(stacked)
+            packed = q[..., 0::2] | (q[..., 1::2] << 4)  # two per byte, low nibble first
+            added.extend([numpy_helper.from_array(packed, f"{base}_q4"), numpy_helper.from_array(scale, f"{base}_scales"),
+                          numpy_helper.from_array(np.ascontiguousarray(offset.T), f"{base}_offsets")])
+            sums = block_sums(x, k, base)
+            nodes.extend([
+                _matmul_nbits(helper, x, f"{base}_q4", f"{base}_scales", f"{base}_symmetric", k, n, 4),
+                helper.make_node("MatMul", [sums, f"{base}_offsets"], [f"{base}_offset"], name=f"{base}_offset"),
+                helper.make_node("Add", [f"{base}_symmetric", f"{base}_offset"], [out], name=f"{base}_add_offset"),
+            ])  # fmt: skip
+        if len(members) > 1:
+            sizes = f"{base}_split_sizes"
+            added.append(numpy_helper.from_array(np.array([w.dims[1] for w in weights], np.int64), sizes))
+            nodes.append(helper.make_node("Split", [out, sizes], [m.output[0] for m in members], name=f"{base}_split", axis=-1))
+        for w in weights:
+            readers[w.name] -= 1
+
+    shared: set[str] = set()  # names of the initializers shared_constant added
     nodes = []
     for node in graph.node:
         weight = initializers.get(node.input[1]) if len(node.input) > 1 else None
-        if node.op_type == "MatMul" and _quantizable(weight, axis=0):
-            k, n = weight.dims  # [K, N]
-            base = node.name or node.output[0]
-            if node.output[0] == lm_head:  # 8-bit; a tied one shares the lookup's blocks
-                data, scales = int8_table(tied.get(weight.name, weight.name),
-                                          lambda: np.ascontiguousarray(numpy_helper.to_array(weight).T))
-                nodes.append(_matmul_nbits(helper, node.input[0], data, scales, node.output[0], k, n, 8))
-            else:
-                q, scale, offset = int4_blocks(np.ascontiguousarray(numpy_helper.to_array(weight).T))
-                packed = q[..., 0::2] | (q[..., 1::2] << 4)  # two per byte, low nibble first
-                added += [numpy_helper.from_array(packed, f"{base}_q4"), numpy_helper.from_array(scale, f"{base}_scales"),
-                          numpy_helper.from_array(np.ascontiguousarray(offset.T), f"{base}_offsets")]
-                sums = block_sums.get(node.input[0])
-                if sums is None:
-                    ones = f"block_sum_{k}"
-                    if k not in memberships:  # [K, K/32]: 1 where row i is in block j
-                        membership = np.kron(np.eye(k // BLOCK, dtype=np.float32), np.ones((BLOCK, 1), np.float32))
-                        added.append(numpy_helper.from_array(membership, ones))
-                        memberships.add(k)
-                    sums = block_sums[node.input[0]] = f"{node.input[0]}_block_sums"
-                    nodes.append(helper.make_node("MatMul", [node.input[0], ones], [sums], name=f"{base}_block_sums"))
-                nodes += [
-                    _matmul_nbits(helper, node.input[0], f"{base}_q4", f"{base}_scales", f"{base}_symmetric", k, n, 4),
-                    helper.make_node("MatMul", [sums, f"{base}_offsets"], [f"{base}_offset"], name=f"{base}_offset"),
-                    helper.make_node("Add", [f"{base}_symmetric", f"{base}_offset"], [node.output[0]], name=f"{base}_add_offset"),
-                ]
+        if node.op_type == "MatMul" and node.output[0] == lm_head and _quantizable(weight, axis=0):
+            k, n = weight.dims  # [K, N]; 8-bit, and a tied one shares the lookup's blocks
+            data, scales = int8_table(tied.get(weight.name, weight.name),
+                                      lambda: np.ascontiguousarray(numpy_helper.to_array(weight).T))
+            nodes.append(_matmul_nbits(helper, node.input[0], data, scales, node.output[0], k, n, 8))
             readers[weight.name] -= 1
+        elif node.output[0] in group_of:
+            members = groups[group_of[node.output[0]]]
+            if node is members[0]:  # the group is emitted where its first member was
+                projection_group(members, bits=group_of[node.output[0]][1])
         elif node.op_type == "Gather" and _quantizable(initializers.get(node.input[0]), axis=1) and _attribute(node, "axis", 0) == 0:
             table = initializers[node.input[0]]
             n, k = table.dims
@@ -173,10 +299,10 @@ def _quantizable(weight, axis: int) -> bool:
             and weight.dims[axis] % BLOCK == 0)
 
 
-def _matmul_nbits(helper, x: str, q: str, scales: str, out: str, k: int, n: int, bits: int):
+def _matmul_nbits(helper, x: str, q: str, scales: str, out: str, k: int, n: int, bits: int, block: int = BLOCK):
     return helper.make_node(
         "MatMulNBits", [x, q, scales], [out], name=f"{out}_nbits", domain=MS_DOMAIN,
-        K=k, N=n, bits=bits, block_size=BLOCK, accuracy_level=ACCURACY_LEVEL,
+        K=k, N=n, bits=bits, block_size=block, accuracy_level=ACCURACY_LEVEL,
     )
 
 

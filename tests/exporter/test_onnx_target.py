@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import collections
 import json
 
 import onnx
+import pytest
 
 from kvexport.exporter.artifact import read_manifest
 from kvexport.models.presets import build_preset, preset_config
@@ -87,6 +89,26 @@ def test_every_layer_attends_with_one_group_query_attention_node(artifact):
         else:
             assert len(node.input) == 11 and node.input[10]  # attention_bias
             assert not {f"present_key_{i}", f"present_value_{i}"} & set(node.output)
+
+
+def _op_counts(folder) -> collections.Counter:
+    return collections.Counter(n.op_type for n in onnx.load(str(folder / "model.onnx"), load_external_data=False).graph.node)
+
+
+@pytest.mark.parametrize("name, norms", [("tiny-llama", 2 * 4 + 1), ("tiny-gemma3", 6 * 4 + 1)])
+def test_norms_and_rotations_are_onnx_runtime_kernels(artifact, name, norms):
+    """Every RMS norm is one (Skip)SimplifiedLayerNormalization node (Gemma 3: four per layer plus
+    the per-head q/k norms; then the final one), and every rotation one RotaryEmbedding node per
+    query and per key."""
+    ops = _op_counts(artifact(name, "onnx"))
+    assert ops["SimplifiedLayerNormalization"] + ops["SkipSimplifiedLayerNormalization"] == norms
+    assert ops["Pow"] == 0 and ops["Neg"] == 0  # no norm or rotate_half left as loose ops
+    assert ops["RotaryEmbedding"] == 2 * preset_config(name).num_hidden_layers
+
+
+def test_a_family_with_its_own_rotation_exports_it_as_is(artifact):
+    # GPT-OSS rotates with its own function: the swap leaves it alone (its parity is the test above).
+    assert _op_counts(artifact("tiny-gpt-oss", "onnx"))["RotaryEmbedding"] == 0
 
 
 def test_soft_capped_attention_falls_back_to_the_family_attention(artifact):

@@ -149,14 +149,14 @@ def test_int4_onnx_export_runs_the_int4_model(tmp_path, capsys):
     assert manifest["export_options"]["quantize"] == "int4"
     assert "quantize_embedding" not in manifest["export_options"]
     ops = manifest["quantized_ops"]
-    # Every projection and the lm_head (4 layers x 7 + 1), and the embedding lookup.
-    assert ops == {"MatMulNBits": 29, "GatherBlockQuantized": 1}
+    # Per layer q/k/v as one, o, gate/up as one and down (4 layers x 4); the lm_head; the lookup.
+    assert ops == {"MatMulNBits": 17, "GatherBlockQuantized": 1}
     assert manifest["external_data"] == "model.onnx.data"
     # Rewritten by onnx, which creates it owner-only: as readable as the graph, for whoever deploys it.
     assert (folder / "model.onnx.data").stat().st_mode == (folder / "model.onnx").stat().st_mode
     assert [i["name"] for i in manifest["interface"]["inputs"]][:2] == ["tokens", "input_pos"]
     nbits = nbits_ops(folder / "model.onnx")  # (bits, N): the projections 4-bit, the lm_head 8-bit
-    assert sorted(bits for bits, _ in nbits) == [4] * 28 + [8] and (8, manifest["vocab_size"]) in nbits
+    assert sorted(bits for bits, _ in nbits) == [4] * 16 + [8] and (8, manifest["vocab_size"]) in nbits
 
     model, ids, prompt_len = sequence("tiny-gemma3")
     got = teacher_forced(load_program(folder).forward, ids, prompt_len)
@@ -286,20 +286,26 @@ def test_a_tied_lm_head_read_through_a_transpose_is_quantized_too(tmp_path):
     assert (tmp_path / "model.onnx.data").stat().st_size < 1.5 * table.size
 
 
+def q4_1_weight(rng, n: int, k: int) -> np.ndarray:
+    """A [out, in] weight as GGUF's Q4_1 stores one: ``m + d * q`` per block of 32, q in 0..15, the
+    block's min and max at levels 0 and 15 (Q4_1's rule)."""
+    q = rng.integers(0, 16, size=(n, k // GROUP_SIZE, GROUP_SIZE))
+    q[..., 0], q[..., 1] = 0, 15
+    d = rng.uniform(0.001, 0.02, size=(n, k // GROUP_SIZE, 1))
+    m = rng.uniform(-0.1, 0.0, size=(n, k // GROUP_SIZE, 1))
+    return (m + d * q).reshape(n, k).astype(np.float32)
+
+
 def test_int4_reproduces_a_weight_already_on_a_4_bit_grid(tmp_path):
-    """A weight read from a 4-bit GGUF (Q4_1: ``m + d * q`` per block of 32, q in 0..15) comes out
-    exactly: the rewrite adds no error of its own. Symmetric int4 would round it again."""
+    """A weight read from a 4-bit GGUF (Q4_1) comes out exactly: the rewrite adds no error of its
+    own. Symmetric int4 would round it again."""
     from onnx import helper
 
     from kvexport.exporter.onnx_quantize import int4_blocks
 
     rng = np.random.default_rng(1)
     n, k = 64, 128  # n: the head below (an identity) is quantized too, so a multiple of 32
-    q = rng.integers(0, 16, size=(n, k // GROUP_SIZE, GROUP_SIZE))
-    q[..., 0], q[..., 1] = 0, 15  # as Q4_1's rule makes it: the block's min and max are levels 0 and 15
-    d = rng.uniform(0.001, 0.02, size=(n, k // GROUP_SIZE, 1))
-    m = rng.uniform(-0.1, 0.0, size=(n, k // GROUP_SIZE, 1))
-    weight = (m + d * q).reshape(n, k).astype(np.float32)  # [out, in]
+    weight = q4_1_weight(rng, n, k)
     levels, scale, offset = int4_blocks(weight)
     rebuilt = (scale[..., None] * (levels.astype(np.float32) - 8) + offset[..., None]).reshape(n, k)
     assert np.abs(rebuilt - weight).max() < 1e-6
@@ -315,6 +321,103 @@ def test_int4_reproduces_a_weight_already_on_a_4_bit_grid(tmp_path):
     symmetric = x @ fake_symmetric_int4(weight).T
     # Off only by the int8 activations (accuracy_level 4), far less than a second rounding would be.
     assert np.abs(got - exact).max() < 0.25 * np.abs(symmetric - exact).max()
+
+
+@pytest.mark.parametrize("input_rank_known", [True, False], ids=["block-sums-by-reduce", "block-sums-by-matmul"])
+def test_projections_reading_one_input_run_as_one_kernel(tmp_path, input_rank_known):
+    """q/k/v (and gate/up) read the same input: one MatMulNBits over their weights stacked along N,
+    one offset term, then a Split that gives each projection its own output, still exact. The
+    offsets' per-block sums of the input are a reshape and a sum where the input's rank is known
+    (always, in the exporter's graphs), else a MatMul by a block-membership matrix."""
+    import onnx
+    from onnx import helper
+
+    rng = np.random.default_rng(2)
+    k, sizes = 128, (64, 32, 32)
+    weights = [q4_1_weight(rng, n, k) for n in sizes]
+    x = rng.standard_normal((1, 5, k)).astype(np.float32)
+    projected = "x" if input_rank_known else "x_again"  # an Identity's output has no declared shape
+    path = save_graph(tmp_path, [
+        helper.make_node("Identity", ["x"], ["x_again"]),
+        *[helper.make_node("MatMul", [projected, f"w{i}"], [f"y{i}"]) for i in range(3)],
+        helper.make_node("Concat", ["y0", "y1", "y2"], ["hidden"], axis=-1),
+        helper.make_node("MatMul", ["hidden", "head"], ["logits"]),
+    ], {**{f"w{i}": np.ascontiguousarray(w.T) for i, w in enumerate(weights)}, "head": np.eye(128, dtype=np.float32)},
+        [1, 5, 128], input_name="x", input_shape=[1, 5, k])  # fmt: skip
+    got, ops = quantize_and_run(path, {"x": x})
+    assert ops == {"MatMulNBits": 2}  # the three projections, and the head
+    assert nbits_ops(path) == [(4, sum(sizes)), (8, 128)]
+    split = [n for n in onnx.load(str(path), load_external_data=False).graph.node if n.op_type == "Split"]
+    assert [list(n.output) for n in split] == [["y0", "y1", "y2"]]
+    ops_in_graph = {n.op_type for n in onnx.load(str(path), load_external_data=False).graph.node}
+    assert ("ReduceSum" in ops_in_graph) == input_rank_known
+    exact = x @ np.concatenate(weights).T
+    symmetric = x @ np.concatenate([fake_symmetric_int4(w) for w in weights]).T
+    assert np.abs(got - exact).max() < 0.25 * np.abs(symmetric - exact).max()
+
+
+def q4_k_weight(rng, n: int, k: int) -> np.ndarray:
+    """GGUF's Q4_K: ``d * q - m`` per block of 32 with q in 0..15, where the block need not use its
+    grid's lowest or highest level (d and m are rounded to 6-bit multiples of a super-block scale)."""
+    q = rng.integers(2, 14, size=(n, k // GROUP_SIZE, GROUP_SIZE))
+    d = rng.uniform(0.001, 0.02, size=(n, k // GROUP_SIZE, 1))
+    m = rng.uniform(0.0, 0.1, size=(n, k // GROUP_SIZE, 1))
+    return (d * q - m).reshape(n, k).astype(np.float32)
+
+
+def finer_weight(rng, n: int, k: int, run: int, half_levels: int) -> np.ndarray:
+    """A symmetric grid finer than 4 bits, ``d * (q - half_levels)`` with one ``d`` per ``run``:
+    GGUF's Q5_0 (run 32, 16), Q6_K (run 16, 32) or Q8_0 (run 32, 127)."""
+    q = rng.integers(0, 2 * half_levels, size=(n, k // run, run))
+    q[..., 0] = 0  # the run's largest magnitude, as the quantizers choose d
+    d = rng.uniform(0.0005, 0.005, size=(n, k // run, 1)).astype(np.float32)
+    return (d * (q - half_levels)).reshape(n, k).astype(np.float32)
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q4_k"])
+def test_int4_blocks_keep_a_4_bit_grid_exactly(kind):
+    from kvexport.exporter.onnx_quantize import finer_than_4_bits, int4_blocks
+
+    rng = np.random.default_rng(3)
+    weight = (q4_1_weight if kind == "q4_1" else q4_k_weight)(rng, 64, 128)
+    levels, scale, offset = int4_blocks(weight)
+    rebuilt = (scale[..., None] * (levels.astype(np.float32) - 8) + offset[..., None]).reshape(weight.shape)
+    assert np.abs(rebuilt - weight).max() < 1e-6
+    assert not finer_than_4_bits(weight)
+
+
+@pytest.mark.parametrize("run, half_levels", [(32, 16), (16, 32), (32, 127)], ids=["q5_0", "q6_k", "q8_0"])
+def test_a_weight_finer_than_4_bits_goes_8_bit_exactly(tmp_path, run, half_levels):
+    """Rounding a 5-, 6- or 8-bit GGUF weight to 4 bits would add error the float reference does
+    not have: such a projection is an 8-bit MatMulNBits in blocks of 16 on the weight's own grid."""
+    from onnx import helper
+
+    from kvexport.exporter.onnx_quantize import finer_than_4_bits, int8_blocks
+
+    rng = np.random.default_rng(4)
+    n, k = 64, 128
+    weight = finer_weight(rng, n, k, run, half_levels)
+    assert finer_than_4_bits(weight)
+    q, scale = int8_blocks(weight, 16, on_grid=True)
+    rebuilt = ((q.astype(np.float32).reshape(n, k // 16, 16) - 128) * scale[..., None]).reshape(n, k)
+    assert np.abs(rebuilt - weight).max() < 1e-6
+
+    x = rng.standard_normal((1, 5, k)).astype(np.float32)
+    path = save_graph(tmp_path, [
+        helper.make_node("MatMul", ["x", "w"], ["hidden"]),
+        helper.make_node("MatMul", ["hidden", "head"], ["logits"]),
+    ], {"w": np.ascontiguousarray(weight.T), "head": np.eye(n, dtype=np.float32)}, [1, 5, n], input_name="x", input_shape=[1, 5, k])
+    got, ops = quantize_and_run(path, {"x": x})
+    assert nbits_ops(path) == [(8, n), (8, n)]  # the projection, and the head (8-bit as always)
+    exact = x @ weight.T
+    as_4_bit = x @ fake_symmetric_int4(weight).T
+    assert np.abs(got - exact).max() < 0.1 * np.abs(as_4_bit - exact).max()
+
+
+def test_a_float_weight_is_not_finer_than_4_bits():
+    from kvexport.exporter.onnx_quantize import finer_than_4_bits
+
+    assert not finer_than_4_bits(np.random.default_rng(5).standard_normal((64, 128)).astype(np.float32))
 
 
 def fake_symmetric_int4(weight: np.ndarray) -> np.ndarray:

@@ -17,7 +17,9 @@ import torch
 
 from ...errors import UnsupportedModelError
 from ..export import export_external_cache_decoder
-from ..onnx_attention import ONNX_TRANSLATIONS
+from ..onnx_attention import ONNX_TRANSLATIONS as ATTENTION_TRANSLATIONS
+from ..onnx_rotary import ONNX_TRANSLATIONS as ROTARY_TRANSLATIONS
+from ..onnx_rotary import rotary_as_kernel
 from ..wrapper import ExternalCacheDecoder
 
 PROGRAM_FILE = "model.onnx"
@@ -34,8 +36,11 @@ SYMBOLS = {
 
 
 def export(model: torch.nn.Module, max_cache_len: int) -> torch.export.ExportedProgram:
-    """The cache crosses the graph boundary: past rows in, the call's new rows out."""
-    return export_external_cache_decoder(ExternalCacheDecoder(model, max_cache_len))
+    """The cache crosses the graph boundary: past rows in, the call's new rows out. Rotary
+    embeddings go through ONNX Runtime's kernel where the family's rotation is the standard one."""
+    decoder = ExternalCacheDecoder(model, max_cache_len)
+    with rotary_as_kernel(decoder.model):
+        return export_external_cache_decoder(decoder)
 
 
 def io_names(layers: list[dict]) -> tuple[list[str], list[str]]:
@@ -59,9 +64,11 @@ def lower(program: torch.export.ExportedProgram, info: dict, out_dir: Path) -> d
         dynamo=True,
         input_names=input_names,
         output_names=output_names,
-        custom_translation_table=ONNX_TRANSLATIONS,
+        custom_translation_table={**ATTENTION_TRANSLATIONS, **ROTARY_TRANSLATIONS},
         verbose=False,
     )
+    if info["dtype"] == "float32":
+        _fuse_norms(onnx_program.model)
     _tidy(onnx_program.model)
     path = out_dir / PROGRAM_FILE
     onnx_program.save(path, external_data=True)
@@ -90,6 +97,50 @@ def quantize_files(out_dir: Path, info: dict) -> dict:
     return {"opset": _opset(onnx.load(str(path), load_external_data=False)), "quantized_ops": ops}
 
 
+def _fuse_norms(model) -> None:
+    """RMS norms (``x * rsqrt(mean(x^2) + eps) * w``, seven nodes) as ONNX Runtime's
+    ``SimplifiedLayerNormalization``, with the residual sum before them as its
+    ``SkipSimplifiedLayerNormalization``: onnxscript's own fusion rules for ONNX Runtime.
+
+    Float32 graphs only: where a float16 family computes its norm in float32 (Gemma 3), the fused
+    skip norm binds one type parameter to both and ONNX Runtime refuses the graph."""
+    from onnxscript.rewriter.ort_fusions.rms_normalization import fuse_rms_normalization
+    from onnxscript.rewriter.ort_fusions.skip_normalization import fuse_skip_rms_normalization
+
+    fuse_rms_normalization(model)
+    fuse_skip_rms_normalization(model)
+
+
+def _teach_onnx_default_domain_kernels() -> None:
+    """ONNX Runtime registers ``SimplifiedLayerNormalization`` in the default domain, where
+    onnx.checker knows no such op: give onnx its signature (once per process) so the check still
+    covers the whole graph."""
+    from onnx import defs
+
+    if defs.has("SimplifiedLayerNormalization"):
+        return
+    floats = ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"]
+    optional = defs.OpSchema.FormalParameterOption.Optional
+    defs.register_schema(
+        defs.OpSchema(
+            "SimplifiedLayerNormalization",
+            "",
+            1,
+            inputs=[defs.OpSchema.FormalParameter("X", "T"), defs.OpSchema.FormalParameter("scale", "V")],
+            outputs=[
+                defs.OpSchema.FormalParameter("Y", "V"),
+                defs.OpSchema.FormalParameter("inv_std_var", "U", param_option=optional),
+            ],
+            type_constraints=[("T", floats, ""), ("U", floats, ""), ("V", floats, "")],
+            attributes=[
+                defs.OpSchema.Attribute("axis", defs.OpSchema.AttrType.INT, "", required=False),
+                defs.OpSchema.Attribute("epsilon", defs.OpSchema.AttrType.FLOAT, "", required=False),
+                defs.OpSchema.Attribute("stash_type", defs.OpSchema.AttrType.INT, "", required=False),
+            ],
+        )
+    )
+
+
 def _opset(graph) -> int:
     return next(o.version for o in graph.opset_import if o.domain in ("", "ai.onnx"))
 
@@ -97,6 +148,7 @@ def _opset(graph) -> int:
 def _check(path: Path) -> None:
     import onnx
 
+    _teach_onnx_default_domain_kernels()
     try:
         # By path: the checker then reads the external data file as a runtime would.
         onnx.checker.check_model(str(path), full_check=True)
