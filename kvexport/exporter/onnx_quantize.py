@@ -39,8 +39,6 @@ import numpy as np
 BLOCK = 32  # weights per scale, along K (a MatMul's input dim, an embedding's hidden dim)
 ACCURACY_LEVEL = 4
 MS_DOMAIN = "com.microsoft"
-
-
 FINE_BLOCK = 16  # weights per scale of an 8-bit projection: GGUF's Q6_K scales runs of 16
 
 
