@@ -56,13 +56,16 @@ def describe(scheme: str | None, embedding: str | None) -> dict | None:
     if not scheme and not embedding:
         return None
     if scheme == "int4":
-        from .onnx_quantize import ACCURACY_LEVEL, BLOCK
+        from .onnx_quantize import ACCURACY_LEVEL, BLOCK, FINE_BLOCK
 
         return {
             "scheme": "int4",
             "by": "kvexport.exporter.onnx_quantize",
             "linear": {"weights": "int4", "symmetric": False, "block_size": BLOCK, "accuracy_level": ACCURACY_LEVEL,
                        "op": "com.microsoft::MatMulNBits + per-block offset"},
+            # A weight the source stores finer than 4 bits (GGUF Q5_0, Q6_K, Q8_0) is not rounded to 4.
+            "linear_finer_than_4_bits": {"weights": "int8", "symmetric": True, "block_size": FINE_BLOCK,
+                                         "accuracy_level": ACCURACY_LEVEL, "op": "com.microsoft::MatMulNBits"},
             "lm_head": {"weights": "int8", "symmetric": True, "block_size": BLOCK, "op": "com.microsoft::MatMulNBits"},
             "embedding": {"weights": "int8", "symmetric": True, "block_size": BLOCK,
                           "op": "com.microsoft::GatherBlockQuantized"},
