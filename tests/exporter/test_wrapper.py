@@ -82,3 +82,15 @@ def test_external_cache_wrapper_matches_eager(chunks):
     expected = eager_reference(model, ids, NEW_TOKENS)
     forward = external_cache_forward(ExternalCacheDecoder(model, TEST_CACHE_LEN))
     assert_generation_matches(greedy_with(forward, ids, NEW_TOKENS, chunks=chunks), expected, FP32_LOGIT_ATOL, f"chunks {chunks}")
+
+
+def test_external_cache_wrapper_with_one_kv_head_matches_eager():
+    # One KV head, as Gemma 3 270M has (the tiny presets have two).
+    from kvexport.models.presets import PRESETS, build_tiny, tiny_config
+
+    model_type, overrides = PRESETS["tiny-gemma3"]
+    model, tokenizer = build_tiny(tiny_config(model_type, {**overrides, "num_key_value_heads": 1}))
+    ids = tokenizer(PROMPT).input_ids
+    forward = external_cache_forward(ExternalCacheDecoder(model, TEST_CACHE_LEN))
+    got = greedy_with(forward, ids, NEW_TOKENS, chunks=[5, 13, 26])
+    assert_generation_matches(got, eager_reference(model, ids, NEW_TOKENS), FP32_LOGIT_ATOL, "one kv head")
