@@ -42,37 +42,35 @@ MS_DOMAIN = "com.microsoft"
 FINE_BLOCK = 16  # weights per scale of an 8-bit projection: GGUF's Q6_K scales runs of 16
 
 
-def int4_blocks(weight_nk: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def int4_blocks(weight_nk: np.ndarray, steps: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``weight_nk`` [N, K] as (q [N, K/32, 32] in 0..15, scale [N, K/32], offset [N, K/32]) with
     ``weight ~= scale * (q - 8) + offset`` per block. A block on a grid of at most 16 levels keeps
     its grid's step, so it comes out exactly even where it does not reach its grid's lowest and
-    highest level (GGUF's Q4_K); any other block spans its min..max in 15 steps (exact for Q4_1)."""
+    highest level (GGUF's Q4_K); any other block spans its min..max in 15 steps (exact for Q4_1).
+    ``steps``: the weight's ``grid_steps`` over blocks of 32, where the caller has them already."""
     n, k = weight_nk.shape
     blocks = weight_nk.reshape(n, k // BLOCK, BLOCK).astype(np.float32)
     lo, hi = blocks.min(-1), blocks.max(-1)
     scale = (hi - lo) / np.float32(15)
-    step = grid_steps(weight_nk, BLOCK)
-    if step is not None:
-        step = step.reshape(n, k // BLOCK)
-        with np.errstate(invalid="ignore", divide="ignore"):
-            scale = np.where((step > 0) & (np.rint((hi - lo) / step) <= 15), step, scale)
+    step = (grid_steps(weight_nk, BLOCK) if steps is None else steps).reshape(n, k // BLOCK)
+    with np.errstate(invalid="ignore", divide="ignore"):  # nan (no grid): the min..max rule
+        scale = np.where((step > 0) & (np.rint((hi - lo) / step) <= 15), step, scale)
     safe = np.where(scale == 0, np.float32(1), scale)
     q = np.clip(np.rint((blocks - lo[..., None]) / safe[..., None]), 0, 15).astype(np.uint8)
     return q, scale.astype(np.float32), (lo + 8 * scale).astype(np.float32)
 
 
-def int8_blocks(weight: np.ndarray, block: int = BLOCK, on_grid: bool = False) -> tuple[np.ndarray, np.ndarray]:
+def int8_blocks(weight: np.ndarray, block: int = BLOCK, steps: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """``weight`` [R, C] as (q [R, C] as uint8 with zero point 128, scale [R, C/block]), symmetric:
-    ``scale = max |block| / 127`` (GGUF's Q8_0 rule, so a Q8_0 table comes out unchanged). With
-    ``on_grid``, a block on a grid through 0 of at most 127 steps each way keeps its grid's step
-    (exact for GGUF's Q5_0 and Q6_K too)."""
+    ``scale = max |block| / 127`` (GGUF's Q8_0 rule, so a Q8_0 table comes out unchanged). Given
+    ``steps`` (the weight's ``grid_steps`` over runs of ``block``), a block on a grid through 0 of
+    at most 127 steps each way keeps its grid's step (exact for GGUF's Q5_0 and Q6_K too)."""
     r, c = weight.shape
     blocks = weight.reshape(r, c // block, block).astype(np.float32)
     absmax = np.abs(blocks).max(-1)
     scale = absmax / np.float32(127)
-    step = grid_steps(weight, block) if on_grid else None
-    if step is not None:
-        step = step.reshape(r, c // block)
+    if steps is not None:
+        step = steps.reshape(r, c // block)
         with np.errstate(invalid="ignore", divide="ignore"):
             zero_level = blocks[..., 0] / step  # the grid passes through 0: an integer
             through_zero = np.abs(zero_level - np.rint(zero_level)) < 1e-3
@@ -82,17 +80,18 @@ def int8_blocks(weight: np.ndarray, block: int = BLOCK, on_grid: bool = False) -
     return q.astype(np.uint8).reshape(r, c), scale.astype(np.float32)
 
 
-def finer_than_4_bits(weight_nk: np.ndarray) -> bool:
+def finer_than_4_bits(weight_nk: np.ndarray, fine: np.ndarray | None = None, coarse: np.ndarray | None = None) -> bool:
     """Whether ``weight_nk`` [N, K] comes from a quantized source finer than 4 bits (GGUF's Q5_0,
     Q6_K, Q8_0, ...): every run of 16 weights along K lies on a uniform grid of at most 256 levels,
     and some block of 32 spans more than 16 of them. Int4 would round such a weight again; a
-    float weight (no grid) or one already on a 4-bit grid is not finer."""
-    fine = grid_steps(weight_nk, FINE_BLOCK)
-    if fine is None or np.isnan(fine).any() or (_spans(weight_nk, FINE_BLOCK) > 255 * fine).any():
+    float weight (no grid) or one already on a 4-bit grid is not finer. ``fine``, ``coarse``: its
+    ``grid_steps`` over runs of 16 and blocks of 32, where the caller has them already."""
+    fine = grid_steps(weight_nk, FINE_BLOCK) if fine is None else fine
+    if np.isnan(fine).any() or (_spans(weight_nk, FINE_BLOCK) > 255 * fine).any():
         return False
-    coarse = grid_steps(weight_nk, BLOCK)
+    coarse = grid_steps(weight_nk, BLOCK) if coarse is None else coarse
     with np.errstate(invalid="ignore", divide="ignore"):
-        return bool(coarse is None or np.isnan(coarse).any() or (np.rint(_spans(weight_nk, BLOCK) / coarse) > 15).any())
+        return bool(np.isnan(coarse).any() or (np.rint(_spans(weight_nk, BLOCK) / coarse) > 15).any())
 
 
 def _spans(weight_nk: np.ndarray, size: int) -> np.ndarray:
@@ -100,13 +99,13 @@ def _spans(weight_nk: np.ndarray, size: int) -> np.ndarray:
     return runs.max(-1) - runs.min(-1)
 
 
-def grid_steps(weight_nk: np.ndarray, size: int) -> np.ndarray | None:
+def grid_steps(weight_nk: np.ndarray, size: int) -> np.ndarray:
     """Per run of ``size`` weights along K (row-major): the step of the uniform grid the run's
-    values lie on, 0 for a constant run, nan for a run on no grid; None for a float weight (its
+    values lie on, 0 for a constant run, nan for a run on no grid; all nan for a float weight (its
     first runs lie on no grid: not worth scanning the rest)."""
     runs = weight_nk.reshape(-1, size)
     if np.isnan(_run_grid_steps(runs[:4096])).any():
-        return None
+        return np.full(len(runs), np.nan, dtype=np.float32)
     return _run_grid_steps(runs)
 
 
@@ -164,10 +163,13 @@ def quantize_onnx(path, data_file: str) -> dict:
     # costs a thread-pool dispatch per step, which at this size costs as much as the arithmetic.
     groups: dict[tuple[str, int], list] = collections.defaultdict(list)
     group_of: dict[str, tuple[str, int]] = {}  # a member's output -> its group
+    grids: dict[str, dict[int, np.ndarray]] = {}  # a member's output -> its weight's grid_steps by run size
     for node in graph.node:
         weight = initializers.get(node.input[1]) if len(node.input) > 1 else None
         if node.op_type == "MatMul" and node.output[0] != lm_head and _quantizable(weight, axis=0):
-            bits = 8 if finer_than_4_bits(numpy_helper.to_array(weight).T) else 4
+            weight_nk = numpy_helper.to_array(weight).T
+            grid = grids[node.output[0]] = {size: grid_steps(weight_nk, size) for size in (FINE_BLOCK, BLOCK)}
+            bits = 8 if finer_than_4_bits(weight_nk, grid[FINE_BLOCK], grid[BLOCK]) else 4
             group_of[node.output[0]] = (node.input[0], bits)
             groups[group_of[node.output[0]]].append(node)
     ranks = {v.name: len(v.type.tensor_type.shape.dim) for v in [*graph.input, *graph.value_info] if v.type.tensor_type.HasField("shape")}
@@ -200,14 +202,16 @@ def quantize_onnx(path, data_file: str) -> dict:
         weights = [initializers[m.input[1]] for m in members]
         k, n = weights[0].dims[0], sum(w.dims[1] for w in weights)
         stacked = np.concatenate([numpy_helper.to_array(w).T for w in weights])  # [N, K], stacked along N
+        block = FINE_BLOCK if bits == 8 else BLOCK
+        steps = np.concatenate([grids[m.output[0]][block] for m in members])  # the stacked runs' grids
         out = members[0].output[0] if len(members) == 1 else f"{base}_packed"
         if bits == 8:
-            q8, scale = int8_blocks(stacked, FINE_BLOCK, on_grid=True)
+            q8, scale = int8_blocks(stacked, FINE_BLOCK, steps)
             added.extend([numpy_helper.from_array(q8.reshape(n, k // FINE_BLOCK, FINE_BLOCK), f"{base}_q8"),
                           numpy_helper.from_array(scale, f"{base}_scales")])
             nodes.append(_matmul_nbits(helper, x, f"{base}_q8", f"{base}_scales", out, k, n, 8, FINE_BLOCK))
         else:
-            q, scale, offset = int4_blocks(stacked)
+            q, scale, offset = int4_blocks(stacked, steps)
             packed = q[..., 0::2] | (q[..., 1::2] << 4)  # two per byte, low nibble first
             added.extend([numpy_helper.from_array(packed, f"{base}_q4"), numpy_helper.from_array(scale, f"{base}_scales"),
                           numpy_helper.from_array(np.ascontiguousarray(offset.T), f"{base}_offsets")])

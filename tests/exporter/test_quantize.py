@@ -397,13 +397,13 @@ def test_int4_blocks_keep_a_4_bit_grid_exactly(kind):
 def test_a_weight_finer_than_4_bits_goes_8_bit_exactly(tmp_path, run, half_levels):
     """Rounding a 5-, 6- or 8-bit GGUF weight to 4 bits would add error the float reference does
     not have: such a projection is an 8-bit MatMulNBits in blocks of 16 on the weight's own grid."""
-    from kvexport.exporter.onnx_quantize import finer_than_4_bits, int8_blocks
+    from kvexport.exporter.onnx_quantize import finer_than_4_bits, grid_steps, int8_blocks
 
     rng = np.random.default_rng(4)
     n, k = 64, 128
     weight = finer_weight(rng, n, k, run, half_levels)
     assert finer_than_4_bits(weight)
-    q, scale = int8_blocks(weight, 16, on_grid=True)
+    q, scale = int8_blocks(weight, 16, grid_steps(weight, 16))
     rebuilt = ((q.astype(np.float32).reshape(n, k // 16, 16) - 128) * scale[..., None]).reshape(n, k)
     assert np.abs(rebuilt - weight).max() < 1e-6
 
