@@ -4,7 +4,8 @@ Left alone, three patterns in every decoder layer fall outside the delegate, spl
 into several delegate calls with portable ops between them (slower to run and to lower):
 
 - a reshape whose target shape names the symbolic token count (XNNPACK's reshape takes ``-1`` for
-  the one inferred dim, not a symbol);
+  the one inferred dim, not a symbol; where the shape infers another dim too, as attention's
+  ``view(1, T, -1, head_dim)`` does, that dim is computed first);
 - RMSNorm's mean over the last dim of a 3-D tensor (XNNPACK averages the two innermost dims of a
   4-D tensor only);
 - rotary embeddings' ``rotate_half`` (slices along the head dim, which XNNPACK refuses on tensors
@@ -19,6 +20,7 @@ matrix is exact (every output is one input times ±1 plus zeros).
 from __future__ import annotations
 
 import contextlib
+import math
 import sys
 
 import torch
@@ -49,6 +51,8 @@ class XnnpackFriendlyShapes(ExportPass):
         if op == _VIEW:
             shape = list(args[1])
             symbolic = [i for i, d in enumerate(shape) if not isinstance(d, int)]
+            if len(symbolic) == 1 and -1 in shape:  # e.g. attention's view(1, T, -1, head_dim)
+                shape[shape.index(-1)] = self._inferred_dim(args[0].to_tensor().shape, shape, shape[symbolic[0]])
             if len(symbolic) == 1 and -1 not in shape:
                 shape[symbolic[0]] = -1
                 return super().call_operator(op, (args[0], shape), kwargs, meta)
@@ -59,6 +63,18 @@ class XnnpackFriendlyShapes(ExportPass):
             mean = super().call_operator(_MEAN, (as_4d, [2, 3], True), {}, meta)
             return super().call_operator(_VIEW, (mean, [batch, -1, 1]), {}, meta)
         return super().call_operator(op, args, kwargs, meta)
+
+    @staticmethod
+    def _inferred_dim(source_shape, shape: list, token_dim) -> int:
+        """The value of ``shape``'s ``-1`` where the one symbolic dim of the source and of ``shape`` is
+        the same (the static dims then account for the rest); ``-1`` otherwise."""
+        source_symbolic = [d for d in source_shape if not isinstance(d, int)]
+        token_dim = getattr(token_dim, "data", token_dim)  # a ProxyValue's SymInt
+        if len(source_symbolic) != 1 or str(source_symbolic[0]) != str(token_dim):
+            return -1
+        source_static = math.prod(d for d in source_shape if isinstance(d, int))
+        target_static = math.prod(d for d in shape if isinstance(d, int) and d != -1)
+        return source_static // target_static if target_static and source_static % target_static == 0 else -1
 
     @staticmethod
     def _is_last_dim_mean_of_3d(args, kwargs) -> bool:

@@ -2,8 +2,9 @@
 
 A tiny random model quantized to 4 bits no longer predicts what its float self predicts (random
 weights have no structure for the scales to follow), so on tiny presets the artifact is held to the
-*quantized* model computed in PyTorch: torchao's own quantized modules for 8da4w, and the float
-model with its weights rounded as kvexport's ONNX int4 rewrite rounds them. Agreement
+*quantized* model computed in PyTorch: the quantized module (torchao's tensors) for 8da4w, and the
+float model with its weights rounded as kvexport's ONNX int4 rewrite rounds them; each rounding is
+checked on its own against weights built on a GGUF type's grid. Agreement
 with float eager (``kvexport check``) is measured on the real models (README, Quantization).
 """
 
@@ -76,7 +77,7 @@ def artifact_bytes(folder, manifest) -> int:
     [("tiny-gemma3", "int8", "embedding_byte"), ("tiny-smollm3", "int4", "embedding_4bit")],
     ids=["gemma3-int8-embedding", "smollm3-tied-int4-embedding"],
 )
-def test_8da4w_pte_runs_the_torchao_quantized_model(artifact, name, embedding, kernel):
+def test_8da4w_pte_runs_the_quantized_model(artifact, name, embedding, kernel):
     folder = artifact(name, "executorch", "8da4w", embedding)
     manifest = read_manifest(folder)
     assert manifest["quantization"]["scheme"] == "8da4w"
@@ -94,6 +95,73 @@ def test_8da4w_pte_runs_the_torchao_quantized_model(artifact, name, embedding, k
     reference = torch_logits(quantized, ids, prompt_len)
     as_float = torch_logits(model, ids, prompt_len)
     assert_closer_to(got, reference, as_float)
+
+
+def test_8da4w_adds_no_op_outside_the_delegate(artifact):
+    """The int4 offsets (block means, a small matmul) run inside XNNPACK: the only op quantization
+    adds outside it is the embedding's lookup kernel."""
+    fp32 = read_manifest(artifact("tiny-gemma3"))
+    quantized = read_manifest(artifact("tiny-gemma3", "executorch", "8da4w", "int8"))
+    assert quantized["non_delegated_ops"] <= fp32["non_delegated_ops"] + 1
+    assert quantized["delegated_calls"] <= fp32["delegated_calls"]
+
+
+def effective_weight(module: torch.nn.Module) -> torch.Tensor:
+    """What an 8da4w linear layer multiplies its (int8-rounded) input by."""
+    from kvexport.exporter.quantize import Int4GridLinear
+
+    weight = module.weight.dequantize()
+    if isinstance(module, Int4GridLinear):  # its offsets multiply block means of the input
+        weight = weight + module.offset.repeat_interleave(GROUP_SIZE, dim=1) / GROUP_SIZE
+    return weight
+
+
+def test_8da4w_keeps_each_weight_on_its_grid():
+    """A weight read from a 4-bit GGUF (Q4_1, Q4_K) comes out of 8da4w exactly; one the source
+    stores finer (Q8_0), and the lm_head, are int8 per output channel; a float weight spans each
+    block's min..max in 16 levels. ExecuTorch's own recipe (symmetric int4, hqq scales) rounds a
+    4-bit GGUF's weights onto a second grid: SmolLM2 agreed with float eager on 69% of tokens."""
+    from kvexport.exporter.quantize import Int4GridLinear
+
+    model, _ = build_preset("tiny-llama")
+    attention = model.model.layers[0].self_attn
+    rng = np.random.default_rng(6)
+    with torch.no_grad():
+        for linear, make in [(attention.q_proj, q4_1_weight), (attention.k_proj, q4_k_weight),
+                             (attention.v_proj, lambda rng, n, k: finer_weight(rng, n, k, 32, 127))]:
+            linear.weight.copy_(torch.from_numpy(make(rng, *linear.weight.shape)))
+    original = {name: m.weight.detach().clone() for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    assert quantize_model(model, "8da4w", None) == []
+    layers = dict(model.named_modules())
+
+    for name in ("model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.k_proj"):
+        assert isinstance(layers[name], Int4GridLinear)
+        torch.testing.assert_close(effective_weight(layers[name]), original[name], atol=1e-6, rtol=0)
+    for name in ("model.layers.0.self_attn.v_proj", "lm_head"):
+        assert not isinstance(layers[name], Int4GridLinear)
+        per_row = original[name].abs().amax(-1, keepdim=True) / 127
+        expected = (original[name] / per_row).round() * per_row
+        torch.testing.assert_close(effective_weight(layers[name]), expected, atol=1e-6, rtol=0)
+    name = "model.layers.0.self_attn.o_proj"  # a float weight
+    assert isinstance(layers[name], Int4GridLinear)
+    torch.testing.assert_close(effective_weight(layers[name]), asymmetric_int4(original[name]), atol=1e-6, rtol=0)
+
+
+def test_int4_grid_linear_computes_the_exact_weight():
+    """The layer adds the offsets back in float: off from ``x @ W.T`` only by its int8 activations,
+    far less than symmetric int4 would be."""
+    from kvexport.exporter.quantize import Int4GridLinear
+    from kvexport.exporter.weight_grids import int4_blocks
+
+    rng = np.random.default_rng(7)
+    weight = q4_1_weight(rng, 64, 128)
+    layer = Int4GridLinear(*int4_blocks(weight), None)
+    x = torch.from_numpy(rng.standard_normal((1, 5, 128)).astype(np.float32))
+    with torch.no_grad():
+        got = layer(x).numpy()
+    exact = x.numpy() @ weight.T
+    symmetric = x.numpy() @ fake_symmetric_int4(weight).T
+    assert np.abs(got - exact).max() < 0.25 * np.abs(symmetric - exact).max()
 
 
 def test_8da4w_pte_is_smaller(artifact):
@@ -313,7 +381,7 @@ def q4_1_weight(rng, n: int, k: int) -> np.ndarray:
 def test_int4_reproduces_a_weight_already_on_a_4_bit_grid(tmp_path):
     """A weight read from a 4-bit GGUF (Q4_1) comes out exactly: the rewrite adds no error of its
     own. Symmetric int4 would round it again."""
-    from kvexport.exporter.onnx_quantize import int4_blocks
+    from kvexport.exporter.weight_grids import int4_blocks
 
     rng = np.random.default_rng(1)
     n, k = 64, 128  # n: the head below (an identity) is quantized too, so a multiple of 32
@@ -383,7 +451,7 @@ def finer_weight(rng, n: int, k: int, run: int, half_levels: int) -> np.ndarray:
 
 @pytest.mark.parametrize("kind", ["q4_1", "q4_k"])
 def test_int4_blocks_keep_a_4_bit_grid_exactly(kind):
-    from kvexport.exporter.onnx_quantize import finer_than_4_bits, int4_blocks
+    from kvexport.exporter.weight_grids import finer_than_4_bits, int4_blocks
 
     rng = np.random.default_rng(3)
     weight = (q4_1_weight if kind == "q4_1" else q4_k_weight)(rng, 64, 128)
@@ -397,7 +465,7 @@ def test_int4_blocks_keep_a_4_bit_grid_exactly(kind):
 def test_a_weight_finer_than_4_bits_goes_8_bit_exactly(tmp_path, run, half_levels):
     """Rounding a 5-, 6- or 8-bit GGUF weight to 4 bits would add error the float reference does
     not have: such a projection is an 8-bit MatMulNBits in blocks of 16 on the weight's own grid."""
-    from kvexport.exporter.onnx_quantize import finer_than_4_bits, grid_steps, int8_blocks
+    from kvexport.exporter.weight_grids import finer_than_4_bits, grid_steps, int8_blocks
 
     rng = np.random.default_rng(4)
     n, k = 64, 128
@@ -416,7 +484,7 @@ def test_a_weight_finer_than_4_bits_goes_8_bit_exactly(tmp_path, run, half_level
 
 
 def test_a_float_weight_is_not_finer_than_4_bits():
-    from kvexport.exporter.onnx_quantize import finer_than_4_bits
+    from kvexport.exporter.weight_grids import finer_than_4_bits
 
     assert not finer_than_4_bits(np.random.default_rng(5).standard_normal((64, 128)).astype(np.float32))
 

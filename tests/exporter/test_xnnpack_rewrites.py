@@ -47,3 +47,41 @@ def test_softmax_after_a_max_shift_over_a_dynamic_dim_is_exact():
     for n in (3, 10, 40):
         x = torch.randn(1, 4, 3, n)
         torch.testing.assert_close(method.execute([x])[0], ShiftedSoftmax()(x), atol=1e-6, rtol=0)
+
+
+def test_a_reshape_that_infers_a_dim_beside_the_token_count_stays_in_the_delegate():
+    """Attention splits heads with ``view(1, T, -1, head_dim)``: a symbolic dim and an inferred one,
+    which XNNPACK's reshape refuses. The rewrite computes the inferred dim, so both reshapes join
+    the delegate, and it computes what the module computes at every length."""
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+    from executorch.exir import EdgeCompileConfig, to_edge_transform_and_lower
+    from executorch.runtime import Runtime
+
+    from kvexport.exporter.xnnpack_rewrites import XnnpackFriendlyShapes
+
+    class SplitHeads(torch.nn.Module):
+        def forward(self, x):
+            return (x.view(1, x.shape[1], -1, 16) * 2).view(1, x.shape[1], -1)
+
+    tokens = torch.export.Dim("tokens", min=1, max=64)
+    program = torch.export.export(SplitHeads(), (torch.randn(1, 5, 64),), dynamic_shapes=({1: tokens},))
+
+    def lowered(passes):
+        return to_edge_transform_and_lower(
+            program,
+            transform_passes=passes,
+            partitioner=[XnnpackPartitioner(configs=partitioner_configs())],
+            compile_config=EdgeCompileConfig(_check_ir_validity=False),
+        )
+
+    def reshapes_outside(edge) -> int:
+        return sum("view_copy" in str(n.target) for n in edge.exported_program().graph.nodes)
+
+    assert reshapes_outside(lowered([])) == 2
+    edge = lowered([XnnpackFriendlyShapes()])
+    assert reshapes_outside(edge) == 0
+    buffer = edge.to_executorch().buffer
+    method = Runtime.get().load_program(buffer).load_method("forward")
+    for n in (1, 7, 64):
+        x = torch.randn(1, n, 64)
+        torch.testing.assert_close(method.execute([x])[0], SplitHeads()(x), atol=0, rtol=0)
