@@ -39,7 +39,7 @@ def export(
     force: Annotated[bool, typer.Option("--force", help="replace an existing output folder")] = False,
     quantize: Annotated[
         Optional[str],
-        typer.Option(help="4-bit weights: 8da4w (executorch: int8 dynamic activations, int4 weights) or int4 (onnx: MatMulNBits, int8 lm_head and embedding, int8 where the source is finer than 4 bits)"),
+        typer.Option(help="4-bit weights: 8da4w (executorch: int8 dynamic activations, int4 weights, int8 lm_head and int8 where the source is finer than 4 bits) or int4 (onnx: MatMulNBits, int8 lm_head and embedding, int8 where the source is finer than 4 bits)"),
     ] = None,
     quantize_embedding: Annotated[
         Optional[str], typer.Option(help="executorch: int8 or int4 embedding table")

@@ -172,8 +172,9 @@ def export_model(options: ExportOptions, progress: Progress | None = None) -> Ex
 def _quantize_detail(options: ExportOptions) -> str:
     if options.quantize == "int4":
         return "int4 linear weights (int8 lm_head), MatMul -> MatMulNBits, Gather -> GatherBlockQuantized int8 (ONNX Runtime)"
-    parts = [f"linear {options.quantize}" if options.quantize else "", f"embedding {options.quantize_embedding}" if options.quantize_embedding else ""]
-    return "torchao, " + ", ".join(p for p in parts if p)
+    parts = ["8da4w linear weights (int8 lm_head)" if options.quantize else "",
+             f"embedding {options.quantize_embedding}" if options.quantize_embedding else ""]
+    return ", ".join(p for p in parts if p) + " (torchao tensors for XNNPACK)"
 
 
 def _eos_ids(model, tokenizer) -> list[int]:

@@ -1,8 +1,10 @@
 """Weight quantization (``--quantize``, ``--quantize-embedding``).
 
-ExecuTorch (``8da4w``): linear layers and embeddings are quantized in place before export with ExecuTorch's own torchao
-recipes (``executorch.extension.llm.export.quantize.quantize_model_``): ``8da4w`` is int8 dynamic
-activations with int4 weights in groups of 32, which XNNPACK runs as fused kernels.
+ExecuTorch (``8da4w``): the module is quantized in place before export. Linear layers
+(``quantize_linears``): int8 activations per token and int4 weights in groups of 32 that keep the
+grid a quantized source put them on (``weight_grids``), int8 per channel where the source is finer
+than 4 bits and for the lm_head; torchao's tensors, which XNNPACK runs as fused kernels.
+Embeddings: ExecuTorch's own torchao recipe (``executorch.extension.llm.export.quantize``).
 
 torchao leaves a quantized embedding as ``dequantize_affine`` followed by ``embedding``, which
 ExecuTorch's own fusion into its quantized embedding kernels no longer matches (the block size
@@ -70,9 +72,14 @@ def describe(scheme: str | None, embedding: str | None) -> dict | None:
             "embedding": {"weights": "int8", "symmetric": True, "block_size": BLOCK,
                           "op": "com.microsoft::GatherBlockQuantized"},
         }
-    described: dict = {"scheme": scheme, "by": "torchao via executorch.extension.llm.export.quantize"}
+    described: dict = {"scheme": scheme, "by": "kvexport.exporter.quantize (torchao tensors)"}
     if scheme:
-        described["linear"] = {"weights": "int4", "group_size": GROUP_SIZE, "activations": "int8, dynamic per token"}
+        activations = "int8, dynamic per token"
+        described["linear"] = {"weights": "int4", "group_size": GROUP_SIZE, "activations": activations,
+                               "op": "XNNPACK int8 x int4 + per-block offset"}
+        # A weight the source stores finer than 4 bits (GGUF Q5_0, Q6_K, Q8_0) is not rounded to 4.
+        described["linear_finer_than_4_bits"] = {"weights": "int8", "group_size": "row", "activations": activations}
+        described["lm_head"] = {"weights": "int8", "group_size": "row", "activations": activations}
     if embedding:
         described["embedding"] = {
             "weights": embedding,
@@ -171,8 +178,8 @@ class Int4GridLinear(torch.nn.Module):
     (``weight_grids.int4_blocks``: a 4-bit GGUF's weight exactly).
 
     XNNPACK's int8 x int4 kernel reads symmetric blocks only (zero point 8): the weight is stored as
-    torchao's 8da4w tensor ``scale * (q - 8)`` and the offsets are added back as
-    ``blocksums(x) @ offset.T``, a float matmul 32x smaller. Symmetric int4 on its own (ExecuTorch's
+    torchao's 8da4w tensor ``scale * (q - 8)`` and the offsets are added back in float, from the
+    input's block means: ``means(x) @ (32 * offset).T``, a matmul 32x smaller. Symmetric int4 on its own (ExecuTorch's
     recipe) rounds a 4-bit GGUF's weights onto a second grid: SmolLM2's top-1 agreement with float
     eager was 69% that way.
     """
@@ -192,7 +199,7 @@ class Int4GridLinear(torch.nn.Module):
             activation_quantization=_activations_per_token(),
         )
         self.weight = torch.nn.Parameter(weight, requires_grad=False)
-        # Offsets of block means, not sums: XNNPACK averages (global average pooling) but has no sum.
+        # Offsets for the block means, not sums: XNNPACK averages (global average pooling), it has no sum.
         self.offset = torch.nn.Parameter(torch.from_numpy(offset) * GROUP_SIZE, requires_grad=False)
         self.bias = bias
 

@@ -1,0 +1,82 @@
+"""Quantization on the real models' own weights (GGUF: SmolLM2's Q4_1, Gemma 3's Q4_K_M mix).
+Slow: a minute or two each. The `.pte` computes what the quantized module computes (tiny-model
+tests in test_quantize.py); here that module keeps every GGUF grid, agrees with float eager, and
+an int4 ONNX export passes `kvexport check`."""
+
+from __future__ import annotations
+
+import collections
+import copy
+
+import pytest
+import torch
+
+from kvexport.cli import main
+from kvexport.exporter.quantize import quantize_model
+from kvexport.models import sources
+from kvexport.runtime_check.eager import greedy_generate
+
+from .test_quantize import effective_weight
+
+pytestmark = pytest.mark.slow
+
+FOUR_BIT_TYPES = {"Q4_0", "Q4_1", "Q4_K"}
+REAL = ["smollm2-135m", "gemma3-270m"]
+
+
+@pytest.fixture(scope="module", params=REAL)
+def real(request):
+    """(name, float model, its tokenizer, the same model quantized 8da4w)."""
+    model, tokenizer = sources.load_model(sources.resolve(request.param))
+    quantized = copy.deepcopy(model)
+    assert quantize_model(quantized, "8da4w", "int8") == []
+    return request.param, model, tokenizer, quantized
+
+
+def gguf_types(name: str) -> collections.Counter:
+    """The GGUF file's own type for each decoder projection (2-D ``blk.*`` tensor)."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(sources.resolve(name).path))
+    return collections.Counter(
+        t.tensor_type.name for t in reader.tensors if t.name.startswith("blk.") and len(t.shape) == 2
+    )
+
+
+def test_8da4w_keeps_every_4_bit_gguf_weight_exactly(real):
+    """Every projection the GGUF stores in 4 bits is int4 with its own grid, exactly; every finer one
+    (Q5_0, Q6_K, Q8_0) is int8."""
+    from kvexport.exporter.quantize import Int4GridLinear
+
+    name, model, _, quantized = real
+    float_weights = {n: m.weight for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    grids = {n: m for n, m in quantized.named_modules() if isinstance(m, Int4GridLinear)}
+    types = gguf_types(name)
+    assert len(grids) == sum(count for kind, count in types.items() if kind in FOUR_BIT_TYPES)
+    for layer_name, layer in grids.items():
+        torch.testing.assert_close(effective_weight(layer), float_weights[layer_name], atol=1e-5, rtol=0)
+    finer = [m for n, m in quantized.named_modules() if n != "lm_head" and n in float_weights and n not in grids]
+    assert len(finer) == sum(count for kind, count in types.items() if kind not in FOUR_BIT_TYPES)
+    assert all(m.weight.target_dtype == torch.int8 for m in finer)
+
+
+def test_8da4w_agrees_with_float_eager(real):
+    """Top-1 agreement of the quantized module with float eager transformers over 256 teacher-forced
+    steps (measured: SmolLM2 94.9%, its `.pte` 95.3%; ExecuTorch's own recipe: ~70%)."""
+    _, model, tokenizer, quantized = real
+    prompt = tokenizer("The capital of France is").input_ids  # `kvexport check`'s short prompt
+    ids = prompt + greedy_generate(model, prompt, 256)
+    with torch.no_grad():
+        reference = model(torch.tensor([ids])).logits[0, len(prompt) - 1:-1]
+        got = quantized(torch.tensor([ids])).logits[0, len(prompt) - 1:-1]
+    agreement = (got.argmax(-1) == reference.argmax(-1)).float().mean().item()
+    assert agreement >= 0.93, f"top-1 agreement {agreement:.1%}"
+
+
+def test_int4_onnx_smollm2_passes_check(tmp_path):
+    folder = tmp_path / "smollm2-onnx-int4"
+    for argv in (["export", "smollm2-135m", "--target", "onnx", "-o", str(folder), "--max-cache-len", "1024",
+                  "--quantize", "int4", "--quiet"], ["check", str(folder)]):
+        with pytest.raises(SystemExit) as done:
+            main(argv)
+        assert done.value.code == 0, argv[0]
