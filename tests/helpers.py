@@ -77,3 +77,13 @@ def assert_generation_matches(actual, expected, atol: float, what: str) -> None:
         diff = float(np.max(np.abs(a - b)))
         assert diff <= atol, f"{what}: logits differ by {diff:.3g} > {atol} at new token {step}"
     assert ids == ref_ids, f"{what}: token ids differ from eager transformers"
+
+
+def effective_weight(module: torch.nn.Module) -> torch.Tensor:
+    """What an 8da4w linear layer (kvexport's quantized module) multiplies its int8-rounded input by."""
+    from kvexport.exporter.quantize import GROUP_SIZE, Int4GridLinear
+
+    weight = module.weight.dequantize()
+    if isinstance(module, Int4GridLinear):  # its offsets multiply block means of the input
+        weight = weight + module.offset.repeat_interleave(GROUP_SIZE, dim=1) / GROUP_SIZE
+    return weight

@@ -23,7 +23,7 @@ from kvexport.models.presets import build_preset
 from kvexport.runtime_check.programs import load_program
 
 from ..conftest import NEW_TOKENS, PROMPT
-from ..helpers import eager_ids
+from ..helpers import eager_ids, effective_weight
 from ..test_cli import assert_one_line_error, run_cli
 
 
@@ -104,16 +104,6 @@ def test_8da4w_adds_no_op_outside_the_delegate(artifact):
     quantized = read_manifest(artifact("tiny-gemma3", "executorch", "8da4w", "int8"))
     assert quantized["non_delegated_ops"] <= fp32["non_delegated_ops"] + 1
     assert quantized["delegated_calls"] <= fp32["delegated_calls"]
-
-
-def effective_weight(module: torch.nn.Module) -> torch.Tensor:
-    """What an 8da4w linear layer multiplies its (int8-rounded) input by."""
-    from kvexport.exporter.quantize import Int4GridLinear
-
-    weight = module.weight.dequantize()
-    if isinstance(module, Int4GridLinear):  # its offsets multiply block means of the input
-        weight = weight + module.offset.repeat_interleave(GROUP_SIZE, dim=1) / GROUP_SIZE
-    return weight
 
 
 def test_8da4w_keeps_each_weight_on_its_grid():

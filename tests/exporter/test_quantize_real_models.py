@@ -14,9 +14,8 @@ import torch
 from kvexport.cli import main
 from kvexport.exporter.quantize import quantize_model
 from kvexport.models import sources
-from kvexport.runtime_check.eager import greedy_generate
 
-from .test_quantize import effective_weight
+from ..helpers import eager_ids, effective_weight
 
 pytestmark = pytest.mark.slow
 
@@ -65,7 +64,7 @@ def test_8da4w_agrees_with_float_eager(real):
     steps (measured: SmolLM2 94.9%, its `.pte` 95.3%; ExecuTorch's own recipe: ~70%)."""
     _, model, tokenizer, quantized = real
     prompt = tokenizer("The capital of France is").input_ids  # `kvexport check`'s short prompt
-    ids = prompt + greedy_generate(model, prompt, 256)
+    ids = prompt + eager_ids(model, prompt, 256)
     with torch.no_grad():
         reference = model(torch.tensor([ids])).logits[0, len(prompt) - 1:-1]
         got = quantized(torch.tensor([ids])).logits[0, len(prompt) - 1:-1]
