@@ -19,12 +19,13 @@ from __future__ import annotations
 import torch
 
 from ..errors import InvalidOptionError
+from .weight_grids import BLOCK
 
 # --quantize: the scheme, and the one target that runs it.
 SCHEMES = {"8da4w": "executorch", "int4": "onnx"}
 # --quantize-embedding (ExecuTorch): kvexport's name -> ExecuTorch's quantize_model_ config.
 EMBEDDING_SCHEMES = {"int8": "8w", "int4": "4w"}
-GROUP_SIZE = 32  # weights per scale, for 4-bit linear weights and int4 embeddings (ExecuTorch)
+GROUP_SIZE = BLOCK  # weights per scale, for 4-bit linear weights and int4 embeddings (ExecuTorch)
 # torchao's quant range for each embedding scheme, and the ExecuTorch kernel that reads it.
 _EMBEDDING_KERNELS = {(-128, 127): ("embedding_byte", 8), (-8, 7): ("embedding_4bit", 4)}
 
@@ -126,9 +127,8 @@ def quantize_linears(model: torch.nn.Module) -> list[str]:
       error lands straight on the logits): int8, one scale per output channel (XNNPACK's
       int8 x int8 kernel).
     """
-    from .weight_grids import BLOCK, finer_than_4_bits, grid_steps, int4_blocks
+    from .weight_grids import finer_than_4_bits, grid_steps, int4_blocks
 
-    assert BLOCK == GROUP_SIZE
     head = model.get_output_embeddings()
     skipped = []
     for name, module in list(model.named_modules()):
@@ -137,12 +137,9 @@ def quantize_linears(model: torch.nn.Module) -> list[str]:
         if module.in_features % GROUP_SIZE:
             skipped.append(name)
             continue
-        if module is head:
-            module.weight = torch.nn.Parameter(_int8_per_channel(module.weight.detach()), requires_grad=False)
-            continue
         weight = module.weight.detach().float().numpy()
-        steps = grid_steps(weight, BLOCK)
-        if finer_than_4_bits(weight, coarse=steps):
+        steps = None if module is head else grid_steps(weight, GROUP_SIZE)
+        if module is head or finer_than_4_bits(weight, coarse=steps):
             module.weight = torch.nn.Parameter(_int8_per_channel(module.weight.detach()), requires_grad=False)
             continue
         q, scale, offset = int4_blocks(weight, steps)
