@@ -1,9 +1,15 @@
-"""Shared test helpers: the eager reference (transformers' own generate) and tolerant comparisons."""
+"""Shared test helpers: the eager reference (transformers' own generate), tolerant comparisons, and
+the scripts in scripts/ loaded as modules."""
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+
 import numpy as np
 import torch
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 
 # fp32 tolerance on logits, artifact vs eager transformers. Tiny presets have logits of magnitude
 # ~10-25; fp32 reordering (XNNPACK kernels, our masks) moves them by ~1e-4 at most.
@@ -87,3 +93,11 @@ def effective_weight(module: torch.nn.Module) -> torch.Tensor:
     if isinstance(module, Int4GridLinear):  # its offsets multiply block means of the input
         weight = weight + module.offset.repeat_interleave(GROUP_SIZE, dim=1) / GROUP_SIZE
     return weight
+
+
+def load_script(name: str):
+    """``scripts/<name>.py`` as a module (scripts/ is no package; each loads fresh)."""
+    spec = importlib.util.spec_from_file_location(f"kvexport_script_{name}", SCRIPTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

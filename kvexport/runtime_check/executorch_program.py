@@ -10,7 +10,7 @@ from ..errors import ArtifactError, InvalidOptionError
 
 
 class ExecuTorchProgram:
-    def __init__(self, path: Path, manifest: dict, weights: Path | None = None):
+    def __init__(self, path: Path, manifest: dict, weights: Path | None = None, trace_events: bool = False):
         import torch
         from executorch.runtime import Runtime
 
@@ -20,8 +20,10 @@ class ExecuTorchProgram:
         self._torch = torch
         self._path = path
         try:
-            program = Runtime.get().load_program(path, data_path=weights)
-            self._method = program.load_method("forward")
+            # trace_events: ExecuTorch's ETDump tracer times every kernel and delegate call
+            # (scripts/profile_pte.py); off, the runtime records nothing.
+            self._program = Runtime.get().load_program(path, data_path=weights, enable_etdump=trace_events)
+            self._method = self._program.load_method("forward")
         except Exception as e:  # the runtime raises a bare RuntimeError for any unreadable program
             raise ArtifactError(f"ExecuTorch cannot load {path}: {e}")
 
@@ -31,6 +33,10 @@ class ExecuTorchProgram:
         logits = self._method.execute(inputs)[0]
         # Copy: the runtime may reuse the output memory on the next call.
         return logits[0].to(torch.float32, copy=True).numpy()
+
+    def write_event_trace(self, path: Path) -> None:
+        """Write the ETDump of every call so far (needs ``trace_events=True``)."""
+        self._program.write_etdump_result_to_file(str(path), str(Path(path).with_suffix(".debug")))
 
     def reset(self) -> None:
         # Nothing to clear: a call at position 0 starts a new sequence (the masks ignore older state).

@@ -2,24 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def load_bench():
-    spec = importlib.util.spec_from_file_location("kvexport_bench", ROOT / "scripts" / "bench.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from ..helpers import load_script
 
 
 def test_bench_measures_every_path(artifact, tmp_path, capsys):
-    bench = load_bench()
+    bench = load_script("bench")
     pte, onnx = artifact("tiny-gemma3", "executorch"), artifact("tiny-gemma3", "onnx")
     out = tmp_path / "bench.json"
     code = bench.main(["tiny-gemma3", str(pte), str(onnx), "--prompt-tokens", "8", "--new-tokens", "6",
@@ -59,7 +51,7 @@ def test_bench_measures_every_path(artifact, tmp_path, capsys):
 def test_bench_prompt_has_exactly_the_requested_tokens(artifact):
     from kvexport.runtime_check.tokenizer import ArtifactTokenizer
 
-    bench = load_bench()
+    bench = load_script("bench")
     tokenizer = ArtifactTokenizer(artifact("tiny-gemma3", "executorch"))
     for n in (2, 7, 40):
         text, ids = bench.exact_prompt(tokenizer, n)
@@ -69,6 +61,6 @@ def test_bench_prompt_has_exactly_the_requested_tokens(artifact):
 def test_bench_refuses_a_prompt_that_does_not_fit(artifact):
     from kvexport.errors import PromptTooLongError
 
-    bench = load_bench()
+    bench = load_script("bench")
     with pytest.raises(PromptTooLongError):
         bench.main(["tiny-gemma3", str(artifact("tiny-gemma3", "onnx")), "--prompt-tokens", "60", "--new-tokens", "10"])
