@@ -6,7 +6,7 @@
 
 Runs the artifact as ``kvexport run`` does (one call with the prompt, then one call per greedy token)
 with ExecuTorch's event tracer on, reads the trace with ``executorch.devtools.Inspector`` and prints,
-per event name, milliseconds per decode step, its share of ``Method::execute`` and calls per step:
+per event, milliseconds per decode step, its share of ``Method::execute`` and calls per step:
 
 - ``Method::execute``: the whole call;
 - ``DELEGATE_CALL``: time inside XNNPACK; ``OPERATOR_CALL``: every kernel outside it;
@@ -26,15 +26,15 @@ import argparse
 import json
 import re
 import sys
-import warnings
 import tempfile
+import warnings
 from collections import defaultdict
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 if (REPO / "kvexport").is_dir() and str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))  # this checkout's kvexport, not another installed one
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench.py beside it, also when loaded by path
 
 from bench import _set_executorch_threads, _set_torch_threads, exact_prompt  # noqa: E402
 
