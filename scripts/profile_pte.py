@@ -4,7 +4,7 @@
     python scripts/profile_pte.py ARTIFACT [--prompt-tokens 128] [--new-tokens 128] [--threads 2]
         [--top 25] [--json OUT.json]
 
-Runs the artifact as ``kvexport run`` does (one call with the prompt, then one call per greedy token)
+Runs the artifact through ``kvexport run``'s loop (one call with the prompt, then one call per greedy token)
 with ExecuTorch's event tracer on, reads the trace with ``executorch.devtools.Inspector`` and prints,
 per event, milliseconds per decode step, its share of ``Method::execute`` and calls per step:
 
@@ -48,8 +48,8 @@ def trace_decode(folder: Path, prompt_tokens: int, new_tokens: int, threads: int
     write the event trace of every call to ``trace``."""
     from kvexport.errors import InvalidOptionError
     from kvexport.exporter.artifact import read_manifest
-    from kvexport.runtime_check.executorch_program import ExecuTorchProgram
-    from kvexport.runtime_check.generation import check_fits
+    from kvexport.runtime_check import executorch_program
+    from kvexport.runtime_check.generation import check_fits, generate
     from kvexport.runtime_check.tokenizer import ArtifactTokenizer
 
     manifest = read_manifest(folder)
@@ -58,15 +58,13 @@ def trace_decode(folder: Path, prompt_tokens: int, new_tokens: int, threads: int
             f"{folder} is a {manifest['target']} artifact; profile_pte.py reads ExecuTorch's event trace, "
             "so it takes an --target executorch artifact"
         )
-    check_fits(prompt_tokens, new_tokens, manifest["max_cache_len"])
+    # The prefill call's token and one per decode call; refused before anything loads.
+    check_fits(prompt_tokens, new_tokens + 1, manifest["max_cache_len"])
     _set_torch_threads(threads)
     _set_executorch_threads(threads)
-    weights = folder / manifest["weights"] if manifest.get("weights") else None
-    program = ExecuTorchProgram(folder / manifest["program"], manifest, weights, trace_events=True)
+    program = executorch_program.load(folder, manifest, "cpu", trace_events=True)
     _, ids = exact_prompt(ArtifactTokenizer(folder), prompt_tokens)
-    logits = program.forward(ids, 0)
-    for position in range(prompt_tokens, prompt_tokens + new_tokens):
-        logits = program.forward([int(logits[-1].argmax())], position)
+    generate(program, ids, new_tokens + 1)
     program.write_event_trace(trace)
 
 

@@ -51,8 +51,8 @@ def register_kernels() -> None:
     import executorch.kernels.quantized  # noqa: F401
 
 
-def load(folder: Path, manifest: dict, device: str) -> ExecuTorchProgram:
+def load(folder: Path, manifest: dict, device: str, trace_events: bool = False) -> ExecuTorchProgram:
     if device != "cpu":
         raise InvalidOptionError("ExecuTorch artifacts run on the CPU (XNNPACK); use --device cpu")
     weights = folder / manifest["weights"] if manifest.get("weights") else None
-    return ExecuTorchProgram(folder / manifest["program"], manifest, weights)
+    return ExecuTorchProgram(folder / manifest["program"], manifest, weights, trace_events)
