@@ -29,6 +29,9 @@ one short warm-up generation, then the measured one. Metrics, all from the measu
   tokens costs one forward call of one token);
 - peak RSS: the subprocess's VmHWM (Linux), loading included.
 
+The table also gives each path's decode tokens/s as a multiple of eager's and of llama.cpp's
+(medians of the same run), and kvexport run's against TextLLMRunner's on the same ``.pte``.
+
 Threads: ``torch.set_num_threads(N)`` (eager, and torch ops anywhere); ExecuTorch's threadpool
 (XNNPACK and the LLM custom ops, one pool per process shared by kvexport's runner and
 TextLLMRunner) is reset to N with ``executorch.extension.pybindings.portable_lib._unsafe_reset_threadpool``;
@@ -384,17 +387,19 @@ def finish(jobs: list[dict], args) -> None:
 
 
 def ratios(jobs: list[dict]) -> dict:
-    """decode tok/s medians: every path against eager, TextLLMRunner against kvexport run on the same .pte."""
+    """decode tok/s medians: every path against eager and against llama.cpp, TextLLMRunner against
+    kvexport run on the same .pte."""
     def med(job, key="decode_tokens_per_s"):
         s = job.get("summary", {}).get(key)
         return s["median"] if s else None
 
-    out: dict = {"decode_vs_eager": {}, "run_vs_textllm": {}}
-    eager = next((j for j in jobs if j["path"] == "eager"), None)
-    if eager and med(eager):
-        for job in jobs:
-            if job is not eager and med(job):
-                out["decode_vs_eager"][job["label"]] = med(job) / med(eager)
+    out: dict = {"decode_vs_eager": {}, "decode_vs_llama": {}, "run_vs_textllm": {}}
+    for key, path in (("decode_vs_eager", "eager"), ("decode_vs_llama", "llama")):
+        base = next((j for j in jobs if j["path"] == path), None)
+        if base and med(base):
+            for job in jobs:
+                if job is not base and med(job):
+                    out[key][job["label"]] = med(job) / med(base)
     for job in jobs:
         if job["path"] == "textllm" and med(job):
             run = next((j for j in jobs if j["path"] == "run" and j.get("artifact") == job["artifact"]), None)
@@ -420,23 +425,24 @@ def markdown(report: dict) -> str:
         f"{m['load_after']} after; {p['threads']} threads, {p['prompt_tokens']}-token prompt, "
         f"{p['new_tokens']} new tokens, {p['repeats']} runs per path (median (min–max)).",
         "",
-        "| path | " + " | ".join(title for _, title, _ in METRICS) + " | decode × eager | tokens = eager |",
-        "|---|" + "---:|" * (len(METRICS) + 2),
+        "| path | " + " | ".join(title for _, title, _ in METRICS) + " | decode × eager | decode × llama.cpp | tokens = eager |",
+        "|---|" + "---:|" * (len(METRICS) + 3),
     ]
-    vs_eager = report["ratios"]["decode_vs_eager"]
     for job in report["paths"]:
         if job.get("skipped"):
-            lines.append(f"| {job['label']} | " + " | ".join(["–"] * (len(METRICS) + 2)) + f" |  ← {job['skipped']}")
+            lines.append(f"| {job['label']} | " + " | ".join(["–"] * (len(METRICS) + 3)) + f" |  ← {job['skipped']}")
             continue
         errors = [r["error"] for r in job.get("runs", []) if "error" in r]
         cells = [cell(job["summary"].get(key), digits) for key, _, digits in METRICS]
-        ratio = vs_eager.get(job["label"])
+        for key in ("decode_vs_eager", "decode_vs_llama"):
+            ratio = report["ratios"][key].get(job["label"])
+            cells.append(f"{ratio:.2f}×" if ratio else "–")
         same = job.get("same_tokens_as_eager")
         if same is not None:
             same = f"{same}/{p['new_tokens']}"
         elif job.get("same_text_as_run") is not None:
             same = "text = run" if job["same_text_as_run"] else "text ≠ run"
-        row = f"| {job['label']} | " + " | ".join(cells) + f" | {f'{ratio:.2f}×' if ratio else '–'} | {same or '–'} |"
+        row = f"| {job['label']} | " + " | ".join(cells) + f" | {same or '–'} |"
         if errors:
             row += f"  ← {len(errors)} failed: {errors[0][:200]}"
         lines.append(row)

@@ -46,6 +46,7 @@ def test_bench_measures_every_path(artifact, tmp_path, capsys):
     textllm_decode = (paths["textllm", pte.name]["summary"]["decode_tokens_per_s"] or {}).get("median")
     assert set(report["ratios"]["run_vs_textllm"]) == ({str(pte)} if textllm_decode else set())
     assert len(report["ratios"]["decode_vs_eager"]) == (3 if textllm_decode else 2)
+    assert report["ratios"]["decode_vs_llama"] == {} and "| decode × llama.cpp |" in table  # llama.cpp skipped
 
 
 def test_bench_prompt_has_exactly_the_requested_tokens(artifact):
@@ -64,3 +65,22 @@ def test_bench_refuses_a_prompt_that_does_not_fit(artifact):
     bench = load_script("bench")
     with pytest.raises(PromptTooLongError):
         bench.main(["tiny-gemma3", str(artifact("tiny-gemma3", "onnx")), "--prompt-tokens", "60", "--new-tokens", "10"])
+
+
+def test_ratios_divide_each_decode_median_by_eager_and_llama():
+    bench = load_script("bench")
+
+    def job(path, decode, artifact=None):
+        return {"path": path, "label": f"{path} {artifact}", "artifact": artifact,
+                "summary": {"decode_tokens_per_s": {"median": decode} if decode else None}}
+
+    jobs = [job("eager", 10.0), job("run", 60.0, "a"), job("textllm", 50.0, "a"), job("run", 30.0, "b"),
+            job("llama", 40.0)]
+    r = bench.ratios(jobs)
+    assert r["decode_vs_eager"] == {"run a": 6.0, "textllm a": 5.0, "run b": 3.0, "llama None": 4.0}
+    assert r["decode_vs_llama"] == {"eager None": 0.25, "run a": 1.5, "textllm a": 1.25, "run b": 0.75}
+    assert r["run_vs_textllm"] == {"a": 1.2}
+    # llama.cpp not installed (skipped, no median): no ratio against it, the others stay.
+    jobs[-1]["summary"]["decode_tokens_per_s"] = None
+    r = bench.ratios(jobs)
+    assert r["decode_vs_llama"] == {} and r["decode_vs_eager"]["run a"] == 6.0
