@@ -425,7 +425,8 @@ def markdown(report: dict) -> str:
         f"{m['load_after']} after; {p['threads']} threads, {p['prompt_tokens']}-token prompt, "
         f"{p['new_tokens']} new tokens, {p['repeats']} runs per path (median (min–max)).",
         "",
-        "| path | " + " | ".join(title for _, title, _ in METRICS) + " | decode × eager | decode × llama.cpp | tokens = eager |",
+        "| path | " + " | ".join(title for _, title, _ in METRICS)
+        + " | decode × eager | decode × llama.cpp | tokens = eager |",
         "|---|" + "---:|" * (len(METRICS) + 3),
     ]
     for job in report["paths"]:
