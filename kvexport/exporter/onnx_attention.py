@@ -197,6 +197,25 @@ def _kernel_inputs(query, key, value, scaling):
     return flat, heads, kv_heads, float(scaling if scaling is not None else d**-0.5)
 
 
+def _sequence_first(states: torch.Tensor) -> torch.Tensor:
+    """transformers' ``[1, kv_heads, T, D]`` as the runner's rows ``[1, T, kv_heads, D]``."""
+    return _moved(states, heads_dim=1)
+
+
+def _heads_first(ring: torch.Tensor) -> torch.Tensor:
+    """The runner's ring ``[1, W, kv_heads, D]`` as ``[1, kv_heads, W, D]``."""
+    return _moved(ring, heads_dim=2)
+
+
+def _moved(x: torch.Tensor, heads_dim: int) -> torch.Tensor:
+    # With one kv head (Gemma 3 270M and 1B) both layouts are the same memory: a reshape, where a
+    # Transpose node would copy the whole ring on every call.
+    if x.shape[heads_dim] == 1:
+        other = x.shape[3 - heads_dim]  # the sequence (T or W): it moves to the heads' place
+        return x.reshape(x.shape[0], 1, other, x.shape[3]) if heads_dim == 2 else x.reshape(x.shape[0], other, 1, x.shape[3])
+    return x.transpose(1, 2)
+
+
 class ExternalStaticLayer:
     """A full-attention layer whose buffer lives in the runner: past in, present (= past with the
     call's rows written) out, both ``[1, kv_heads, max_cache_len, head_dim]``.
@@ -250,8 +269,8 @@ class ExternalRingLayer:
 
     def attend(self, module, query, key, value, mask, call, scaling=None, **kwargs):
         # transformers' states are [1, kv_heads, T, head_dim]; the runner's rows are sequence-major.
-        self.present_k, self.present_v = key.transpose(1, 2), value.transpose(1, 2)
-        ring_k, ring_v = self.past_k.transpose(1, 2), self.past_v.transpose(1, 2)
+        self.present_k, self.present_v = _sequence_first(key), _sequence_first(value)
+        ring_k, ring_v = _heads_first(self.past_k), _heads_first(self.past_v)
         if not plain_softmax_attention(kwargs):
             keys, values = torch.cat([ring_k, key], dim=2), torch.cat([ring_v, value], dim=2)
             return family_eager_attention(module)(module, query, keys, values, mask, scaling=scaling, **kwargs)

@@ -8,6 +8,9 @@ whose function computes exactly the standard rotation (checked on random inputs,
 any other call (partial rotary, another layout) still runs the family's own code. The kernel
 reads ``cos``/``sin`` tables indexed by position: the call's own rows are passed as the table,
 with positions starting at 0, so no table of ``max_cache_len`` rows is stored.
+
+After the export, ``fold_rotations_into_attention`` moves a full-attention layer's rotations into
+its ``GroupQueryAttention`` node (``do_rotary``), which does need those tables (see below).
 """
 
 from __future__ import annotations
@@ -118,3 +121,172 @@ def rotary_as_kernel(model: torch.nn.Module):
     finally:
         for module, original in originals.items():
             module.apply_rotary_pos_emb = original
+
+
+# After the export: a full-attention layer's two RotaryEmbedding nodes become its
+# GroupQueryAttention's own rotation (``do_rotary``), as onnxruntime-genai's models do. A static
+# layer's kernel derives each token's position from its lengths (``seqlens_k`` = P + T - 1) and
+# reads ``cos``/``sin`` tables indexed by position, so the tables get ``max_cache_len`` rows. A
+# ring layer's lengths are W + T, not positions: its rotations stay separate nodes.
+
+
+def fold_rotations_into_attention(path, max_cache_len: int) -> int:
+    """Rewrite the ONNX model at ``path`` (its external data untouched); return how many attention
+    nodes now rotate their own query and key."""
+    import numpy as np
+    import onnx
+    from onnx import helper, numpy_helper
+
+    model = onnx.load(str(path), load_external_data=False)
+    graph = model.graph
+    producers = {out: node for node in graph.node for out in node.output}
+    ranks = {v.name: len(v.type.tensor_type.shape.dim) for v in [*graph.input, *graph.value_info] if v.type.tensor_type.HasField("shape")}
+    folds = []  # (attention node, its query's and key's chains)
+    for node in graph.node:
+        if node.op_type == "GroupQueryAttention" and node.domain == "com.microsoft" and len(node.input) == 7:  # static layer
+            chains = [_rotation_chain(producers, node.input[i]) for i in (0, 1)]
+            if None not in chains and chains[0].input[2:4] == chains[1].input[2:4]:
+                folds.append((node, chains))
+    # The translation rotates token i by row i of the call's tables (position ids 0): those rows
+    # computed for a call of max_cache_len tokens at position 0 are the tables by position.
+    values = _evaluate(model, path, sorted({name for _, chains in folds for name in chains[0].input[1:4]}), max_cache_len)
+    folds = [(node, chains) for node, chains in folds if values is not None and not values[chains[0].input[1]].any()]
+    if not folds:
+        return 0
+    tables = _add_tables(graph, {name: values[name] for _, chains in folds for name in chains[0].input[2:4]})
+    added = {}  # attention node -> the nodes it now reads that the graph did not have (placed before it)
+    for node, chains in folds:
+        for slot, rotation in zip((0, 1), chains):
+            node.input[slot] = _sequence_first(rotation.input[0], producers, ranks, added.setdefault(node.name, []))
+        node.input.extend(tables[name] for name in chains[0].input[2:4])
+        node.attribute.append(helper.make_attribute("do_rotary", 1))
+    if any(added.values()):
+        graph.initializer.append(numpy_helper.from_array(np.array([0, 0, -1], np.int64), _FLAT_SHAPE))
+    nodes = [new for node in graph.node for new in (*added.get(node.name, ()), node)]
+    del graph.node[:]
+    graph.node.extend(nodes)
+    _prune(graph)
+    onnx.save(model, str(path))
+    return len(folds)
+
+
+_FLAT_SHAPE = "rotary_flat_shape"
+
+
+def _sequence_first(heads_first: str, producers, ranks, added: list) -> str:
+    """The unrotated ``[1, heads, T, D]`` tensor as the kernel's ``[1, T, heads * D]``: the
+    projection's own output where it was only reshaped and transposed (the usual case), else a
+    Transpose and a Reshape (Gemma 3 normalizes each head after the transpose)."""
+    from onnx import helper
+
+    transpose = producers.get(heads_first)
+    if transpose is not None and transpose.op_type == "Transpose" and _perm(transpose) == [0, 2, 1, 3]:
+        reshape = producers.get(transpose.input[0])
+        if reshape is not None and reshape.op_type == "Reshape" and ranks.get(reshape.input[0]) == 3:
+            return reshape.input[0]
+        sequence_first = transpose.input[0]
+    else:
+        sequence_first = f"{heads_first}_sequence_first"
+        added.append(helper.make_node("Transpose", [heads_first], [sequence_first], name=sequence_first, perm=[0, 2, 1, 3]))
+    flat = f"{heads_first}_flat"
+    added.append(helper.make_node("Reshape", [sequence_first, _FLAT_SHAPE], [flat], name=flat))
+    return flat
+
+
+def _perm(node) -> list[int] | None:
+    return next((list(a.ints) for a in node.attribute if a.name == "perm"), None)
+
+
+def _rotation_chain(producers, value):
+    """The RotaryEmbedding node behind an attention input of the translation's shape
+    ``Reshape(Transpose(RotaryEmbedding(x)))`` (``x`` heads-first, ``[1, heads, T, D]``), if it is one."""
+    steps = []
+    for op in ("Reshape", "Transpose", "RotaryEmbedding"):
+        node = producers.get(value)
+        if node is None or node.op_type != op or (op == "Transpose" and _perm(node) != [0, 2, 1, 3]):
+            return None
+        steps.append(node)
+        value = node.input[0]
+    rotation = steps[2]
+    if any(a.name == "interleaved" and a.i != 0 for a in rotation.attribute) or len(rotation.input) != 4:
+        return None
+    return rotation
+
+
+def _evaluate(model, path, names: list[str], tokens: int):
+    """The values of ``names`` in a call of ``tokens`` tokens at position 0, computed by the graph
+    itself (the nodes they depend on, run by ONNX Runtime); None where they depend on anything
+    but the call's tokens and position."""
+    import numpy as np
+    import onnx
+    import onnxruntime as ort
+    from onnx import external_data_helper, helper, numpy_helper
+
+    graph = model.graph
+    producers = {out: node for node in graph.node for out in node.output}
+    initializers = {i.name: i for i in graph.initializer}
+    needed, stack = set(), list(names)
+    while stack:  # the names' ancestors
+        name = stack.pop()
+        if name in needed:
+            continue
+        needed.add(name)
+        if name in producers:
+            stack.extend(i for i in producers[name].input if i)
+    inputs = [v for v in graph.input if v.name in needed]
+    if {v.name for v in inputs} - {"tokens", "input_pos"}:
+        return None
+    constants = []
+    for name in needed & set(initializers):
+        tensor = onnx.TensorProto()
+        tensor.CopyFrom(initializers[name])
+        if external_data_helper.uses_external_data(tensor):
+            external_data_helper.load_external_data_for_tensor(tensor, str(path.parent))
+            tensor.data_location = onnx.TensorProto.DEFAULT
+            del tensor.external_data[:]
+        constants.append(tensor)
+    values = {t.name: numpy_helper.to_array(t) for t in constants if t.name in names}
+    computed = [n for n in names if n not in values]
+    if computed:
+        types = {v.name: v.type.tensor_type.elem_type for v in graph.value_info}
+        outputs = [helper.make_tensor_value_info(n, types.get(n, onnx.TensorProto.UNDEFINED), None) for n in computed]
+        nodes = [n for n in graph.node if any(o in needed for o in n.output)]
+        sub = helper.make_model(
+            helper.make_graph(nodes, "rotary_tables", inputs, outputs, constants),
+            opset_imports=model.opset_import, ir_version=model.ir_version,
+        )  # fmt: skip
+        session = ort.InferenceSession(sub.SerializeToString(), providers=["CPUExecutionProvider"])
+        feeds = {"tokens": np.zeros((1, tokens), np.int64), "input_pos": np.zeros((1,), np.int64)}
+        values |= dict(zip(computed, session.run(None, {v.name: feeds[v.name] for v in inputs})))
+    return values
+
+
+def _add_tables(graph, arrays: dict) -> dict[str, str]:
+    """Each array as an initializer, one per distinct value; returns ``{name: initializer name}``."""
+    import numpy as np
+    from onnx import numpy_helper
+
+    result, kept = {}, []  # kept: (initializer name, array)
+    for name, array in arrays.items():
+        same = next((kept_name for kept_name, kept_array in kept if np.array_equal(kept_array, array)), None)
+        if same is None:
+            same = f"rotary_table_{len(kept)}"
+            kept.append((same, array))
+            graph.initializer.append(numpy_helper.from_array(array, same))
+        result[name] = same
+    return result
+
+
+def _prune(graph) -> None:
+    """Drop the nodes and initializers nothing reads any more (the graph is in topological order)."""
+    live = {v.name for v in graph.output}
+    kept = []
+    for node in reversed(graph.node):
+        if any(out in live for out in node.output):
+            live.update(i for i in node.input if i)
+            kept.append(node)
+    initializers = [i for i in graph.initializer if i.name in live]
+    del graph.node[:]
+    graph.node.extend(reversed(kept))
+    del graph.initializer[:]
+    graph.initializer.extend(initializers)

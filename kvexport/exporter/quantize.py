@@ -67,7 +67,8 @@ def describe(scheme: str | None, embedding: str | None) -> dict | None:
             "linear": {"weights": "int4", "symmetric": False, "block_size": BLOCK, "accuracy_level": ACCURACY_LEVEL,
                        "op": "com.microsoft::MatMulNBits + per-block offset"},
             # A weight the source stores finer than 4 bits (GGUF Q5_0, Q6_K, Q8_0) is not rounded to 4.
-            "linear_finer_than_4_bits": {"weights": "int8", "symmetric": True, "block_size": FINE_BLOCK,
+            "linear_finer_than_4_bits": {"weights": "int8", "symmetric": True,
+                                         "block_size": f"{BLOCK}, or {FINE_BLOCK} where the source steps runs of {FINE_BLOCK} (Q6_K)",
                                          "accuracy_level": ACCURACY_LEVEL, "op": "com.microsoft::MatMulNBits"},
             "lm_head": {"weights": "int8", "symmetric": True, "block_size": BLOCK, "op": "com.microsoft::MatMulNBits"},
             "embedding": {"weights": "int8", "symmetric": True, "block_size": BLOCK,

@@ -53,6 +53,15 @@ def int8_blocks(weight: np.ndarray, block: int = BLOCK, steps: np.ndarray | None
     return q.astype(np.uint8).reshape(r, c), scale.astype(np.float32)
 
 
+def on_levels(weight: np.ndarray, q: np.ndarray, scale: np.ndarray, block: int) -> bool:
+    """Whether ``int8_blocks``' ``(q, scale)`` of ``weight`` [R, C] hold it exactly: every weight
+    on its block's level (to the 1e-3 of a step ``grid_steps`` allows)."""
+    r, c = weight.shape
+    safe = np.where(scale == 0, np.float32(1), scale)[..., None]
+    levels = weight.reshape(r, c // block, block).astype(np.float32) / safe
+    return bool(np.abs(levels - (q.reshape(r, c // block, block).astype(np.float32) - 128)).max() < 1e-3)
+
+
 def finer_than_4_bits(weight_nk: np.ndarray, fine: np.ndarray | None = None, coarse: np.ndarray | None = None) -> bool:
     """Whether ``weight_nk`` [N, K] comes from a quantized source finer than 4 bits (GGUF's Q5_0,
     Q6_K, Q8_0, ...): every run of 16 weights along K lies on a uniform grid of at most 256 levels,

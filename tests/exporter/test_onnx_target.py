@@ -72,7 +72,7 @@ def test_folder_layout_and_manifest_describe_the_graph(artifact):
 def test_every_layer_attends_with_one_group_query_attention_node(artifact):
     """A static layer's node takes and returns the graph's cache buffers directly (so a runner
     binding present to past's memory gets rows written in place); a ring's node takes the ring and
-    the window mask as its attention_bias."""
+    the window mask as its attention_bias, its query and key already rotated."""
     folder = artifact("tiny-gemma3", "onnx")  # layers 0-2: rings; layer 3: static
     graph = onnx.load(str(folder / "model.onnx"), load_external_data=False).graph
     nodes = [n for n in graph.node if n.op_type == "GroupQueryAttention"]
@@ -84,7 +84,8 @@ def test_every_layer_attends_with_one_group_query_attention_node(artifact):
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
         assert (attrs["num_heads"], attrs["kv_num_heads"]) == (heads, layer["kv_heads"])
         if layer["cache"] == "static":
-            assert list(node.input[3:5]) == [f"past_key_{i}", f"past_value_{i}"] and len(node.input) == 7
+            assert list(node.input[3:5]) == [f"past_key_{i}", f"past_value_{i}"]
+            assert len(node.input) == 9 and attrs["do_rotary"] == 1  # then its own cos/sin tables
             assert list(node.output[1:]) == [f"present_key_{i}", f"present_value_{i}"]
         else:
             assert len(node.input) == 11 and node.input[10]  # attention_bias
@@ -98,12 +99,71 @@ def _op_counts(folder) -> collections.Counter:
 @pytest.mark.parametrize("name, norms", [("tiny-llama", 2 * 4 + 1), ("tiny-gemma3", 6 * 4 + 1)])
 def test_norms_and_rotations_are_onnx_runtime_kernels(artifact, name, norms):
     """Every RMS norm is one (Skip)SimplifiedLayerNormalization node (Gemma 3: four per layer plus
-    the per-head q/k norms; then the final one), and every rotation one RotaryEmbedding node per
-    query and per key."""
-    ops = _op_counts(artifact(name, "onnx"))
+    the per-head q/k norms; then the final one); a full-attention layer's GroupQueryAttention
+    rotates its own query and key, and a ring layer rotates with one RotaryEmbedding node each."""
+    folder = artifact(name, "onnx")
+    ops = _op_counts(folder)
     assert ops["SimplifiedLayerNormalization"] + ops["SkipSimplifiedLayerNormalization"] == norms
     assert ops["Pow"] == 0 and ops["Neg"] == 0  # no norm or rotate_half left as loose ops
-    assert ops["RotaryEmbedding"] == 2 * preset_config(name).num_hidden_layers
+    layers = read_manifest(folder)["layers"]
+    rings = sum(layer["cache"] == "ring" for layer in layers)
+    assert ops["RotaryEmbedding"] == 2 * rings
+    graph = onnx.load(str(folder / "model.onnx"), load_external_data=False).graph
+    rotating = [n for n in graph.node if n.op_type == "GroupQueryAttention" and _attributes(n).get("do_rotary") == 1]
+    assert len(rotating) == len(layers) - rings
+
+
+@pytest.mark.parametrize("name, layer_type", [("tiny-llama", None), ("tiny-gemma3", "full_attention")])
+def test_rotating_attention_reads_transformers_rotary_tables(artifact, name, layer_type):
+    """The cos/sin tables a full-attention node reads are transformers' own for positions
+    0 .. max_cache_len - 1 (Gemma 3: the global layers' rotary embedding, not the local one)."""
+    import numpy as np
+    import torch
+    from onnx import numpy_helper
+
+    folder = artifact(name, "onnx")
+    graph = onnx.load(str(folder / "model.onnx"), load_external_data=False).graph
+    tables = {i.name: numpy_helper.to_array(i) for i in graph.initializer if i.name.startswith("rotary_table")}
+    model, _ = build_preset(name)
+    positions = torch.arange(TEST_CACHE_LEN)[None]
+    x = torch.zeros(1, TEST_CACHE_LEN, model.config.hidden_size)
+    with torch.no_grad():
+        cos, sin = model.model.rotary_emb(x, positions, *([layer_type] if layer_type else []))
+    half = cos.shape[-1] // 2
+    for node in graph.node:
+        if node.op_type == "GroupQueryAttention" and _attributes(node).get("do_rotary") == 1:
+            got_cos, got_sin = tables[node.input[7]], tables[node.input[8]]
+            assert got_cos.shape == (TEST_CACHE_LEN, half)
+            np.testing.assert_allclose(got_cos, cos[0, :, :half].numpy(), atol=1e-6, rtol=0)
+            np.testing.assert_allclose(got_sin, sin[0, :, :half].numpy(), atol=1e-6, rtol=0)
+
+
+def _attributes(node) -> dict:
+    return {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+
+
+def test_a_ring_with_one_kv_head_is_read_without_a_copy(tmp_path):
+    """Gemma 3 270M has one kv head: its ring's sequence-major and head-major layouts are the same
+    memory, so the graph reshapes the ring instead of transposing (copying) it on every call, and
+    still matches eager past the window."""
+    from kvexport.exporter.pipeline import ExportOptions, export_model
+    from kvexport.models.presets import PRESETS, build_tiny, tiny_config
+    from kvexport.progress import Progress
+
+    model_type, overrides = PRESETS["tiny-gemma3"]
+    model, tokenizer = build_tiny(tiny_config(model_type, {**overrides, "num_key_value_heads": 1}))
+    model.save_pretrained(tmp_path / "hf")
+    tokenizer.save_pretrained(tmp_path / "hf")
+    folder = tmp_path / "onnx"
+    export_model(ExportOptions(str(tmp_path / "hf"), "onnx", folder, TEST_CACHE_LEN), Progress(quiet=True))
+
+    graph = onnx.load(str(folder / "model.onnx"), load_external_data=False).graph
+    rings = [f"past_{kv}_{layer['index']}" for layer in read_manifest(folder)["layers"] if layer["cache"] == "ring" for kv in ("key", "value")]
+    readers = {name: [n.op_type for n in graph.node if name in n.input] for name in rings}
+    assert rings and all(ops == ["Reshape"] for ops in readers.values()), readers
+    ids = tokenizer(PROMPT).input_ids
+    got = greedy_with(load_program(folder).forward, ids, NEW_TOKENS)
+    assert_generation_matches(got, eager_reference(model, ids, NEW_TOKENS), FP32_LOGIT_ATOL, "one kv head")
 
 
 def test_a_family_with_its_own_rotation_exports_it_as_is(artifact):

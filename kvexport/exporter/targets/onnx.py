@@ -19,7 +19,7 @@ from ...errors import UnsupportedModelError
 from ..export import export_external_cache_decoder
 from ..onnx_attention import ONNX_TRANSLATIONS as ATTENTION_TRANSLATIONS
 from ..onnx_rotary import ONNX_TRANSLATIONS as ROTARY_TRANSLATIONS
-from ..onnx_rotary import rotary_as_kernel
+from ..onnx_rotary import fold_rotations_into_attention, rotary_as_kernel
 from ..wrapper import ExternalCacheDecoder
 
 PROGRAM_FILE = "model.onnx"
@@ -73,6 +73,7 @@ def lower(program: torch.export.ExportedProgram, info: dict, out_dir: Path) -> d
     path = out_dir / PROGRAM_FILE
     onnx_program.save(path, external_data=True)
     del onnx_program
+    fold_rotations_into_attention(path, info["max_cache_len"])
     _check(path)
     graph = onnx.load(str(path), load_external_data=False)
     return {
