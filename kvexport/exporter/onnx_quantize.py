@@ -19,7 +19,9 @@ in the weights themselves (``grid_steps``) and kept.
   its level (Q5_0, Q8_0), else of 16 (Q6_K scales each run of 16). Rounded to 4 bits they held Gemma 3 at
   ~95% top-1 agreement; exact, 98.4%.
 - Projections that read one input (q/k/v; gate/up) at the same bits are one MatMulNBits over
-  their stacked weights, then a Split: fewer, larger kernels per step.
+  their stacked weights, then a Split: fewer, larger kernels per step. Where the Split's q, k and
+  v are a GroupQueryAttention's inputs as they are (a full-attention layer, whose node rotates
+  them itself), the node reads the stacked output whole (its packed-QKV form) and the Split goes.
 - The lm_head (the MatMul that computes the graph's logits) and the embedding lookup stay 8-bit
   (symmetric, blocks of 32: MatMulNBits ``bits=8`` and ``GatherBlockQuantized``): their error
   lands straight on the logits, and both real models ship their tied table as 8-bit (Q8_0).
@@ -37,6 +39,7 @@ import shutil
 
 import numpy as np
 
+from .onnx_graph import prune
 from .weight_grids import BLOCK, FINE_BLOCK, finer_than_4_bits, grid_steps, int4_blocks, int8_blocks, on_levels
 
 ACCURACY_LEVEL = 4
@@ -179,11 +182,13 @@ def quantize_onnx(path, data_file: str) -> dict:
             readers[node.input[0]] -= 1
         else:
             nodes.append(node)
+    _pack_attention_inputs(nodes)
     del graph.node[:]
     graph.node.extend(nodes)
     kept = [i for i in graph.initializer if readers[i.name] > 0]  # the float weights now unread go
     del graph.initializer[:]
     graph.initializer.extend(kept + added)
+    prune(graph)  # the Splits and reshapes packed attention inputs no longer read
     if not any(o.domain == MS_DOMAIN for o in model.opset_import):
         model.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))
     # onnx appends to an existing external data file: write a fresh one.
@@ -193,6 +198,22 @@ def quantize_onnx(path, data_file: str) -> dict:
     shutil.copymode(path, data_path)  # onnx creates it owner-only (0600); readable like the graph beside it
     counts = collections.Counter(n.op_type for n in model.graph.node)
     return {op: counts[op] for op in ("MatMulNBits", "GatherBlockQuantized") if counts[op]}
+
+
+def _pack_attention_inputs(nodes) -> None:
+    """A GroupQueryAttention whose query, key and value are the three outputs of one Split (the
+    stacked q/k/v projection; the value maybe reshaped and back) reads the packed projection
+    instead: the kernel's packed-QKV form, without the Split."""
+    producers = {out: node for node in nodes for out in node.output}
+    for node in nodes:
+        if node.op_type != "GroupQueryAttention":
+            continue
+        value = node.input[2]
+        while value in producers and producers[value].op_type == "Reshape":  # reshapes keep the row's order
+            value = producers[value].input[0]
+        split = producers.get(node.input[0])
+        if split is not None and split.op_type == "Split" and list(split.output) == [node.input[0], node.input[1], value]:
+            node.input[0], node.input[1], node.input[2] = split.input[0], "", ""
 
 
 def _lm_head(graph) -> str | None:

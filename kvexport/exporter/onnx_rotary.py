@@ -20,6 +20,8 @@ import sys
 
 import torch
 
+from .onnx_graph import prune
+
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """transformers' rotation: ``x * cos + rotate_half(x) * sin`` with full-width ``cos``/``sin``."""
@@ -165,7 +167,7 @@ def fold_rotations_into_attention(path, max_cache_len: int) -> int:
     nodes = [new for node in graph.node for new in (*added.get(node.name, ()), node)]
     del graph.node[:]
     graph.node.extend(nodes)
-    _prune(graph)
+    prune(graph)
     onnx.save(model, str(path))
     return len(folds)
 
@@ -275,18 +277,3 @@ def _add_tables(graph, arrays: dict) -> dict[str, str]:
             graph.initializer.append(numpy_helper.from_array(array, same))
         result[name] = same
     return result
-
-
-def _prune(graph) -> None:
-    """Drop the nodes and initializers nothing reads any more (the graph is in topological order)."""
-    live = {v.name for v in graph.output}
-    kept = []
-    for node in reversed(graph.node):
-        if any(out in live for out in node.output):
-            live.update(i for i in node.input if i)
-            kept.append(node)
-    initializers = [i for i in graph.initializer if i.name in live]
-    del graph.node[:]
-    graph.node.extend(reversed(kept))
-    del graph.initializer[:]
-    graph.initializer.extend(initializers)

@@ -250,6 +250,40 @@ def test_int4_onnx_is_smaller_and_reexports_identically(artifact, tmp_path, caps
         assert read_manifest(again)["files"][name] == entry, name
 
 
+def test_attention_reads_the_stacked_projection_packed_and_computes_the_same(artifact, tmp_path, monkeypatch):
+    """A full-attention layer's GroupQueryAttention reads the stacked q/k/v projection whole (its
+    packed-QKV form, no Split): the same logits as the graph with the Split, to the last bit."""
+    import shutil
+
+    import onnx
+
+    from kvexport.exporter import onnx_quantize
+    from kvexport.runtime_check.onnx_program import OnnxProgram
+
+    source = artifact("tiny-llama", "onnx")
+    folders = {}
+    for packed in (True, False):
+        folder = folders[packed] = tmp_path / f"packed-{packed}"
+        shutil.copytree(source, folder)
+        with monkeypatch.context() as patch:
+            if not packed:
+                patch.setattr(onnx_quantize, "_pack_attention_inputs", lambda nodes: None)
+            onnx_quantize.quantize_onnx(folder / "model.onnx", "model.onnx.data")
+    graph = onnx.load(str(folders[True] / "model.onnx"), load_external_data=False).graph
+    attention = [n for n in graph.node if n.op_type == "GroupQueryAttention"]
+    assert attention and all(list(n.input[1:3]) == ["", ""] for n in attention)
+    assert not any(n.op_type == "Split" and n.output[0] in {a.input[0] for a in attention} for n in graph.node)
+    unpacked = onnx.load(str(folders[False] / "model.onnx"), load_external_data=False).graph
+    assert all(n.input[1] for n in unpacked.node if n.op_type == "GroupQueryAttention")
+
+    manifest = read_manifest(source)
+    programs = [OnnxProgram(folders[packed], manifest, "cpu") for packed in (True, False)]
+    tokens = list(range(10, 40))
+    for start, call in ((0, tokens[:20]), (20, tokens[20:21]), (21, tokens[21:])):
+        packed_logits, split_logits = (p.forward(call, start) for p in programs)
+        np.testing.assert_array_equal(packed_logits, split_logits)
+
+
 # --- kvexport check on a quantized artifact: agreement, teacher-forced --------------------------
 
 
