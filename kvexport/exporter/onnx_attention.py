@@ -197,23 +197,20 @@ def _kernel_inputs(query, key, value, scaling):
     return flat, heads, kv_heads, float(scaling if scaling is not None else d**-0.5)
 
 
+# With one kv head (Gemma 3 270M and 1B) the two layouts are the same memory: a reshape, where a
+# Transpose node would copy the whole ring on every call.
+
+
 def _sequence_first(states: torch.Tensor) -> torch.Tensor:
     """transformers' ``[1, kv_heads, T, D]`` as the runner's rows ``[1, T, kv_heads, D]``."""
-    return _moved(states, heads_dim=1)
+    b, kv_heads, t, d = states.shape
+    return states.reshape(b, t, 1, d) if kv_heads == 1 else states.transpose(1, 2)
 
 
 def _heads_first(ring: torch.Tensor) -> torch.Tensor:
     """The runner's ring ``[1, W, kv_heads, D]`` as ``[1, kv_heads, W, D]``."""
-    return _moved(ring, heads_dim=2)
-
-
-def _moved(x: torch.Tensor, heads_dim: int) -> torch.Tensor:
-    # With one kv head (Gemma 3 270M and 1B) both layouts are the same memory: a reshape, where a
-    # Transpose node would copy the whole ring on every call.
-    if x.shape[heads_dim] == 1:
-        other = x.shape[3 - heads_dim]  # the sequence (T or W): it moves to the heads' place
-        return x.reshape(x.shape[0], 1, other, x.shape[3]) if heads_dim == 2 else x.reshape(x.shape[0], other, 1, x.shape[3])
-    return x.transpose(1, 2)
+    b, w, kv_heads, d = ring.shape
+    return ring.reshape(b, 1, w, d) if kv_heads == 1 else ring.transpose(1, 2)
 
 
 class ExternalStaticLayer:

@@ -57,7 +57,6 @@ def quantize_onnx(path, data_file: str) -> dict:
     graph = model.graph
     initializers = {i.name: i for i in graph.initializer}
     lm_head = _lm_head(graph)
-    readers = collections.Counter(name for node in graph.node for name in node.input)
     added: list = []  # new initializers
     tables: dict[str, tuple[str, str]] = {}  # source initializer -> its 8-bit (data, scales)
 
@@ -144,8 +143,6 @@ def quantize_onnx(path, data_file: str) -> dict:
             sizes = f"{base}_split_sizes"
             added.append(numpy_helper.from_array(np.array([w.dims[1] for w in weights], np.int64), sizes))
             nodes.append(helper.make_node("Split", [out, sizes], [m.output[0] for m in members], name=f"{base}_split", axis=-1))
-        for w in weights:
-            readers[w.name] -= 1
 
     shared: set[str] = set()  # names of the initializers shared_constant added
     nodes = []
@@ -156,7 +153,6 @@ def quantize_onnx(path, data_file: str) -> dict:
             data, scales = int8_table(tied.get(weight.name, weight.name),
                                       lambda: np.ascontiguousarray(numpy_helper.to_array(weight).T))
             nodes.append(_matmul_nbits(helper, node.input[0], data, scales, node.output[0], k, n, 8))
-            readers[weight.name] -= 1
         elif node.output[0] in group_of:
             members = groups[group_of[node.output[0]]]
             if node is members[0]:  # the group is emitted where its first member was
@@ -179,16 +175,13 @@ def quantize_onnx(path, data_file: str) -> dict:
                 helper.make_node("Concat", [f"{base}_ids_shape", f"{base}_hidden"], [f"{base}_shape"], name=f"{base}_shape", axis=0),
                 helper.make_node("Reshape", [f"{base}_blocks", f"{base}_shape"], [node.output[0]], name=f"{base}_reshape"),
             ]
-            readers[node.input[0]] -= 1
         else:
             nodes.append(node)
     _pack_attention_inputs(nodes)
     del graph.node[:]
     graph.node.extend(nodes)
-    kept = [i for i in graph.initializer if readers[i.name] > 0]  # the float weights now unread go
-    del graph.initializer[:]
-    graph.initializer.extend(kept + added)
-    prune(graph)  # the Splits and reshapes packed attention inputs no longer read
+    graph.initializer.extend(added)
+    prune(graph)  # the float weights now unread go, and the Splits packed attention inputs no longer read
     if not any(o.domain == MS_DOMAIN for o in model.opset_import):
         model.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))
     # onnx appends to an existing external data file: write a fresh one.

@@ -202,17 +202,14 @@ def _perm(node) -> list[int] | None:
 def _rotation_chain(producers, value):
     """The RotaryEmbedding node behind an attention input of the translation's shape
     ``Reshape(Transpose(RotaryEmbedding(x)))`` (``x`` heads-first, ``[1, heads, T, D]``), if it is one."""
-    steps = []
     for op in ("Reshape", "Transpose", "RotaryEmbedding"):
         node = producers.get(value)
         if node is None or node.op_type != op or (op == "Transpose" and _perm(node) != [0, 2, 1, 3]):
             return None
-        steps.append(node)
         value = node.input[0]
-    rotation = steps[2]
-    if any(a.name == "interleaved" and a.i != 0 for a in rotation.attribute) or len(rotation.input) != 4:
+    if any(a.name == "interleaved" and a.i != 0 for a in node.attribute) or len(node.input) != 4:
         return None
-    return rotation
+    return node  # the RotaryEmbedding
 
 
 def _evaluate(model, path, names: list[str], tokens: int):
