@@ -92,6 +92,29 @@ def test_every_layer_attends_with_one_group_query_attention_node(artifact):
             assert not {f"present_key_{i}", f"present_value_{i}"} & set(node.output)
 
 
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-gemma3"])
+def test_the_output_projection_reads_attention_as_it_comes_out(artifact, name):
+    """Attention's ``[1, T, heads * head_dim]`` output is no longer viewed per head and back before
+    the output projection: each GroupQueryAttention's output feeds MatMuls directly, and no
+    Reshape chain in the graph ends in the shape it started from."""
+    graph = onnx.load(str(artifact(name, "onnx") / "model.onnx"), load_external_data=False).graph
+    readers = collections.defaultdict(list)
+    for node in graph.node:
+        for name_in in node.input:
+            readers[name_in].append(node.op_type)
+    attention = [n for n in graph.node if n.op_type == "GroupQueryAttention"]
+    assert attention and all(readers[n.output[0]] == ["MatMul"] for n in attention)
+    shapes = {v.name: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim]
+              for v in [*graph.input, *graph.value_info]}
+    producers = {out: node for node in graph.node for out in node.output}
+    for node in graph.node:
+        if node.op_type == "Reshape":
+            start = node.input[0]
+            while start in producers and producers[start].op_type == "Reshape":
+                start = producers[start].input[0]
+            assert shapes.get(start) != shapes.get(node.output[0]) or start not in shapes, node.name
+
+
 def _op_counts(folder) -> collections.Counter:
     return collections.Counter(n.op_type for n in onnx.load(str(folder / "model.onnx"), load_external_data=False).graph.node)
 

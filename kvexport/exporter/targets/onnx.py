@@ -70,6 +70,7 @@ def lower(program: torch.export.ExportedProgram, info: dict, out_dir: Path) -> d
     if info["dtype"] == "float32":
         _fuse_norms(onnx_program.model)
     _tidy(onnx_program.model)
+    _drop_identity_reshapes(onnx_program.model)
     path = out_dir / PROGRAM_FILE
     onnx_program.save(path, external_data=True)
     del onnx_program
@@ -179,6 +180,32 @@ def _tidy(model) -> None:
     for value in list(model.graph.inputs) + [out for node in nodes for out in node.outputs]:
         if value.shape is not None:
             value.shape = ir.Shape([rename(d) for d in value.shape])
+
+
+def _drop_identity_reshapes(model) -> int:
+    """Bypass each chain of Reshapes that ends in the shape it started from (attention's output,
+    ``[1, T, heads * head_dim]``, is viewed as ``[1, T, heads, head_dim]`` and back before the
+    output projection: two nodes per layer that ONNX Runtime runs every call); return how many.
+    Shapes compare as the exporter wrote them, ``T`` for the call's length (``_tidy``)."""
+    import onnx_ir as ir
+    from onnx_ir.passes.common import RemoveUnusedNodesPass
+
+    def known(shape) -> bool:
+        return shape is not None and all(isinstance(d, int) or (isinstance(d, ir.SymbolicDim) and d.value) for d in shape)
+
+    bypassed = 0
+    for node in list(model.graph):
+        if node.op_type != "Reshape" or node.outputs[0].is_graph_output():
+            continue
+        start = node.inputs[0]
+        while start.producer() is not None and start.producer().op_type == "Reshape":
+            start = start.producer().inputs[0]
+        end = node.outputs[0]
+        if known(start.shape) and known(end.shape) and list(start.shape) == list(end.shape):
+            ir.convenience.replace_all_uses_with(end, start)
+            bypassed += 1
+    RemoveUnusedNodesPass()(model)
+    return bypassed
 
 
 _ONNX_DTYPES = {1: "float32", 10: "float16", 16: "bfloat16", 7: "int64"}
