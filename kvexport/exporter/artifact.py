@@ -27,9 +27,11 @@ MANIFEST_SUM = "kvexport.json.sha256"
 FORMAT = "kvexport-artifact"
 # 2: an ONNX graph's full-attention layers take and return the whole head-major buffer
 # (GroupQueryAttention); version 1 took the filled prefix, sequence-major, and returned new rows.
-FORMAT_VERSION = 2
-# The versions each target still runs: 2 changed nothing in an ExecuTorch artifact.
-_READABLE_VERSIONS = {"executorch": (1, 2), "onnx": (2,)}
+# 3: so do its sliding layers, over a buffer of 2 * window rows from row ring_start (an input);
+# version 2 took the whole ring, sequence-major, and returned the new rows.
+FORMAT_VERSION = 3
+# The versions each target still runs: 2 and 3 changed nothing in an ExecuTorch artifact.
+_READABLE_VERSIONS = {"executorch": (1, 2, 3), "onnx": (3,)}
 
 
 def sha256_file(path: Path) -> str:

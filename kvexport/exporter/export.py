@@ -27,26 +27,25 @@ def export_decoder(decoder: ExportableDecoder) -> torch.export.ExportedProgram:
 # Example start position: any P >= 2 that differs from T and every window, so no dimension is
 # specialised to, or equated with, another by its example value.
 _EXAMPLE_START = 5
+_EXAMPLE_RING_START = 3
 
 
 def external_cache_example_inputs(decoder: ExternalCacheDecoder) -> tuple[torch.Tensor, ...]:
     tokens, _ = example_inputs(decoder.max_cache_len)
+    ring_start = (torch.tensor([_EXAMPLE_RING_START]),) if decoder.has_rings else ()
     past = []
     for layer, spec in zip(decoder.caches, decoder.specs):
-        if layer.window:  # a ring, sequence-major
-            shape = (1, layer.window, spec.kv_heads, spec.head_dim)
-        else:  # a static buffer, head-major (GroupQueryAttention's layout)
-            shape = (1, spec.kv_heads, decoder.max_cache_len, spec.head_dim)
-        past += [torch.zeros(shape, dtype=decoder.dtype) for _ in range(2)]
-    return (tokens, torch.tensor([_EXAMPLE_START]), *past)
+        rows = 2 * layer.window if layer.window else decoder.max_cache_len  # GroupQueryAttention's layout
+        past += [torch.zeros((1, spec.kv_heads, rows, spec.head_dim), dtype=decoder.dtype) for _ in range(2)]
+    return (tokens, torch.tensor([_EXAMPLE_START]), *ring_start, *past)
 
 
 def export_external_cache_decoder(decoder: ExternalCacheDecoder) -> torch.export.ExportedProgram:
-    """T dynamic as above; every past has a fixed shape (whole buffers and whole rings)."""
-    past_shapes = tuple(None for _ in range(2 * len(decoder.caches)))
-    dynamic_shapes = ({1: torch.export.Dim.DYNAMIC}, None, past_shapes)
+    """T dynamic as above; ``ring_start`` and every past have a fixed shape (whole buffers)."""
+    inputs = external_cache_example_inputs(decoder)
+    dynamic_shapes = ({1: torch.export.Dim.DYNAMIC}, None, tuple(None for _ in inputs[2:]))
     with torch.no_grad():
         program = torch.export.export(
-            decoder, external_cache_example_inputs(decoder), dynamic_shapes=dynamic_shapes, strict=False
+            decoder, inputs, dynamic_shapes=dynamic_shapes, strict=False
         )
     return program

@@ -7,15 +7,15 @@
   that binds both to the same memory (ONNX Runtime's shared past/present buffer) has the rows
   written in place, and the kernel reads only the first ``P + T`` rows: decode cost follows the
   filled length, not ``max_cache_len``.
-- Sliding window (``ExternalRingLayer``): the ring of ``W`` slots comes in whole,
-  sequence-major ``[1, W, kv_heads, head_dim]``, and the call's new rows go out for the runner to
-  write into their slots. Attention is the same kernel over ``ring + new`` keys with our additive
-  mask as its ``attention_bias`` (slot order is not position order, and the mask knows which slot
-  holds which position).
+- Sliding window (``ExternalRingLayer``): the same kernel and layout over a buffer of ``2W``
+  rows (``local_window_size`` W), shared past/present too. The runner keeps the rows contiguous
+  in positions and passes ``ring_start``, the row the call's first token goes to: when a call
+  would run past the last row, it first moves the last ``W - 1`` rows to the top (once every ~W
+  tokens). The kernel reads only the window, and only the filled part of it.
 
-In PyTorch these are the ops ``kvexport::group_query_attention`` and ``kvexport::ring_attention``,
-with plain implementations of the kernel's semantics (what the wrapper runs eagerly);
-``ONNX_TRANSLATIONS`` maps both to the node for ``torch.onnx.export``.
+In PyTorch this is the op ``kvexport::group_query_attention``, a plain implementation of the
+kernel's semantics (what the wrapper runs eagerly); ``ONNX_TRANSLATIONS`` maps it to the node for
+``torch.onnx.export``.
 
 A family whose attention needs more than softmax(QK^T·scale + mask)·V (soft-capping, attention
 sinks) keeps the same interface and runs its own eager attention instead of the kernel.
@@ -26,7 +26,6 @@ from __future__ import annotations
 import torch
 
 from .attention import family_eager_attention, plain_softmax_attention
-from .kv_cache import ring_key_positions
 
 
 def _attention(query, keys, values, num_heads: int, kv_num_heads: int, scale: float, bias):
@@ -41,10 +40,12 @@ def _attention(query, keys, values, num_heads: int, kv_num_heads: int, scale: fl
     return out.transpose(0, 1).reshape(1, t, num_heads * d).to(query.dtype)
 
 
-def _causal_bias(start: int, end: int) -> torch.Tensor:
-    """Query ``start + i`` sees key columns ``0 .. start + i`` (the kernel's own causal mask)."""
-    causal = torch.arange(end)[None, :] <= torch.arange(start, end)[:, None]
-    return torch.zeros(causal.shape).masked_fill(~causal, float("-inf"))
+def _causal_bias(start: int, end: int, window: int) -> torch.Tensor:
+    """Query ``start + i`` sees key rows ``0 .. start + i``, the last ``window`` of them when
+    ``window`` > 0 (the kernel's own causal mask and ``local_window_size``)."""
+    rows, queries = torch.arange(end)[None, :], torch.arange(start, end)[:, None]
+    visible = (rows <= queries) & ((rows > queries - window) if window > 0 else True)
+    return torch.zeros(visible.shape).masked_fill(~visible, float("-inf"))
 
 
 @torch.library.custom_op("kvexport::group_query_attention", mutates_args=())
@@ -59,12 +60,15 @@ def group_query_attention(
     num_heads: int,
     kv_num_heads: int,
     scale: float,
+    local_window: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``GroupQueryAttention`` with past and present in one buffer, batch 1.
 
     ``query [1, T, num_heads * D]``, ``key``/``value [1, T, kv_num_heads * D]``, ``past_*``
-    ``[1, kv_num_heads, S, D]``, ``total_length`` = P + T (0-d int32), ``seqlens_k`` = ``[P + T - 1]``.
-    Returns ``(out [1, T, num_heads * D], present_key, present_value)``, presents shaped as the pasts.
+    ``[1, kv_num_heads, S, D]``, ``total_length`` = R + T (0-d int32), ``seqlens_k`` = ``[R + T - 1]``:
+    the call's rows go to ``R .. R+T-1``. ``local_window`` > 0: each query sees only the last
+    ``local_window`` rows up to its own. Returns ``(out [1, T, num_heads * D], present_key,
+    present_value)``, presents shaped as the pasts.
     """
     t = query.shape[1]
     end = int(total_length)
@@ -73,46 +77,13 @@ def group_query_attention(
     present_key[0, :, start:end] = key[0].view(t, kv_num_heads, -1).transpose(0, 1)
     present_value[0, :, start:end] = value[0].view(t, kv_num_heads, -1).transpose(0, 1)
     keys, values = present_key[0, :, :end], present_value[0, :, :end]
-    out = _attention(query, keys, values, num_heads, kv_num_heads, scale, _causal_bias(start, end))
+    out = _attention(query, keys, values, num_heads, kv_num_heads, scale, _causal_bias(start, end, local_window))
     return out, present_key, present_value
 
 
 @group_query_attention.register_fake
-def _(query, key, value, past_key, past_value, seqlens_k, total_length, num_heads, kv_num_heads, scale):
+def _(query, key, value, past_key, past_value, seqlens_k, total_length, num_heads, kv_num_heads, scale, local_window):
     return torch.empty_like(query), torch.empty_like(past_key), torch.empty_like(past_value)
-
-
-@torch.library.custom_op("kvexport::ring_attention", mutates_args=())
-def ring_attention(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    ring_key: torch.Tensor,
-    ring_value: torch.Tensor,
-    seqlens_k: torch.Tensor,
-    total_length: torch.Tensor,
-    attention_bias: torch.Tensor,
-    num_heads: int,
-    kv_num_heads: int,
-    scale: float,
-) -> torch.Tensor:
-    """``GroupQueryAttention`` over the whole ring then the call's keys, masked by ``attention_bias``.
-
-    ``ring_*`` ``[1, kv_num_heads, W, D]``; ``total_length`` = W + T, ``seqlens_k`` = ``[W + T - 1]``;
-    ``attention_bias [1, 1, T, W + T]``. The kernel also applies its causal mask (new key ``j``
-    hidden from new query ``i < j``), which the ring's mask already implies. Returns the output only.
-    """
-    t = query.shape[1]
-    window = ring_key.shape[2]
-    keys = torch.cat([ring_key[0], key[0].view(t, kv_num_heads, -1).transpose(0, 1)], dim=1)
-    values = torch.cat([ring_value[0], value[0].view(t, kv_num_heads, -1).transpose(0, 1)], dim=1)
-    bias = attention_bias[0].float() + _causal_bias(window, window + t)
-    return _attention(query, keys, values, num_heads, kv_num_heads, scale, bias)
-
-
-@ring_attention.register_fake
-def _(query, key, value, ring_key, ring_value, seqlens_k, total_length, attention_bias, num_heads, kv_num_heads, scale):
-    return torch.empty_like(query)
 
 
 def _onnx_schema():
@@ -139,7 +110,6 @@ def _onnx_schema():
             param("cos_cache", "T", optional=True),
             param("sin_cache", "T", optional=True),
             param("position_ids", "P", optional=True),
-            param("attention_bias", "T", optional=True),
         ],
         outputs=[param("output", "T"), param("present_key", "T"), param("present_value", "T")],
         type_constraints=[
@@ -151,42 +121,27 @@ def _onnx_schema():
             OpSchema.Attribute("num_heads", OpSchema.AttrType.INT, ""),
             OpSchema.Attribute("kv_num_heads", OpSchema.AttrType.INT, ""),
             OpSchema.Attribute("scale", OpSchema.AttrType.FLOAT, ""),
+            OpSchema.Attribute("local_window_size", OpSchema.AttrType.INT, ""),
         ],
     )
 
 
-def _group_query_attention_node(*inputs, num_heads: int, kv_num_heads: int, scale: float):
+def _group_query_attention_onnx(
+    query, key, value, past_key, past_value, seqlens_k, total_length,
+    num_heads: int, kv_num_heads: int, scale: float, local_window: int,
+):  # fmt: skip
     import onnxscript
 
     op = onnxscript.values.Op(onnxscript.values.Opset("com.microsoft", 1), "GroupQueryAttention", _onnx_schema())
-    return op(*inputs, num_heads=num_heads, kv_num_heads=kv_num_heads, scale=scale)
-
-
-def _group_query_attention_onnx(
-    query, key, value, past_key, past_value, seqlens_k, total_length, num_heads: int, kv_num_heads: int, scale: float
-):
-    return _group_query_attention_node(
+    # A full-attention node has no local_window_size: that is how the rotary fold tells them apart.
+    window = {"local_window_size": local_window} if local_window > 0 else {}
+    return op(
         query, key, value, past_key, past_value, seqlens_k, total_length,
-        num_heads=num_heads, kv_num_heads=kv_num_heads, scale=scale,
+        num_heads=num_heads, kv_num_heads=kv_num_heads, scale=scale, **window,
     )  # fmt: skip
 
 
-def _ring_attention_onnx(
-    query, key, value, ring_key, ring_value, seqlens_k, total_length, attention_bias,
-    num_heads: int, kv_num_heads: int, scale: float,
-):  # fmt: skip
-    # No rotary caches, no position ids: the keys come rotated already.
-    out, _, _ = _group_query_attention_node(
-        query, key, value, ring_key, ring_value, seqlens_k, total_length, None, None, None, attention_bias,
-        num_heads=num_heads, kv_num_heads=kv_num_heads, scale=scale,
-    )  # fmt: skip
-    return out
-
-
-ONNX_TRANSLATIONS = {
-    torch.ops.kvexport.group_query_attention.default: _group_query_attention_onnx,
-    torch.ops.kvexport.ring_attention.default: _ring_attention_onnx,
-}
+ONNX_TRANSLATIONS = {torch.ops.kvexport.group_query_attention.default: _group_query_attention_onnx}
 
 
 def _kernel_inputs(query, key, value, scaling):
@@ -197,25 +152,10 @@ def _kernel_inputs(query, key, value, scaling):
     return flat, heads, kv_heads, float(scaling if scaling is not None else d**-0.5)
 
 
-# With one kv head (Gemma 3 270M and 1B) the two layouts are the same memory: a reshape, where a
-# Transpose node would copy the whole ring on every call.
-
-
-def _sequence_first(states: torch.Tensor) -> torch.Tensor:
-    """transformers' ``[1, kv_heads, T, D]`` as the runner's rows ``[1, T, kv_heads, D]``."""
-    b, kv_heads, t, d = states.shape
-    return states.reshape(b, t, 1, d) if kv_heads == 1 else states.transpose(1, 2)
-
-
-def _heads_first(ring: torch.Tensor) -> torch.Tensor:
-    """The runner's ring ``[1, W, kv_heads, D]`` as ``[1, kv_heads, W, D]``."""
-    b, w, kv_heads, d = ring.shape
-    return ring.reshape(b, 1, w, d) if kv_heads == 1 else ring.transpose(1, 2)
-
-
-class ExternalStaticLayer:
-    """A full-attention layer whose buffer lives in the runner: past in, present (= past with the
-    call's rows written) out, both ``[1, kv_heads, max_cache_len, head_dim]``.
+class _BufferLayer:
+    """A layer whose buffer lives in the runner, head-major ``[1, kv_heads, rows, head_dim]``:
+    past in, present (= past with the call's rows written) out, which a runner binds to the same
+    memory. The call's rows go to ``first_row(call) ..``; ``window`` > 0 limits what each query sees.
 
     Not an ``nn.Module``: it holds only the tensors of the call being traced, no state.
     """
@@ -225,58 +165,60 @@ class ExternalStaticLayer:
     def __init__(self):
         self.past_k = self.past_v = self.present_k = self.present_v = None
 
-    def bind(self, past_k: torch.Tensor, past_v: torch.Tensor) -> None:
-        self.past_k, self.past_v = past_k, past_v
+    def first_row(self, call) -> torch.Tensor:
+        raise NotImplementedError
 
     def attend(self, module, query, key, value, mask, call, scaling=None, **kwargs):
+        t = query.shape[2]
+        first = self.first_row(call)  # [1]
         if not plain_softmax_attention(kwargs):
-            self.present_k = self.past_k.index_copy(2, call.positions, key)
-            self.present_v = self.past_v.index_copy(2, call.positions, value)
+            rows = first + torch.arange(t, device=first.device)
+            self.present_k = self.past_k.index_copy(2, rows, key)
+            self.present_v = self.past_v.index_copy(2, rows, value)
             return family_eager_attention(module)(
                 module, query, self.present_k, self.present_v, mask, scaling=scaling, **kwargs
             )
         (q, k, v), heads, kv_heads, scale = _kernel_inputs(query, key, value, scaling)
-        last = call.positions[-1:]  # P + T - 1
+        last = first + (t - 1)  # the call's last row
         lengths = last.to(torch.int32), (last[0] + 1).to(torch.int32)  # seqlens_k, total_length
         out, self.present_k, self.present_v = torch.ops.kvexport.group_query_attention(
-            q, k, v, self.past_k, self.past_v, *lengths, heads, kv_heads, scale
+            q, k, v, self.past_k, self.past_v, *lengths, heads, kv_heads, scale, self.window or -1
         )
-        return out.view(1, q.shape[1], heads, -1), None
+        return out.view(1, t, heads, -1), None
+
+
+class ExternalStaticLayer(_BufferLayer):
+    """A full-attention layer: ``max_cache_len`` rows, row i holds position i."""
+
+    def bind(self, past_k: torch.Tensor, past_v: torch.Tensor, ring_start: torch.Tensor | None) -> None:
+        self.past_k, self.past_v = past_k, past_v
+
+    def first_row(self, call) -> torch.Tensor:
+        return call.positions[:1]
 
     def key_positions(self, positions: torch.Tensor) -> torch.Tensor:
-        """Every slot of the buffer (the fallback's mask covers them all; slot i holds position i)."""
+        """Every row of the buffer (the fallback's mask covers them all)."""
         return torch.arange(self.past_k.shape[2], device=positions.device)
 
 
-class ExternalRingLayer:
-    """A sliding layer whose ring lives in the runner: the whole ring in (sequence-major
-    ``[1, W, kv_heads, head_dim]``), the call's new rows out (``[1, T, kv_heads, head_dim]``),
-    which the runner writes into their slots. Attention sees the ring as it was before the call
-    followed by the call's keys, masked to the window, as ``kv_cache.RingKVCache`` does.
-
-    Not an ``nn.Module``: it holds only the tensors of the call being traced, no state.
+class ExternalRingLayer(_BufferLayer):
+    """A sliding layer: ``2W`` rows that the runner keeps contiguous in positions, the call's
+    first token at row ``ring_start`` (a graph input), so row r holds position
+    ``P - ring_start + r``. Rows ``ring_start - W + 1 .. ring_start - 1`` hold the window before
+    the call; rows before those and after the call's hold anything finite, which attention never
+    sees (outside every query's window, or past the kernel's lengths).
     """
 
     def __init__(self, window: int):
+        super().__init__()
         self.window = window
-        self.past_k = self.past_v = self.present_k = self.present_v = None
+        self.ring_start = None
 
-    def bind(self, past_k: torch.Tensor, past_v: torch.Tensor) -> None:
-        self.past_k, self.past_v = past_k, past_v
+    def bind(self, past_k: torch.Tensor, past_v: torch.Tensor, ring_start: torch.Tensor | None) -> None:
+        self.past_k, self.past_v, self.ring_start = past_k, past_v, ring_start
 
-    def attend(self, module, query, key, value, mask, call, scaling=None, **kwargs):
-        # transformers' states are [1, kv_heads, T, head_dim]; the runner's rows are sequence-major.
-        self.present_k, self.present_v = _sequence_first(key), _sequence_first(value)
-        ring_k, ring_v = _heads_first(self.past_k), _heads_first(self.past_v)
-        if not plain_softmax_attention(kwargs):
-            keys, values = torch.cat([ring_k, key], dim=2), torch.cat([ring_v, value], dim=2)
-            return family_eager_attention(module)(module, query, keys, values, mask, scaling=scaling, **kwargs)
-        (q, k, v), heads, kv_heads, scale = _kernel_inputs(query, key, value, scaling)
-        # The kernel's lengths, W + T, from the positions (tensors: no integer fixed at export).
-        last = call.positions[-1:] - call.positions[:1] + self.window  # W + T - 1
-        lengths = last.to(torch.int32), (last[0] + 1).to(torch.int32)  # seqlens_k, total_length
-        out = torch.ops.kvexport.ring_attention(q, k, v, ring_k, ring_v, *lengths, mask, heads, kv_heads, scale)
-        return out.view(1, q.shape[1], heads, -1), None
+    def first_row(self, call) -> torch.Tensor:
+        return self.ring_start
 
     def key_positions(self, positions: torch.Tensor) -> torch.Tensor:
-        return ring_key_positions(positions, self.window)
+        return positions[:1] - self.ring_start + torch.arange(self.past_k.shape[2], device=positions.device)

@@ -129,7 +129,8 @@ def rotary_as_kernel(model: torch.nn.Module):
 # GroupQueryAttention's own rotation (``do_rotary``), as onnxruntime-genai's models do. A static
 # layer's kernel derives each token's position from its lengths (``seqlens_k`` = P + T - 1) and
 # reads ``cos``/``sin`` tables indexed by position, so the tables get ``max_cache_len`` rows. A
-# ring layer's lengths are W + T, not positions: its rotations stay separate nodes.
+# ring layer's (a node with ``local_window_size``) lengths count rows of its ring buffer, not
+# positions: its rotations stay separate nodes.
 
 
 def fold_rotations_into_attention(path, max_cache_len: int) -> int:
@@ -145,7 +146,8 @@ def fold_rotations_into_attention(path, max_cache_len: int) -> int:
     ranks = {v.name: len(v.type.tensor_type.shape.dim) for v in [*graph.input, *graph.value_info] if v.type.tensor_type.HasField("shape")}
     folds = []  # (attention node, its query's and key's chains)
     for node in graph.node:
-        if node.op_type == "GroupQueryAttention" and node.domain == "com.microsoft" and len(node.input) == 7:  # static layer
+        static_layer = all(a.name != "local_window_size" for a in node.attribute)
+        if node.op_type == "GroupQueryAttention" and node.domain == "com.microsoft" and static_layer:
             chains = [_rotation_chain(producers, node.input[i]) for i in (0, 1)]
             if None not in chains and chains[0].input[2:4] == chains[1].input[2:4]:
                 folds.append((node, chains))

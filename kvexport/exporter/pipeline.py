@@ -71,7 +71,7 @@ class ExportPlan:
 
     @property
     def kv_cache_bytes(self) -> int:
-        return architecture.kv_cache_bytes(self.specs, self.max_cache_len, self.dtype_bytes)
+        return sum(2 * layer["kv_heads"] * layer["slots"] * layer["head_dim"] * self.dtype_bytes for layer in self.layers())
 
     @property
     def kv_cache_bytes_if_all_full(self) -> int:
@@ -80,13 +80,15 @@ class ExportPlan:
         return architecture.kv_cache_bytes(full, self.max_cache_len, self.dtype_bytes)
 
     def layers(self) -> list[dict]:
+        # A ring's buffer holds RING_WINDOWS windows of rows on its target (ONNX's rings: 2).
+        ring_windows = get_target(self.options.target).RING_WINDOWS
         return [
             {
                 "index": i,
                 "layer_type": s.layer_type,
                 "cache": "ring" if s.is_ring(self.max_cache_len) else "static",
                 "window": s.window,
-                "slots": s.cache_slots(self.max_cache_len),
+                "slots": s.cache_slots(self.max_cache_len) * (ring_windows if s.is_ring(self.max_cache_len) else 1),
                 "kv_heads": s.kv_heads,
                 "head_dim": s.head_dim,
             }

@@ -97,22 +97,24 @@ def build_external_layers(specs: list[LayerSpec], max_cache_len: int, dtype: tor
 class ExternalCacheDecoder(ExportableDecoder):
     """The cache crosses the program boundary: ONNX graphs hold no mutable state.
 
-    ``forward(tokens[1, T], input_pos[1], past_key_0, past_value_0, ...) -> (logits[1, vocab],
-    present_key_0, present_value_0, ...)``. A static layer's past is its whole buffer, head-major
-    ``[1, kv_heads, max_cache_len, head_dim]``, and its present the same buffer with the call's
-    rows written (in place when the runner binds both to one buffer). A ring layer's past is the
-    whole ring, sequence-major ``[1, W, kv_heads, head_dim]``, and its present the call's new rows
-    ``[1, T, kv_heads, head_dim]``, which the runner writes into its ring. See ``onnx_attention``.
+    ``forward(tokens[1, T], input_pos[1], [ring_start[1],] past_key_0, past_value_0, ...) ->
+    (logits[1, vocab], present_key_0, present_value_0, ...)``. Every past is a whole head-major
+    buffer ``[1, kv_heads, rows, head_dim]`` and its present the same buffer with the call's rows
+    written (in place when the runner binds both to one buffer): ``max_cache_len`` rows for a
+    full-attention layer, ``2 * window`` for a sliding one, whose first new row is ``ring_start``
+    (an input only when the model has sliding layers). See ``onnx_attention``.
     """
 
     def __init__(self, model: nn.Module, max_cache_len: int):
         super().__init__(model, max_cache_len, build_external_layers)
+        self.has_rings = any(layer.window for layer in self.caches)
 
     def reset_cache(self) -> None:  # the runner owns the cache
         pass
 
-    def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor, *past: torch.Tensor):
+    def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor, *inputs: torch.Tensor):
+        ring_start, past = (inputs[0], inputs[1:]) if self.has_rings else (None, inputs)
         for layer, past_k, past_v in zip(self.caches, past[0::2], past[1::2], strict=True):
-            layer.bind(past_k, past_v)
+            layer.bind(past_k, past_v, ring_start)
         logits = self.last_logits(tokens, input_pos)
         return (logits, *[kv for layer in self.caches for kv in (layer.present_k, layer.present_v)])

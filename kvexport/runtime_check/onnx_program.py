@@ -6,16 +6,16 @@ and a value buffer, allocated once, zero-filled, where the session runs (host me
 device memory on CUDA), and bound with IOBinding to raw pointers into them, so nothing is copied
 in or out by Python:
 
-- a static layer's buffer ``[1, kv_heads, max_cache_len, head_dim]`` is bound once as both its
-  past and its present: ONNX Runtime's GroupQueryAttention then writes the call's rows in place
-  and reads rows ``0 .. start+T-1`` only, so a decode step costs the filled length, whatever
-  ``max_cache_len`` is;
-- a ring ``[1, window, kv_heads, head_dim]`` is bound once as its past. A one-token call's new
-  row goes straight to its slot ``start % window``: that slot's old row (position
-  ``start - window``) is outside the window of the only query, so the mask gives it weight 0
-  whether ONNX Runtime reads it before or after the write. A multi-token call's rows come back to
-  host memory and the newest one per slot is written, as ``RingKVCache.update`` does (prefill and
-  chunked prefill only).
+every buffer is bound once as both its layer's past and its present, and ONNX Runtime's
+GroupQueryAttention writes the call's rows in place and reads only the rows it attends to:
+
+- a static layer's buffer ``[1, kv_heads, max_cache_len, head_dim]``: rows ``0 .. start+T-1``,
+  so a decode step costs the filled length, whatever ``max_cache_len`` is;
+- a sliding layer's ring buffer ``[1, kv_heads, 2 * window, head_dim]``: the last ``window`` rows
+  up to each query. The rows stay contiguous in positions: the call's first token goes to row
+  ``ring_start`` (the rows in use), and a call that would run past the last row first moves the
+  last ``window - 1`` rows to the top, once every ~window tokens. Calls carry at most ``window``
+  tokens; a longer prompt goes in as several calls.
 """
 
 from __future__ import annotations
@@ -41,30 +41,23 @@ class _Buffer:
         else:
             self.value = ort.OrtValue.ortvalue_from_numpy(zeros, device, 0)
             self.ptr = self.value.data_ptr()
-        self.row_bytes = int(np.prod(shape[2:])) * dtype.itemsize  # a ring's slot (sequence-major)
 
-    def row_ptr(self, row: int) -> int:
-        return self.ptr + row * self.row_bytes
-
-    def write_rows(self, slots: np.ndarray, rows: np.ndarray) -> None:
-        """``rows[0, j]`` into slot ``slots[j]`` (multi-token ring calls only)."""
+    def move_rows(self, first: int, count: int) -> None:
+        """Rows ``first .. first+count-1`` to ``0 .. count-1`` (head-major: rows are axis 2)."""
         if self.device == "cpu":
-            self.array[0, slots] = rows[0]
-        else:  # no device-side scatter without a framework: round-trip the ring (W rows, prefill only)
-            ring = self.value.numpy()
-            ring[0, slots] = rows[0]
-            self.value.update_inplace(ring)
+            self.array[:, :, :count] = self.array[:, :, first : first + count]  # numpy copies overlaps safely
+        else:  # no device-side copy without a framework: a round trip, once every ~window tokens
+            rows = self.value.numpy()
+            rows[:, :, :count] = rows[:, :, first : first + count]
+            self.value.update_inplace(rows)
 
 
 class _Layer:
     def __init__(self, ort, spec: dict, max_cache_len: int, dtype: np.dtype, device: str):
         self.index = spec["index"]
         self.window = spec["window"] if spec["cache"] == "ring" else None
-        self.row_shape = (spec["kv_heads"], spec["head_dim"])
-        if self.window is None:  # head-major, GroupQueryAttention's layout
-            self.shape = [1, spec["kv_heads"], max_cache_len, spec["head_dim"]]
-        else:
-            self.shape = [1, self.window, *self.row_shape]
+        rows = max_cache_len if self.window is None else 2 * self.window
+        self.shape = [1, spec["kv_heads"], rows, spec["head_dim"]]  # GroupQueryAttention's layout
         self.buffers = {kv: _Buffer(ort, tuple(self.shape), dtype, device) for kv in ("key", "value")}
 
 
@@ -100,24 +93,27 @@ class OnnxProgram:
             # onnxruntime falls back to the CPU (with a warning) when CUDA or cuDNN cannot load.
             raise InvalidOptionError(f"--device cuda: ONNX Runtime could not start CUDA here; {_GPU_HINT}")
         self._layers = [_Layer(ort, spec, self._max_cache_len, self._dtype, device) for spec in manifest["layers"]]
+        self._rings = [layer for layer in self._layers if layer.window is not None]
+        self._window = min((layer.window for layer in self._rings), default=None)
+        self._ring_rows = 0  # rows of each ring buffer in use: the next call's ring_start
         # Host memory for the small inputs and the logits: ONNX Runtime copies them across itself.
         self._tokens = np.zeros((1, self._max_cache_len), dtype=np.int64)
         self._input_pos = np.zeros((1,), dtype=np.int64)
+        self._ring_start = np.zeros((1,), dtype=np.int64)
         self._logits = np.zeros((1, manifest["vocab_size"]), dtype=self._dtype)
         self._binding = self._session.io_binding()
         self._binding.bind_output("logits", "cpu", 0, self._dtype, list(self._logits.shape), self._logits.ctypes.data)
-        for layer in self._layers:  # every past is a whole buffer: bound once
+        for layer in self._layers:  # every past is a whole buffer and its present the same: bound once
             for kv, buf in layer.buffers.items():
                 self._bind_input(f"past_{kv}_{layer.index}", layer.shape, buf.ptr)
-                if layer.window is None:  # present is the past, written in place
-                    self._bind_output(f"present_{kv}_{layer.index}", layer.shape, buf.ptr)
+                self._bind_output(f"present_{kv}_{layer.index}", layer.shape, buf.ptr)
         self._next_start = 0
 
     def _bind_input(self, name: str, shape: list[int], ptr: int) -> None:
         self._binding.bind_input(name, self._device, 0, self._dtype, shape, ptr)
 
-    def _bind_output(self, name: str, shape: list[int], ptr: int, device: str | None = None) -> None:
-        self._binding.bind_output(name, device or self._device, 0, self._dtype, shape, ptr)
+    def _bind_output(self, name: str, shape: list[int], ptr: int) -> None:
+        self._binding.bind_output(name, self._device, 0, self._dtype, shape, ptr)
 
     def forward(self, tokens: list[int], start: int) -> np.ndarray:
         n = len(tokens)
@@ -133,34 +129,37 @@ class OnnxProgram:
                 f"calls must be contiguous: this one starts at {start}, the sequence is at {self._next_start} "
                 "(start at 0 for a new sequence)"
             )
+        # A ring buffer takes at most `window` more rows once the last window - 1 are moved up.
+        step = self._window or n
+        for first in range(0, n, step):
+            self._call(tokens[first : first + step], start + first)
+        self._next_start = end
+        return self._logits[0].astype(np.float32)  # a copy: the next call overwrites the bound logits
+
+    def _call(self, tokens: list[int], start: int) -> None:
+        n = len(tokens)
         self._tokens[0, :n] = tokens
         self._input_pos[0] = start
         binding = self._binding
         # Host inputs are rebound every call: ONNX Runtime may copy them to the device when bound.
         binding.bind_input("tokens", "cpu", 0, np.int64, [1, n], self._tokens.ctypes.data)
         binding.bind_input("input_pos", "cpu", 0, np.int64, [1], self._input_pos.ctypes.data)
-        staged = []  # (layer, kv, host rows) of multi-token ring calls, written after the run
-        for layer in self._layers:
-            if layer.window is None:
-                continue
-            for kv, buf in layer.buffers.items():
-                present = f"present_{kv}_{layer.index}"
-                if n == 1:
-                    self._bind_output(present, [1, 1, *layer.row_shape], buf.row_ptr(start % layer.window))
-                else:
-                    rows = np.empty((1, n, *layer.row_shape), dtype=self._dtype)
-                    self._bind_output(present, list(rows.shape), rows.ctypes.data, device="cpu")
-                    staged.append((buf, layer.window, rows))
+        if self._rings:
+            if start == 0:
+                self._ring_rows = 0
+            elif self._ring_rows + n > 2 * self._window:
+                keep = self._window - 1  # the rows the call's first token still sees
+                for layer in self._rings:
+                    for buf in layer.buffers.values():
+                        buf.move_rows(self._ring_rows - keep, keep)
+                self._ring_rows = keep
+            self._ring_start[0] = self._ring_rows
+            binding.bind_input("ring_start", "cpu", 0, np.int64, [1], self._ring_start.ctypes.data)
         self._session.run_with_iobinding(binding)
-        for buf, window, rows in staged:
-            keep = min(n, window)  # the newest token of each slot
-            slots = np.arange(end - keep, end) % window
-            buf.write_rows(slots, rows[:, n - keep:])
-        self._next_start = end
-        return self._logits[0].astype(np.float32)  # a copy: the next call overwrites the bound logits
+        self._ring_rows += n
 
     def reset(self) -> None:
-        # Nothing to clear: a call at position 0 starts a new sequence (the masks ignore older contents).
+        # Nothing to clear: a call at position 0 starts a new sequence (attention ignores older contents).
         self._next_start = 0
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import onnxruntime as ort
+import pytest
 import torch
 from onnx import TensorProto, helper
 
@@ -16,7 +17,7 @@ SCALE = 0.3
 INPUTS = ["query", "key", "value", "past_key", "past_value", "seqlens_k", "total_length"]
 
 
-def _session(past_rows: int, with_bias: bool) -> ort.InferenceSession:
+def _session(past_rows: int, window: int) -> ort.InferenceSession:
     """One GroupQueryAttention node, as kvexport's exporter writes it."""
     f = TensorProto.FLOAT
     past = [1, KV_HEADS, past_rows, HEAD_DIM]
@@ -29,13 +30,9 @@ def _session(past_rows: int, with_bias: bool) -> ort.InferenceSession:
         helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, [1]),
         helper.make_tensor_value_info("total_length", TensorProto.INT32, []),
     ]
-    names = list(INPUTS)
-    if with_bias:  # after the three optional rotary inputs, left out
-        inputs.append(helper.make_tensor_value_info("attention_bias", f, [1, 1, "T", "K"]))
-        names += ["", "", "", "attention_bias"]
     node = helper.make_node(
-        "GroupQueryAttention", names, ["out", "present_key", "present_value"], domain="com.microsoft",
-        num_heads=HEADS, kv_num_heads=KV_HEADS, scale=SCALE,
+        "GroupQueryAttention", INPUTS, ["out", "present_key", "present_value"], domain="com.microsoft",
+        num_heads=HEADS, kv_num_heads=KV_HEADS, scale=SCALE, **({"local_window_size": window} if window > 0 else {}),
     )  # fmt: skip
     outputs = [helper.make_tensor_value_info(name, f, None) for name in ("out", "present_key", "present_value")]
     graph = helper.make_graph([node], "attention", inputs, outputs)
@@ -50,18 +47,29 @@ def _random_call(generator, t):
     return [torch.randn(1, t, n * HEAD_DIM, generator=generator) for n in (HEADS, KV_HEADS, KV_HEADS)]
 
 
-def test_static_layer_op_matches_onnx_runtime_over_prefill_chunks_and_decode():
-    session = _session(SLOTS, with_bias=False)
+# (first row, tokens) per call; a ring's calls follow the runner: before a call that would pass
+# the last of its 2W rows, the last W - 1 rows move to the top and the call starts at W - 1.
+STATIC_CALLS = [(0, 5), (5, 1), (6, 3), (9, 1), (10, 1), (11, 7)]  # a prompt, a decode step, a chunk, ...
+RING_CALLS = [(0, 3), (3, 5), (8, 1), (9, 1), (4, 5), (9, 1), (4, 1), (5, 4)]  # moves before the 5th and 7th
+
+
+@pytest.mark.parametrize("rows, window, calls", [(SLOTS, -1, STATIC_CALLS), (2 * WINDOW, WINDOW, RING_CALLS)], ids=["static", "ring"])
+def test_attention_op_matches_onnx_runtime_over_prefill_chunks_and_decode(rows, window, calls):
+    session = _session(rows, window)
     generator = torch.Generator().manual_seed(0)
-    torch_cache = [torch.zeros(1, KV_HEADS, SLOTS, HEAD_DIM) for _ in range(2)]
-    ort_cache = [np.zeros((1, KV_HEADS, SLOTS, HEAD_DIM), dtype=np.float32) for _ in range(2)]
-    start = 0
-    for t in (5, 1, 3, 1, 1, 7):  # a prompt, a decode step, a chunk with a past, ...
+    torch_cache = [torch.zeros(1, KV_HEADS, rows, HEAD_DIM) for _ in range(2)]
+    ort_cache = [np.zeros((1, KV_HEADS, rows, HEAD_DIM), dtype=np.float32) for _ in range(2)]
+    end = 0
+    for start, t in calls:
+        if start < end:  # the runner's move: the last W - 1 rows to the top
+            for mine, theirs in zip(torch_cache, ort_cache):
+                mine[:, :, :start] = mine[:, :, end - start : end].clone()
+                theirs[:, :, :start] = theirs[:, :, end - start : end]
         query, key, value = _random_call(generator, t)
         end = start + t
         seqlens_k, total = torch.tensor([end - 1], dtype=torch.int32), torch.tensor(end, dtype=torch.int32)
         out, *torch_cache = torch.ops.kvexport.group_query_attention(
-            query, key, value, *torch_cache, seqlens_k, total, HEADS, KV_HEADS, SCALE
+            query, key, value, *torch_cache, seqlens_k, total, HEADS, KV_HEADS, SCALE, window
         )
         # ONNX Runtime with past and present in one buffer, as kvexport's runner binds them.
         binding = session.io_binding()
@@ -74,27 +82,24 @@ def test_static_layer_op_matches_onnx_runtime_over_prefill_chunks_and_decode():
             binding.bind_input(f"past_{kv}", "cpu", 0, np.float32, list(buffer.shape), buffer.ctypes.data)
             binding.bind_output(f"present_{kv}", "cpu", 0, np.float32, list(buffer.shape), buffer.ctypes.data)
         session.run_with_iobinding(binding)
-        np.testing.assert_allclose(out.numpy(), expected, rtol=0, atol=1e-5, err_msg=f"call at {start}")
+        np.testing.assert_allclose(out.numpy(), expected, rtol=0, atol=1e-5, err_msg=f"call at row {start}")
         for mine, theirs in zip(torch_cache, ort_cache):
             assert np.array_equal(mine.numpy()[:, :, :end], theirs[:, :, :end])  # rows written, not computed
-        assert not torch_cache[0][:, :, end:].any()
-        start = end
+        if window < 0:  # (a ring's rows past the call hold what the moves left there)
+            assert not torch_cache[0][:, :, end:].any()
 
 
-def test_ring_layer_op_matches_onnx_runtime_with_a_mask():
-    session = _session(WINDOW, with_bias=True)
-    generator = torch.Generator().manual_seed(1)
-    for t in (1, 4, 9):  # a decode step, and calls shorter and longer than the window
-        query, key, value = _random_call(generator, t)
-        ring_key, ring_value = (torch.randn(1, KV_HEADS, WINDOW, HEAD_DIM, generator=generator) for _ in range(2))
-        # Any mask that leaves each query a visible key and hides later new keys, as a ring's does.
-        hidden = torch.rand(1, 1, t, WINDOW + t, generator=generator) < 0.4
-        hidden[..., WINDOW:] = torch.ones(t, t, dtype=torch.bool).triu(1)
-        hidden[..., 0] = False
-        bias = torch.zeros(hidden.shape).masked_fill(hidden, torch.finfo(torch.float32).min)
-        seqlens_k, total = torch.tensor([WINDOW + t - 1], dtype=torch.int32), torch.tensor(WINDOW + t, dtype=torch.int32)
-        inputs = (query, key, value, ring_key, ring_value, seqlens_k, total)
-        out = torch.ops.kvexport.ring_attention(*inputs, bias, HEADS, KV_HEADS, SCALE)
-        feeds = {name: x.numpy() for name, x in zip(INPUTS, inputs)}
-        expected = session.run(["out"], {**feeds, "attention_bias": bias.numpy()})[0]
-        np.testing.assert_allclose(out.numpy(), expected, rtol=0, atol=1e-5, err_msg=f"T = {t}")
+def test_a_window_hides_what_lies_before_it():
+    """The op's window is the kernel's ``local_window_size``: each query sees its last W rows only."""
+    generator = torch.Generator().manual_seed(2)
+    t = 6
+    query, key, value = _random_call(generator, t)
+    cache = [torch.zeros(1, KV_HEADS, 2 * WINDOW, HEAD_DIM) for _ in range(2)]
+    lengths = torch.tensor([t - 1], dtype=torch.int32), torch.tensor(t, dtype=torch.int32)
+    full, *_ = torch.ops.kvexport.group_query_attention(query, key, value, *cache, *lengths, HEADS, KV_HEADS, SCALE, -1)
+    windowed, *_ = torch.ops.kvexport.group_query_attention(
+        query, key, value, *cache, *lengths, HEADS, KV_HEADS, SCALE, WINDOW
+    )
+    # Queries 0..W-1 see all their rows either way; query W (row 5) no longer sees row 0.
+    torch.testing.assert_close(windowed[:, :WINDOW], full[:, :WINDOW], rtol=0, atol=0)
+    assert not torch.allclose(windowed[:, WINDOW:], full[:, WINDOW:])

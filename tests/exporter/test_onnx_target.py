@@ -54,25 +54,25 @@ def test_folder_layout_and_manifest_describe_the_graph(artifact):
         assert all(e["meaning"] for e in described)
     by_name = {e["name"]: e for e in interface["inputs"] + interface["outputs"]}
     assert by_name["tokens"]["shape"] == [1, "T"] and by_name["input_pos"]["shape"] == [1]
+    assert (by_name["ring_start"]["dtype"], by_name["ring_start"]["shape"]) == ("int64", [1])
     assert (by_name["logits"]["dtype"], by_name["logits"]["shape"]) == ("float32", [1, manifest["vocab_size"]])
     for layer in manifest["layers"]:
         i, heads, dim = layer["index"], layer["kv_heads"], layer["head_dim"]
         for kv in ("key", "value"):
-            if layer["cache"] == "ring":  # sequence-major ring in, the call's rows out
-                assert by_name[f"past_{kv}_{i}"]["shape"] == [1, layer["window"], heads, dim]
-                assert by_name[f"present_{kv}_{i}"]["shape"] == [1, "T", heads, dim]
-            else:  # head-major whole buffer in and out (GroupQueryAttention)
-                assert by_name[f"past_{kv}_{i}"]["shape"] == [1, heads, TEST_CACHE_LEN, dim]
-                assert by_name[f"present_{kv}_{i}"]["shape"] == [1, heads, TEST_CACHE_LEN, dim]
+            # Head-major whole buffers in and out (GroupQueryAttention): 2W rows for a ring.
+            rows = 2 * layer["window"] if layer["cache"] == "ring" else TEST_CACHE_LEN
+            assert layer["slots"] == rows
+            assert by_name[f"past_{kv}_{i}"]["shape"] == by_name[f"present_{kv}_{i}"]["shape"] == [1, heads, rows, dim]
     assert [layer["cache"] for layer in manifest["layers"]] == ["ring", "ring", "ring", "static"]
+    assert interface["max_tokens_per_call"] == manifest["layers"][0]["window"]
     assert set(interface["symbols"]) == {"T"}
     assert {"layout", "static", "ring"} <= set(interface["cache"])
 
 
 def test_every_layer_attends_with_one_group_query_attention_node(artifact):
-    """A static layer's node takes and returns the graph's cache buffers directly (so a runner
-    binding present to past's memory gets rows written in place); a ring's node takes the ring and
-    the window mask as its attention_bias, its query and key already rotated."""
+    """Each node takes and returns the graph's cache buffers directly (so a runner binding present
+    to past's memory gets rows written in place); a static layer's rotates its own query and key,
+    a ring's has the window as its local_window_size, its query and key already rotated."""
     folder = artifact("tiny-gemma3", "onnx")  # layers 0-2: rings; layer 3: static
     graph = onnx.load(str(folder / "model.onnx"), load_external_data=False).graph
     nodes = [n for n in graph.node if n.op_type == "GroupQueryAttention"]
@@ -83,13 +83,14 @@ def test_every_layer_attends_with_one_group_query_attention_node(artifact):
         i = layer["index"]
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
         assert (attrs["num_heads"], attrs["kv_num_heads"]) == (heads, layer["kv_heads"])
+        assert list(node.input[3:5]) == [f"past_key_{i}", f"past_value_{i}"]
+        assert list(node.output[1:]) == [f"present_key_{i}", f"present_value_{i}"]
         if layer["cache"] == "static":
-            assert list(node.input[3:5]) == [f"past_key_{i}", f"past_value_{i}"]
             assert len(node.input) == 9 and attrs["do_rotary"] == 1  # then its own cos/sin tables
-            assert list(node.output[1:]) == [f"present_key_{i}", f"present_value_{i}"]
+            assert "local_window_size" not in attrs
         else:
-            assert len(node.input) == 11 and node.input[10]  # attention_bias
-            assert not {f"present_key_{i}", f"present_value_{i}"} & set(node.output)
+            assert len(node.input) == 7 and attrs["local_window_size"] == layer["window"]
+            assert "do_rotary" not in attrs
 
 
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-gemma3"])
@@ -165,10 +166,9 @@ def _attributes(node) -> dict:
     return {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
 
 
-def test_a_ring_with_one_kv_head_is_read_without_a_copy(tmp_path):
-    """Gemma 3 270M has one kv head: its ring's sequence-major and head-major layouts are the same
-    memory, so the graph reshapes the ring instead of transposing (copying) it on every call, and
-    still matches eager past the window."""
+def test_a_ring_with_one_kv_head_matches_eager_past_the_window(tmp_path):
+    """Gemma 3 270M has one kv head (the tiny presets have two): its ring buffers go to
+    GroupQueryAttention as they are, and the artifact still matches eager past the window."""
     from kvexport.exporter.pipeline import ExportOptions, export_model
     from kvexport.models.presets import PRESETS, build_tiny, tiny_config
     from kvexport.progress import Progress
@@ -183,7 +183,7 @@ def test_a_ring_with_one_kv_head_is_read_without_a_copy(tmp_path):
     graph = onnx.load(str(folder / "model.onnx"), load_external_data=False).graph
     rings = [f"past_{kv}_{layer['index']}" for layer in read_manifest(folder)["layers"] if layer["cache"] == "ring" for kv in ("key", "value")]
     readers = {name: [n.op_type for n in graph.node if name in n.input] for name in rings}
-    assert rings and all(ops == ["Reshape"] for ops in readers.values()), readers
+    assert rings and all(ops == ["GroupQueryAttention"] for ops in readers.values()), readers
     ids = tokenizer(PROMPT).input_ids
     got = greedy_with(load_program(folder).forward, ids, NEW_TOKENS)
     assert_generation_matches(got, eager_reference(model, ids, NEW_TOKENS), FP32_LOGIT_ATOL, "one kv head")

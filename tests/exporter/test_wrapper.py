@@ -47,27 +47,40 @@ def test_a_new_sequence_at_position_zero_ignores_the_previous_one():
 
 def external_cache_forward(decoder: ExternalCacheDecoder):
     """``forward(tokens, start)`` over the external-cache wrapper, with the cache rules of
-    kvexport.json's ``interface`` written in torch (the ONNX runner's, without ONNX)."""
+    kvexport.json's ``interface`` written in torch (the ONNX runner's, without ONNX): calls of at
+    most W tokens, each ring buffer's rows kept contiguous in positions from row ``ring_start``."""
+    window = min((layer.window for layer in decoder.caches if layer.window), default=None)
     buffers = []
     for layer, spec in zip(decoder.caches, decoder.specs):
-        if layer.window:  # a sequence-major ring
-            shape = (1, layer.window, spec.kv_heads, spec.head_dim)
-        else:  # a head-major static buffer
-            shape = (1, spec.kv_heads, decoder.max_cache_len, spec.head_dim)
-        buffers.append([torch.zeros(shape) for _ in range(2)])
+        rows = 2 * layer.window if layer.window else decoder.max_cache_len
+        buffers.append([torch.zeros(1, spec.kv_heads, rows, spec.head_dim) for _ in range(2)])
+    rows_in_use = 0
 
-    def forward(tokens, start):
-        n = len(tokens)
+    def call(tokens, start):
+        nonlocal rows_in_use
+        ring_start = []
+        if window:
+            if start == 0:
+                rows_in_use = 0
+            elif rows_in_use + len(tokens) > 2 * window:  # the last W - 1 rows to the top
+                keep = window - 1
+                for layer, kv in zip(decoder.caches, buffers):
+                    for buffer in kv if layer.window else []:
+                        buffer[:, :, :keep] = buffer[:, :, rows_in_use - keep : rows_in_use].clone()
+                rows_in_use = keep
+            ring_start = [torch.tensor([rows_in_use])]
         past = [b for kv in buffers for b in kv]
         with torch.no_grad():
-            logits, *present = decoder(torch.tensor([tokens]), torch.tensor([start]), *past)
-        for layer, kv, rows in zip(decoder.caches, buffers, zip(present[0::2], present[1::2])):
-            for buffer, new in zip(kv, rows):
-                if layer.window is None:  # present is the whole buffer, rows start .. start+n-1 written
-                    buffer.copy_(new)
-                else:  # the newest token of each slot
-                    keep = min(n, layer.window)
-                    buffer[:, [p % layer.window for p in range(start + n - keep, start + n)]] = new[:, n - keep:]
+            logits, *present = decoder(torch.tensor([tokens]), torch.tensor([start]), *ring_start, *past)
+        for buffer, written in zip(past, present):  # present is the buffer with the call's rows written
+            buffer.copy_(written)
+        rows_in_use += len(tokens)
+        return logits
+
+    def forward(tokens, start):
+        step = window or len(tokens)
+        for first in range(0, len(tokens), step):
+            logits = call(tokens[first : first + step], start + first)
         return logits[0].numpy()
 
     return forward

@@ -22,9 +22,10 @@ HAS_CUDA_EP = "CUDAExecutionProvider" in ort.get_available_providers()
 
 
 def test_decode_writes_new_rows_in_place_and_binds_the_cache_once(artifact, monkeypatch):
-    """No copy of the cache per step: a static layer's buffer is bound once as its past and its
-    present (GroupQueryAttention writes the new rows in place), a ring once as its past; per step
-    only a ring's new row is bound, straight to its slot."""
+    """No copy of the cache per step: every buffer is bound once as its layer's past and present
+    (GroupQueryAttention writes the new rows in place); per step only the small inputs are bound.
+    A ring buffer's rows stay contiguous in positions: ring_start follows the rows in use and,
+    when a call would pass the last row, the last W - 1 rows move to the top first."""
     bound = []
     for method in ("bind_input", "bind_output"):
         original = getattr(ort.IOBinding, method)
@@ -37,18 +38,32 @@ def test_decode_writes_new_rows_in_place_and_binds_the_cache_once(artifact, monk
 
     program = load_program(artifact("tiny-gemma3", "onnx"))  # layers 0-2: rings of 6; layer 3: static
     static, ring = program._layers[3].buffers["key"], program._layers[0].buffers["key"]
-    assert static.array.shape == (1, 2, TEST_CACHE_LEN, 16) and ring.array.shape == (1, 6, 2, 16)
+    assert static.array.shape == (1, 2, TEST_CACHE_LEN, 16) and ring.array.shape == (1, 2, 12, 16)
     at_load = {name: (shape, ptr) for name, shape, ptr in bound}
-    assert at_load["past_key_0"] == ([1, 6, 2, 16], ring.ptr)
+    assert at_load["past_key_0"] == at_load["present_key_0"] == ([1, 2, 12, 16], ring.ptr)
     assert at_load["past_key_3"] == at_load["present_key_3"] == ([1, 2, TEST_CACHE_LEN, 16], static.ptr)
+
+    ring_starts = []
+    run = ort.InferenceSession.run_with_iobinding
+
+    def record_ring_start(session, binding, *args):
+        ring_starts.append(int(program._ring_start[0]))
+        return run(session, binding, *args)
+
+    monkeypatch.setattr(ort.InferenceSession, "run_with_iobinding", record_ring_start)
     prompt = list(range(10, 20))
-    program.forward(prompt, 0)
+    program.forward(prompt, 0)  # 10 tokens: two calls of at most W = 6
+    assert ring_starts == [0, 6]
+    ring_starts.clear()
     for pos in range(len(prompt), len(prompt) + 8):
         bound.clear()
+        before = ring.array.copy()
         program.forward([42], pos)
-        calls = {name: (shape, ptr) for name, shape, ptr in bound}
-        assert calls["present_key_0"] == ([1, 1, 2, 16], ring.ptr + (pos % 6) * ring.row_bytes)
-        assert not {"past_key_0", "past_key_3", "present_key_3"} & set(calls)
+        calls = {name for name, _, _ in bound}
+        assert calls == {"tokens", "input_pos", "ring_start"}
+        if pos == 12:  # rows 0..11 in use: rows 7..11 (positions 7..11) moved to 0..4 first
+            assert np.array_equal(ring.array[:, :, :5], before[:, :, 7:12])
+    assert ring_starts == [10, 11, 5, 6, 7, 8, 9, 10]
     written = np.abs(static.array[0]).sum(axis=(0, 2)) > 0
     assert written[: len(prompt) + 8].all() and not written[len(prompt) + 8:].any()
 

@@ -23,6 +23,8 @@ WEIGHTS_FILE = f"{WEIGHTS_TAG}.ptd"
 SPILL_MIN_BYTES = 1 << 20
 SUPPORTED_DTYPES = ("float32", "float16")
 RUNTIME_PACKAGES = ("executorch",)
+# A sliding layer's ring has window slots (RingKVCache).
+RING_WINDOWS = 1
 
 
 def export(model: torch.nn.Module, max_cache_len: int) -> torch.export.ExportedProgram:

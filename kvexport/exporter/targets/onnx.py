@@ -1,10 +1,10 @@
 """ONNX target: ``model.onnx`` + ``model.onnx.data``, with the KV cache owned by the runtime.
 
 ONNX graphs hold no mutable state, so the cache crosses the graph boundary (see
-``ExternalCacheDecoder``, ``onnx_attention``): a full-attention layer is one
-``GroupQueryAttention`` node that takes the runtime's whole buffer and returns it with the call's
-rows written (in place when both are bound to the same memory); a sliding layer takes its whole
-ring and returns only the call's new rows, which the runtime writes into the ring.
+``ExternalCacheDecoder``, ``onnx_attention``): each layer is one ``GroupQueryAttention`` node that
+takes the runtime's whole buffer and returns it with the call's rows written (in place when both
+are bound to the same memory); a sliding layer's buffer has ``2 * window`` rows, which the runtime
+keeps contiguous in positions, and the node reads only the window.
 ``kvexport.json``'s ``interface`` says how, for any runtime.
 """
 
@@ -28,10 +28,12 @@ PROGRAM_FILE = "model.onnx"
 DATA_FILE = "model.onnx.data"
 SUPPORTED_DTYPES = ("float32", "float16")
 RUNTIME_PACKAGES = ("onnx", "onnxruntime", "onnxscript")
+# A sliding layer's buffer has 2 * window rows, kept contiguous in positions (see interface).
+RING_WINDOWS = 2
 
 # Symbolic dimensions of the graph's inputs and outputs.
 SYMBOLS = {
-    "T": "tokens in this call: 1 <= T, and input_pos[0] + T <= max_cache_len",
+    "T": "tokens in this call: 1 <= T <= max_tokens_per_call, and input_pos[0] + T <= max_cache_len",
 }
 
 
@@ -39,6 +41,11 @@ def export(model: torch.nn.Module, max_cache_len: int) -> torch.export.ExportedP
     """The cache crosses the graph boundary: past rows in, the call's new rows out. Rotary
     embeddings go through ONNX Runtime's kernel where the family's rotation is the standard one."""
     decoder = ExternalCacheDecoder(model, max_cache_len)
+    windows = {layer.window for layer in decoder.caches if layer.window}
+    if len(windows) > 1:  # one ring_start serves every ring
+        raise UnsupportedModelError(
+            f"sliding layers with different windows ({sorted(windows)}): the ONNX target supports one window per model"
+        )
     with rotary_as_kernel(decoder.model):
         return export_external_cache_decoder(decoder)
 
@@ -46,6 +53,8 @@ def export(model: torch.nn.Module, max_cache_len: int) -> torch.export.ExportedP
 def io_names(layers: list[dict]) -> tuple[list[str], list[str]]:
     """Graph input and output names, in ``ExternalCacheDecoder.forward``'s order."""
     inputs, outputs = ["tokens", "input_pos"], ["logits"]
+    if any(layer["cache"] == "ring" for layer in layers):
+        inputs.append("ring_start")
     for layer in layers:
         for kv in ("key", "value"):
             inputs.append(f"past_{kv}_{layer['index']}")
@@ -219,6 +228,8 @@ def _describe(value, layers_by_index: dict) -> dict:
         entry["meaning"] = "token ids of this call"
     elif value.name == "input_pos":
         entry["meaning"] = "position of tokens[0, 0] = P, the positions already in the cache (0 starts a sequence)"
+    elif value.name == "ring_start":
+        entry["meaning"] = "row of every sliding layer's buffer that takes tokens[0, 0] (see cache.ring)"
     elif value.name == "logits":
         entry["meaning"] = "logits of the call's last position"
     elif match:
@@ -230,31 +241,36 @@ def _describe(value, layers_by_index: dict) -> dict:
         elif layer["cache"] == "static":
             entry["meaning"] = f"the {kv} buffer with rows P .. P+T-1 written: bind it to the past's memory"
         elif kind == "past":
-            entry["meaning"] = f"the layer's whole {kv} ring ({layer['window']} slots)"
+            entry["meaning"] = f"the layer's whole {kv} ring buffer ({layer['slots']} rows, see cache.ring)"
         else:
-            entry["meaning"] = f"the call's new {kv} rows (positions P .. P+T-1) for the runtime to write into its ring"
+            entry["meaning"] = f"the {kv} ring buffer with rows ring_start .. ring_start+T-1 written: bind it to the past's memory"
     return entry
 
 
 def interface(graph, info: dict) -> dict:
     """The graph's inputs and outputs, and how a runtime drives the cache: enough for any runtime."""
     layers_by_index = {layer["index"]: layer for layer in info["layers"]}
+    windows = [layer["window"] for layer in info["layers"] if layer["cache"] == "ring"]
     return {
         "inputs": [_describe(v, layers_by_index) for v in graph.graph.input],
         "outputs": [_describe(v, layers_by_index) for v in graph.graph.output],
         "symbols": SYMBOLS,
         "calls": "contiguous: each call starts where the previous one ended; start at 0 for a new sequence",
+        # A ring buffer has 2W rows and a call may start at row W - 1: W more rows fit.
+        "max_tokens_per_call": min(windows) if windows else info["max_cache_len"],
         "cache": {
             "owner": "the runtime: per layer, a key and a value buffer allocated once and filled with zeros "
             "(a masked slot still enters attention with weight 0, so it must hold finite numbers)",
-            "layout": "static: [1, kv_heads, max_cache_len, head_dim] (head-major); "
-            "ring: [1, window, kv_heads, head_dim] (sequence-major)",
+            "layout": "static: [1, kv_heads, max_cache_len, head_dim]; ring: [1, kv_heads, 2 * window, head_dim] "
+            "(head-major, ONNX Runtime's GroupQueryAttention)",
             "static": "past = the whole buffer; present = the same buffer with rows P .. P+T-1 written "
             "(ONNX Runtime's GroupQueryAttention): bind present to the past's memory and it is written in place, "
             "reading rows 0 .. P+T-1 only; a runtime that does not alias them passes present as the next past",
-            "ring": "past = the whole ring; write present row j (position P + j) to slot (P + j) % window, "
-            "only for the last min(T, window) rows (an earlier row of a longer call would be overwritten "
-            "by a later one in the same slot)",
-            "new_sequence": "call with input_pos 0: nothing needs clearing, the masks ignore older contents",
+            "ring": "the same, with the call's rows at ring_start .. ring_start+T-1 and the node reading only the "
+            "window: rows ring_start-window+1 .. ring_start-1 must hold positions P-window+1 .. P-1. The runtime "
+            "keeps R, the rows in use: R = 0 when P = 0; before a call with R + T > 2 * window, it moves rows "
+            "R-window+1 .. R-1 to 0 .. window-2 in every ring buffer and sets R = window - 1; it passes "
+            "ring_start = R and adds T after the call",
+            "new_sequence": "call with input_pos 0 (and ring_start 0): nothing needs clearing, attention ignores older contents",
         },
     }
