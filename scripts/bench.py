@@ -420,8 +420,10 @@ def cell(summary: dict | None, digits: int) -> str:
 def markdown(report: dict) -> str:
     m = report["machine"]
     p = report["protocol"]
+    features = " ".join(m.get("cpu_features", []))
+    machine = f"{m['cpu']} ({m['cpus']} CPUs{'; ' + features if features else ''})"
     lines = [
-        f"{report['date']}, {m['cpu']} ({m['cpus']} CPUs), load average {m['load_before']} before / "
+        f"{report['date']}, {machine}, load average {m['load_before']} before / "
         f"{m['load_after']} after; {p['threads']} threads, {p['prompt_tokens']}-token prompt, "
         f"{p['new_tokens']} new tokens, {p['repeats']} runs per path (median (min–max)).",
         "",
@@ -452,14 +454,25 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def cpu_name() -> str:
+# Instruction sets that decide which int8 / float kernels XNNPACK, ONNX Runtime and llama.cpp pick:
+# this project's 2-CPU development machine decoded SmolLM2's 8da4w .pte at 81 tok/s with AVX2 alone and
+# at 122 once it had avx512_vnni (2026-11-24).
+CPU_FEATURES = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_int8", "asimddp", "i8mm", "sve")
+
+
+def cpu_info() -> tuple[str, list[str]]:
+    """The CPU's model name and which of ``CPU_FEATURES`` it has (Linux; elsewhere the name only)."""
+    name, flags = "", set()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and not name:
+                name = value.strip()
+            elif key.strip() in ("flags", "Features") and not flags:
+                flags = set(value.split())
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    return name or platform.processor() or platform.machine(), [f for f in CPU_FEATURES if f in flags]
 
 
 def parse_args(argv):
@@ -518,9 +531,10 @@ def main(argv=None) -> int:
                     for key, title, digits in METRICS)
                 print(f"[{repeat + 1}/{args.repeats}] {job['label']}: {shown}", file=sys.stderr, flush=True)
     finish(jobs, args)
+    cpu, features = cpu_info()
     report = {
         "date": started,
-        "machine": {"cpu": cpu_name(), "cpus": os.cpu_count(), "load_before": load_before,
+        "machine": {"cpu": cpu, "cpu_features": features, "cpus": os.cpu_count(), "load_before": load_before,
                     "load_after": " ".join(f"{x:.2f}" for x in os.getloadavg()), "python": platform.python_version()},
         "protocol": {"prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens, "repeats": args.repeats,
                      "threads": args.threads, "warmup_new_tokens": WARMUP_NEW_TOKENS, "prompt_text": prompt_text},

@@ -9,6 +9,7 @@ choice) tells a near-tie from a bug. Both sides then stop.
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -52,6 +53,9 @@ class PromptReport:
     max_logit_diff: float = 0.0
     agreed_steps: int = 0
     top1_agreement: float = 1.0  # steps where the artifact's top token is eager's, over compared steps
+    # Teacher-forced: eager's margin (as eager_margin) at every step where the top tokens differ. Small
+    # margins next to max_logit_diff mean near-ties, which any rounding may flip.
+    disagreement_margins: list[float] = field(default_factory=list)
     logit_diff_per_step: list[float] = field(default_factory=list)
     eager_ids: list[int] = field(default_factory=list)
     artifact_ids: list[int] = field(default_factory=list)
@@ -158,6 +162,8 @@ def check_prompt(
         report.artifact_ids.append(mine)
         report.agreed_steps += mine == theirs
         state["previous"] = theirs if teacher_forcing else mine
+        if mine != theirs and teacher_forcing:
+            report.disagreement_margins.append(float(eager[theirs] - eager[mine]))
         if mine != theirs and report.match:
             report.match = False
             report.first_divergence = step
@@ -214,10 +220,15 @@ def _summary_line(report: PromptReport, tolerance: float, min_agreement: float |
     head = f"{report.prompt[:40]!r}{'...' if len(report.prompt) > 40 else ''} ({report.prompt_tokens} prompt tokens)"
     if min_agreement is not None:
         ok = report.top1_agreement >= min_agreement
-        return (
+        line = (
             f"{'✓' if ok else '✗'} {head}: top-1 agreement {report.top1_agreement:.1%} over {report.compared_steps} "
             f"teacher-forced steps (needs {min_agreement:.0%}), max |logit diff| {report.max_logit_diff:.3g}"
         )
+        if report.disagreement_margins:
+            margins = report.disagreement_margins
+            steps = f"{len(margins)} disagreement{'s' if len(margins) > 1 else ''}"
+            line += f"; eager's own margin at the {steps}: median {statistics.median(margins):.3g}, max {max(margins):.3g}"
+        return line
     if report.match:
         status = "ok" if report.max_logit_diff <= tolerance else f"logits off by more than {tolerance}"
         return (

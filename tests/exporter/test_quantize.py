@@ -297,11 +297,13 @@ def test_check_reports_agreement_on_a_quantized_artifact(artifact, capsys):
         assert prompt["compared_steps"] == prompt["new_tokens"] > 0
         assert prompt["top1_agreement"] == pytest.approx(prompt["agreed_steps"] / prompt["compared_steps"])
         assert prompt["max_logit_diff"] == pytest.approx(max(prompt["logit_diff_per_step"]))
+        assert len(prompt["disagreement_margins"]) == prompt["compared_steps"] - prompt["agreed_steps"]
     # A random 4-bit tiny model does not reach 95%: the check says so and fails.
     assert report["ok"] == all(p["top1_agreement"] >= 0.95 for p in report["prompts"])
     assert code == (0 if report["ok"] else 1)
     code, out, err = run_cli(capsys, "check", folder, "--max-new-tokens", "8")
     assert "top-1 agreement" in out and "teacher-forced steps" in out
+    assert ("eager's own margin at the" in out) == any(p["disagreement_margins"] for p in report["prompts"])
     assert "quantized" in err and "95%" in err
 
 
@@ -312,7 +314,7 @@ def test_teacher_forcing_on_a_float_artifact_agrees_fully(artifact):
     ids = tokenizer(PROMPT).input_ids
     report = check_prompt(load_program(artifact("tiny-gemma3")), model, ids, NEW_TOKENS, 0.05, teacher_forcing=True)
     assert report.match and report.top1_agreement == 1.0 and report.compared_steps == NEW_TOKENS
-    assert report.max_logit_diff < 0.05
+    assert report.max_logit_diff < 0.05 and report.disagreement_margins == []
 
 
 def test_teacher_forcing_goes_on_past_a_divergence(artifact):
@@ -323,6 +325,9 @@ def test_teacher_forcing_goes_on_past_a_divergence(artifact):
     report = check_prompt(load_program(artifact("tiny-mistral")), model, ids, NEW_TOKENS, 0.05, teacher_forcing=True)
     assert not report.match and report.first_divergence == 0
     assert report.compared_steps == NEW_TOKENS and report.top1_agreement < 0.5
+    # Eager's margin at each disagreement, the first one as eager_margin; eager's pick is its argmax.
+    assert len(report.disagreement_margins) == report.compared_steps - report.agreed_steps
+    assert report.disagreement_margins[0] == report.eager_margin and min(report.disagreement_margins) >= 0
     assert report.eager_ids == eager_ids(model, ids, NEW_TOKENS)  # eager's own greedy run, undisturbed
 
 

@@ -84,3 +84,16 @@ def test_ratios_divide_each_decode_median_by_eager_and_llama():
     jobs[-1]["summary"]["decode_tokens_per_s"] = None
     r = bench.ratios(jobs)
     assert r["decode_vs_llama"] == {} and r["decode_vs_eager"]["run a"] == 6.0
+
+
+def test_cpu_info_names_the_instruction_sets_that_pick_the_kernels(tmp_path, monkeypatch):
+    bench = load_script("bench")
+    cpuinfo = tmp_path / "cpuinfo"
+    real_path = bench.Path
+    monkeypatch.setattr(bench, "Path", lambda p: real_path(cpuinfo if p == "/proc/cpuinfo" else p))
+
+    cpuinfo.write_text("processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: fpu sse2 avx2 fma avx512f avx512_vnni\n")
+    assert bench.cpu_info() == ("AMD EPYC", ["avx2", "avx512f", "avx512_vnni"])
+    cpuinfo.write_text("processor\t: 0\nFeatures\t: fp asimd asimddp i8mm\nCPU part\t: 0xd0c\n")  # ARM: no model name
+    name, features = bench.cpu_info()
+    assert features == ["asimddp", "i8mm"] and name
