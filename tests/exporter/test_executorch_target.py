@@ -60,13 +60,14 @@ def test_pte_carries_the_runner_metadata(artifact):
     assert value("get_eos_ids") == manifest["eos_token_ids"]
 
 
-def test_executorch_text_llm_runner_generates_eager_text(artifact):
+# tiny-gemma3: sliding layers, and a prompt longer than their window.
+@pytest.mark.parametrize("name", ["tiny-phi3", "tiny-gemma3"])
+def test_executorch_text_llm_runner_generates_eager_text(artifact, name):
     """ExecuTorch's own C++ LLM runner (its pip bindings) runs the .pte and agrees with eager."""
     runner_mod = pytest.importorskip("executorch.extension.llm.runner")
     from kvexport.runtime_check.executorch_program import register_kernels
 
     register_kernels()
-    name = "tiny-phi3"
     folder = artifact(name)
     model, tokenizer = build_preset(name)
     prompt_ids = tokenizer(PROMPT).input_ids
@@ -75,8 +76,10 @@ def test_executorch_text_llm_runner_generates_eager_text(artifact):
     assert model.config.eos_token_id not in eager_ids, "pick a preset whose greedy output has no EOS"
     pieces: list[str] = []
     runner = runner_mod.TextLLMRunner(str(folder / "model.pte"), str(folder / "tokenizer.json"), str(folder / "model.ptd"))
+    # Its tokenizer adds no BOS: the runner prepends one where the model's tokenizer would.
+    bos = int(read_manifest(folder)["tokenizer_adds_bos"])
     config = runner_mod.GenerationConfig(
-        max_new_tokens=NEW_TOKENS, temperature=0.0, echo=False, num_bos=0, num_eos=0
+        max_new_tokens=NEW_TOKENS, temperature=0.0, echo=False, num_bos=bos, num_eos=0
     )
     runner.generate(PROMPT, config, token_callback=pieces.append)
     assert "".join(pieces) == tokenizer.decode(eager_ids)
