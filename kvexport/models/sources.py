@@ -220,6 +220,11 @@ def _plain_folder(source: ModelSource, cache_dir: Path | None) -> Path:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         os.replace(tmp, folder)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        # Another process (a parallel export or matrix row) converted the same file first.
+        if not (folder / "config.json").is_file():
+            raise
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

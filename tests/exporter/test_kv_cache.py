@@ -1,10 +1,11 @@
 """The caches and masks against a plain full-history attention with transformers' mask semantics.
 
 Both cache families are checked: the plain ones (``kv_cache``) and the ones the ExecuTorch target
-ships (``custom_op_cache``: ExecuTorch's ``llama::update_cache`` and ``llama::custom_sdpa``, run
-eagerly here). Each example drives a cache through random call lengths (a prefill, decode steps,
-chunks, calls longer than the window), after a random earlier sequence whose leftovers must be
-invisible: a runner starts a new sequence at position 0 without clearing anything.
+ships (``custom_op_cache``: ExecuTorch's ``llama::update_cache`` and ``llama::custom_sdpa``, and
+a ring's ``window_attention``, run eagerly here). Each example drives a cache through random call
+lengths (a prefill, decode steps, chunks, calls longer than the window), after a random earlier
+sequence whose leftovers must be invisible: a runner starts a new sequence at position 0 without
+clearing anything.
 """
 
 from __future__ import annotations
@@ -76,7 +77,9 @@ def fit(calls, max_len):
 FAMILIES = {
     # name: (ring, static, attention through the cache, KV heads)
     "plain": (RingKVCache, StaticKVCache, lambda c, calls, q, k, v, w, m: cached_attention(c, calls, q, k, v, w), HEADS),
+    # One KV head: a ring attends through window_attention (XNNPACK's matmuls); more: custom_sdpa.
     "custom_op": (CustomOpRingCache, CustomOpStaticCache, custom_op_attention, KV_HEADS),
+    "custom_op_kv_heads_2": (CustomOpRingCache, CustomOpStaticCache, custom_op_attention, HEADS),
 }
 
 

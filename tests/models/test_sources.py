@@ -41,6 +41,26 @@ def test_a_gguf_is_converted_once_per_content_not_per_copy(tmp_path):
     assert folder.parent == tmp_path / "gguf" and folder.name.startswith("m-")
 
 
+def test_a_conversion_another_process_finished_first_is_used(tmp_path, monkeypatch):
+    """Two exports of one GGUF started together both convert it; the later rename must not fail."""
+    from types import SimpleNamespace
+
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    folder = sources._converted_folder(gguf, tmp_path)
+
+    def save(path):
+        (path / "config.json").write_text("{}")
+        folder.mkdir(parents=True, exist_ok=True)  # the other process's rename lands meanwhile
+        (folder / "config.json").write_text('{"theirs": true}')
+
+    converted = SimpleNamespace(save_pretrained=save, config=SimpleNamespace(), hf_quantizer=None)
+    monkeypatch.setattr(sources, "_read_gguf", lambda read, source: converted)
+    assert sources._plain_folder(sources.resolve(str(gguf)), tmp_path) == folder
+    assert (folder / "config.json").read_text() == '{"theirs": true}'
+    assert [p.name for p in folder.parent.iterdir()] == [folder.name]  # no temporary folder left
+
+
 @pytest.mark.parametrize(
     "name, phrase",
     [("definitely/not-cached-anywhere", "not in the local Hugging Face cache"), ("./missing-folder", "not found")],

@@ -43,6 +43,21 @@ def test_profile_rows_add_up_and_name_each_layers_attention(artifact, tmp_path, 
     assert "| Method::execute |" in capsys.readouterr().out
 
 
+def test_one_kv_head_rings_attend_inside_xnnpack(artifact, tmp_path):
+    """tiny-gemma3 (one KV head, as Gemma 3 270M): custom_sdpa for its full layer only; its sliding
+    layers' attention is XNNPACK's batched matmuls and softmax."""
+    report_path = tmp_path / "profile.json"
+    args = [str(artifact("tiny-gemma3")), "--prompt-tokens", "5", "--new-tokens", "6", "--json", str(report_path)]
+    assert load_script("profile_pte").main(args) == 0
+    rows = {r["name"]: r for r in json.loads(report_path.read_text())["rows"]}
+    layer_types = build_preset("tiny-gemma3")[0].config.layer_types
+    assert rows["llama::custom_sdpa.out"]["calls_per_step"] == layer_types.count("full_attention")
+    sliding = layer_types.count("sliding_attention")
+    products = rows["Batch Matrix Multiply (NC, F32) GEMM"]
+    assert products["delegated"] and products["calls_per_step"] == 2 * sliding
+    assert rows["Softmax (NC, F32)"]["calls_per_step"] == sliding
+
+
 def test_profile_refuses_an_onnx_artifact_and_a_prompt_that_does_not_fit(artifact):
     from kvexport.errors import InvalidOptionError, PromptTooLongError
 
