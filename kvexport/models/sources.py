@@ -220,14 +220,12 @@ def _plain_folder(source: ModelSource, cache_dir: Path | None) -> Path:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         os.replace(tmp, folder)
-    except OSError:
+    except BaseException as error:
         shutil.rmtree(tmp, ignore_errors=True)
-        # Another process (a parallel export or matrix row) converted the same file first.
-        if not (folder / "config.json").is_file():
+        # os.replace fails when another process (a parallel export or matrix row) converted the
+        # same file first: theirs is used.
+        if not (isinstance(error, OSError) and (folder / "config.json").is_file()):
             raise
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return folder
 
 
