@@ -212,7 +212,7 @@ def _manifest_info(plan: ExportPlan, model, tokenizer) -> dict:
         "dtype": dtype,
         "max_cache_len": plan.max_cache_len,
         # Weight quantization (absent: float weights). `check` then measures agreement with float eager.
-        **({"quantization": q} if (q := quantize.describe(plan.options.quantize, plan.options.quantize_embedding)) else {}),
+        **({"quantization": q} if (q := quantize.describe(plan.options.quantize, plan.options.quantize_embedding, config.hidden_size)) else {}),
         "vocab_size": config.vocab_size,
         "bos_token_id": bos,
         "eos_token_ids": _eos_ids(model, tokenizer),

@@ -54,12 +54,13 @@ def check_request(target: str, scheme: str | None, embedding: str | None, dtype:
         raise InvalidOptionError(f"--quantize takes --dtype float32 (the default), not {dtype}; leave --dtype out")
 
 
-def describe(scheme: str | None, embedding: str | None) -> dict | None:
-    """What ``kvexport.json`` records under ``quantization`` (None: not quantized)."""
+def describe(scheme: str | None, embedding: str | None, hidden_size: int) -> dict | None:
+    """What ``kvexport.json`` records under ``quantization`` (None: not quantized). ``hidden_size``
+    is the lm_head's and embedding table's K, which sets their ONNX block."""
     if not scheme and not embedding:
         return None
     if scheme == "int4":
-        from .onnx_quantize import ACCURACY_LEVEL, BLOCK, FINE_BLOCK
+        from .onnx_quantize import ACCURACY_LEVEL, BLOCK, FINE_BLOCK, table_block
 
         return {
             "scheme": "int4",
@@ -70,8 +71,9 @@ def describe(scheme: str | None, embedding: str | None) -> dict | None:
             "linear_finer_than_4_bits": {"weights": "int8", "symmetric": True,
                                          "block_size": f"{BLOCK}, or {FINE_BLOCK} where the source steps runs of {FINE_BLOCK} (Q6_K)",
                                          "accuracy_level": ACCURACY_LEVEL, "op": "com.microsoft::MatMulNBits"},
-            "lm_head": {"weights": "int8", "symmetric": True, "block_size": BLOCK, "op": "com.microsoft::MatMulNBits"},
-            "embedding": {"weights": "int8", "symmetric": True, "block_size": BLOCK,
+            "lm_head": {"weights": "int8", "symmetric": True, "block_size": table_block(hidden_size),
+                        "op": "com.microsoft::MatMulNBits"},
+            "embedding": {"weights": "int8", "symmetric": True, "block_size": table_block(hidden_size),
                           "op": "com.microsoft::GatherBlockQuantized"},
         }
     described: dict = {"scheme": scheme, "by": "kvexport.exporter.quantize (torchao tensors)"}

@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
-from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
+from transformers import (
+    GenerationConfig,
+    LogitsProcessor,
+    LogitsProcessorList,
+    StoppingCriteria,
+    StoppingCriteriaList,
+    SuppressTokensLogitsProcessor,
+)
 
 
 class _Observer(LogitsProcessor):
@@ -36,15 +43,19 @@ def greedy_generate(
     max_new_tokens: int,
     on_logits: Callable[[int, np.ndarray], None] | None = None,
     stop: Callable[[], bool] | None = None,
+    suppress: Sequence[int] = (),
 ) -> list[int]:
-    """``max_new_tokens`` greedy tokens from ``model.generate`` (EOS does not stop it).
+    """``max_new_tokens`` greedy tokens from ``model.generate`` (EOS does not stop it); never one of
+    ``suppress`` (``on_logits`` still sees their logits).
 
     The model's own generation config is set aside for the call: a repetition penalty or similar
     processor there would make "greedy" something other than the argmax of the logits.
     """
     device = next(model.parameters()).device
     input_ids = torch.tensor([prompt_ids], dtype=torch.long, device=device)
-    processors = LogitsProcessorList([_Observer(on_logits)]) if on_logits else None
+    processors = LogitsProcessorList([_Observer(on_logits)] if on_logits else [])
+    if suppress:  # after the observer, so it sees the raw logits
+        processors.append(SuppressTokensLogitsProcessor(list(suppress), device=device))
     saved = model.generation_config
     model.generation_config = GenerationConfig()
     try:
@@ -56,7 +67,7 @@ def greedy_generate(
                 do_sample=False,
                 eos_token_id=None,
                 pad_token_id=0,
-                logits_processor=processors,
+                logits_processor=processors or None,
                 stopping_criteria=StoppingCriteriaList([_StopWhen(stop)]) if stop else None,
             )
     finally:

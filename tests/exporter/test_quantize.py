@@ -213,8 +213,10 @@ def test_int4_onnx_export_runs_the_int4_model(tmp_path, capsys):
     # Rewritten by onnx, which creates it owner-only: as readable as the graph, for whoever deploys it.
     assert (folder / "model.onnx.data").stat().st_mode == (folder / "model.onnx").stat().st_mode
     assert [i["name"] for i in manifest["interface"]["inputs"]][:2] == ["tokens", "input_pos"]
-    nbits = nbits_ops(folder / "model.onnx")  # (bits, N): the projections 4-bit, the lm_head 8-bit
-    assert sorted(bits for bits, _ in nbits) == [4] * 16 + [8] and (8, manifest["vocab_size"]) in nbits
+    nbits = nbits_ops(folder / "model.onnx", with_block=True)  # the projections 4-bit, the lm_head 8-bit
+    assert sorted(bits for bits, *_ in nbits) == [4] * 16 + [8]
+    # The manifest names the lm_head's block the graph holds.
+    assert (8, manifest["vocab_size"], manifest["quantization"]["lm_head"]["block_size"]) in nbits
 
     model, ids, prompt_len = sequence("tiny-gemma3")
     got = teacher_forced(load_program(folder).forward, ids, prompt_len)
@@ -298,6 +300,9 @@ def test_check_reports_agreement_on_a_quantized_artifact(artifact, capsys):
         assert prompt["top1_agreement"] == pytest.approx(prompt["agreed_steps"] / prompt["compared_steps"])
         assert prompt["max_logit_diff"] == pytest.approx(max(prompt["logit_diff_per_step"]))
         assert len(prompt["disagreement_margins"]) == prompt["compared_steps"] - prompt["agreed_steps"]
+        # EOS is never fed: what follows one is no generation a runner makes.
+        assert prompt["suppressed_tokens"] == read_manifest(folder)["eos_token_ids"] != []
+        assert not set(prompt["suppressed_tokens"]) & set(prompt["eager_ids"])
     # A random 4-bit tiny model does not reach 95%: the check says so and fails.
     assert report["ok"] == all(p["top1_agreement"] >= 0.95 for p in report["prompts"])
     assert code == (0 if report["ok"] else 1)
@@ -315,6 +320,21 @@ def test_teacher_forcing_on_a_float_artifact_agrees_fully(artifact):
     report = check_prompt(load_program(artifact("tiny-gemma3")), model, ids, NEW_TOKENS, 0.05, teacher_forcing=True)
     assert report.match and report.top1_agreement == 1.0 and report.compared_steps == NEW_TOKENS
     assert report.max_logit_diff < 0.05 and report.disagreement_margins == []
+
+
+def test_teacher_forcing_never_feeds_nor_counts_a_suppressed_token(artifact):
+    from kvexport.runtime_check.check import check_prompt
+
+    model, tokenizer = build_preset("tiny-gemma3")
+    ids = tokenizer(PROMPT).input_ids
+    program = load_program(artifact("tiny-gemma3"))
+    free = check_prompt(program, model, ids, NEW_TOKENS, 0.05, teacher_forcing=True)
+    banned = sorted(set(free.eager_ids))[:2]  # tokens eager picks when nothing is held back
+    report = check_prompt(program, model, ids, NEW_TOKENS, 0.05, teacher_forcing=True, suppress=banned)
+    assert report.eager_ids != free.eager_ids and not set(banned) & set(report.eager_ids)
+    # The float artifact's top choice is taken without them too, so it still agrees at every step.
+    assert report.top1_agreement == 1.0 and report.compared_steps == NEW_TOKENS
+    assert not set(banned) & set(report.artifact_ids) and report.max_logit_diff < 0.05
 
 
 def test_teacher_forcing_goes_on_past_a_divergence(artifact):

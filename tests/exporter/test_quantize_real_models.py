@@ -15,7 +15,7 @@ from kvexport.cli import main
 from kvexport.exporter.quantize import quantize_model
 from kvexport.models import sources
 
-from ..helpers import eager_ids, effective_weight
+from ..helpers import effective_weight
 
 pytestmark = pytest.mark.slow
 
@@ -61,15 +61,21 @@ def test_8da4w_keeps_every_4_bit_gguf_weight_exactly(real):
 
 def test_8da4w_agrees_with_float_eager(real):
     """Top-1 agreement of the quantized module with float eager transformers over 256 teacher-forced
-    steps (measured: SmolLM2 94.9%, its `.pte` 95.3%; ExecuTorch's own recipe: ~70%)."""
+    steps, EOS never fed nor counted, as `kvexport check` measures it (measured 2026-11-25: SmolLM2's
+    module 98.8%, its `.pte` 99.6%; Gemma 3's `.pte` 96.5%; ExecuTorch's own recipe: ~70%)."""
+    from kvexport.runtime_check.check import MIN_QUANTIZED_AGREEMENT
+    from kvexport.runtime_check.eager import greedy_generate
+
     _, model, tokenizer, quantized = real
     prompt = tokenizer("The capital of France is").input_ids  # `kvexport check`'s short prompt
-    ids = prompt + eager_ids(model, prompt, 256)
+    eos = tokenizer.eos_token_id
+    ids = prompt + greedy_generate(model, prompt, 256, suppress=[eos])
     with torch.no_grad():
         reference = model(torch.tensor([ids])).logits[0, len(prompt) - 1:-1]
         got = quantized(torch.tensor([ids])).logits[0, len(prompt) - 1:-1]
+    reference[:, eos] = got[:, eos] = -torch.inf
     agreement = (got.argmax(-1) == reference.argmax(-1)).float().mean().item()
-    assert agreement >= 0.93, f"top-1 agreement {agreement:.1%}"
+    assert agreement >= MIN_QUANTIZED_AGREEMENT, f"top-1 agreement {agreement:.1%}"
 
 
 def test_int4_onnx_smollm2_passes_check(tmp_path):
