@@ -28,7 +28,7 @@ demo: install
 	$(BIN)/kvexport check $(DEMO_DIR)
 
 test: install
-	$(BIN)/python -m pytest -q -ra tests
+	$(BIN)/python -m pytest -q -ra --durations=15 tests
 
 test-fast: install
 	$(BIN)/python -m pytest -q -ra -m "not slow" tests

@@ -32,6 +32,12 @@ one short warm-up generation, then the measured one. Metrics, all from the measu
 The table also gives each path's decode tokens/s as a multiple of eager's and of llama.cpp's
 (medians of the same run), and kvexport run's against TextLLMRunner's on the same ``.pte``.
 
+Other load: before every run the script samples ``/proc/stat`` for half a second while nothing of
+its own runs; the header gives the median and largest share of the CPUs busy then, and warns when it
+passed 10%. The load average it also prints lags by minutes and counts the previous run. Neither
+sees a virtual machine's host: on this project's 2-CPU VM two runs with no other process differed
+by up to 20% per path, so a ratio near 1 needs more than one run.
+
 Threads: ``torch.set_num_threads(N)`` (eager, and torch ops anywhere); ExecuTorch's threadpool
 (XNNPACK and the LLM custom ops, one pool per process shared by kvexport's runner and
 TextLLMRunner) is reset to N with ``executorch.extension.pybindings.portable_lib._unsafe_reset_threadpool``;
@@ -326,6 +332,32 @@ def plan_jobs(args, manifests: dict[str, dict], gguf: str | None, llama_version:
     return jobs
 
 
+# A share of the machine's CPUs busy between runs above this means another process shared it.
+BUSY_WARNING = 0.10
+
+
+def cpu_times() -> tuple[int, int] | None:
+    """(busy, total) jiffies over all CPUs since boot, from /proc/stat's first line (Linux)."""
+    try:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return sum(fields[:8]) - idle, sum(fields[:8])  # guest time is already in user
+
+
+def background_busy(seconds: float = 0.5) -> float | None:
+    """Share of the machine's CPU time spent busy over ``seconds`` while no path runs: another
+    process's load, which slows whichever path it overlaps (the load average lags by minutes and
+    counts the previous run)."""
+    before = cpu_times()
+    time.sleep(seconds)
+    after = cpu_times()
+    if before is None or after is None or after[1] <= before[1]:
+        return None
+    return (after[0] - before[0]) / (after[1] - before[1])
+
+
 def run_job(job: dict, common: dict, workdir: Path) -> dict:
     spec_path, result_path = workdir / "spec.json", workdir / "result.json"
     result_path.unlink(missing_ok=True)
@@ -426,6 +458,7 @@ def markdown(report: dict) -> str:
         f"{report['date']}, {machine}, load average {m['load_before']} before / "
         f"{m['load_after']} after; {p['threads']} threads, {p['prompt_tokens']}-token prompt, "
         f"{p['new_tokens']} new tokens, {p['repeats']} runs per path (median (min–max)).",
+        *busy_lines(m.get("background_busy")),
         "",
         "| path | " + " | ".join(title for _, title, _ in METRICS)
         + " | decode × eager | decode × llama.cpp | tokens = eager |",
@@ -452,6 +485,18 @@ def markdown(report: dict) -> str:
     for artifact, r in report["ratios"]["run_vs_textllm"].items():
         lines.append(f"\nkvexport run / TextLLMRunner decode tok/s on {Path(artifact).name}: {r:.3f}")
     return "\n".join(lines) + "\n"
+
+
+def busy_lines(busy: dict | None) -> list[str]:
+    """The header's line on other load, sampled for half a second before every run."""
+    if not busy:
+        return []
+    line = (f"CPUs busy between runs (other processes): median {busy['median']:.0%}, "
+            f"max {busy['max']:.0%}.")
+    if busy["max"] > BUSY_WARNING:
+        line += (" **Warning: the machine was not idle; another process shared the CPUs during some runs, "
+                 "so these figures are not comparable with an idle run.**")
+    return ["", line]
 
 
 # Instruction sets that decide which int8 / float kernels XNNPACK, ONNX Runtime and llama.cpp pick:
@@ -524,7 +569,8 @@ def main(argv=None) -> int:
             for job in jobs:
                 if job.get("skipped"):
                     continue
-                result = run_job(job, common, Path(tmp))
+                busy = background_busy()
+                result = {**run_job(job, common, Path(tmp)), "background_busy": busy}
                 job.setdefault("runs", []).append(result)
                 shown = "error: " + result["error"] if "error" in result else ", ".join(
                     f"{title} {'–' if result.get(key) is None else f'{result[key]:.{digits}f}'}"
@@ -532,10 +578,12 @@ def main(argv=None) -> int:
                 print(f"[{repeat + 1}/{args.repeats}] {job['label']}: {shown}", file=sys.stderr, flush=True)
     finish(jobs, args)
     cpu, features = cpu_info()
+    busy = summarize([r.get("background_busy") for job in jobs for r in job.get("runs", [])])
     report = {
         "date": started,
         "machine": {"cpu": cpu, "cpu_features": features, "cpus": os.cpu_count(), "load_before": load_before,
-                    "load_after": " ".join(f"{x:.2f}" for x in os.getloadavg()), "python": platform.python_version()},
+                    "load_after": " ".join(f"{x:.2f}" for x in os.getloadavg()), "background_busy": busy,
+                    "python": platform.python_version()},
         "protocol": {"prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens, "repeats": args.repeats,
                      "threads": args.threads, "warmup_new_tokens": WARMUP_NEW_TOKENS, "prompt_text": prompt_text},
         "model": args.model,

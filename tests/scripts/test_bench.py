@@ -47,6 +47,8 @@ def test_bench_measures_every_path(artifact, tmp_path, capsys):
     assert set(report["ratios"]["run_vs_textllm"]) == ({str(pte)} if textllm_decode else set())
     assert len(report["ratios"]["decode_vs_eager"]) == (3 if textllm_decode else 2)
     assert report["ratios"]["decode_vs_llama"] == {} and "| decode × llama.cpp |" in table  # llama.cpp skipped
+    # Other load sampled before each of the 4 runs (Linux), and the header says how much there was.
+    assert report["machine"]["background_busy"]["n"] == 4 and "CPUs busy between runs" in table
 
 
 def test_bench_prompt_has_exactly_the_requested_tokens(artifact):
@@ -97,3 +99,24 @@ def test_cpu_info_names_the_instruction_sets_that_pick_the_kernels(tmp_path, mon
     cpuinfo.write_text("processor\t: 0\nFeatures\t: fp asimd asimddp i8mm\nCPU part\t: 0xd0c\n")  # ARM: no model name
     name, features = bench.cpu_info()
     assert features == ["asimddp", "i8mm"] and name
+
+
+def test_other_load_between_runs_is_measured_and_flagged(tmp_path, monkeypatch):
+    bench = load_script("bench")
+    stat = tmp_path / "stat"
+    real_path = bench.Path
+    monkeypatch.setattr(bench, "Path", lambda p: real_path(stat if p == "/proc/stat" else p))
+    #                 user nice system idle iowait irq softirq steal
+    stat.write_text("cpu  100 0 50 800 50 0 0 0 0 0\ncpu0 50 0 25 400 25 0 0 0 0 0\n")
+    assert bench.cpu_times() == (150, 1000)
+
+    samples = iter(["cpu  100 0 50 800 50 0 0 0 0 0\n", "cpu  130 0 60 950 60 0 0 0 0 0\n"])
+    monkeypatch.setattr(bench.time, "sleep", lambda s: stat.write_text(next(samples)))
+    stat.write_text(next(samples))
+    assert bench.background_busy() == pytest.approx(40 / 200)  # 40 of 200 jiffies busy, iowait idle
+
+    idle = {"median": 0.01, "min": 0.0, "max": 0.03, "n": 5}
+    assert bench.busy_lines(idle) == ["", "CPUs busy between runs (other processes): median 1%, max 3%."]
+    shared = bench.busy_lines({**idle, "max": 0.2})[1]
+    assert "max 20%" in shared and "not idle" in shared
+    assert bench.busy_lines(None) == []  # no /proc/stat: nothing claimed
