@@ -36,7 +36,7 @@ Other load: before every run the script samples ``/proc/stat`` for half a second
 its own runs; the header gives the median and largest share of the CPUs busy then, and warns when it
 passed 10%. The load average it also prints lags by minutes and counts the previous run. Neither
 sees a virtual machine's host: on this project's 2-CPU VM two runs with no other process differed
-by up to 20% per path, so a ratio near 1 needs more than one run.
+by up to a quarter per path, so a ratio near 1 needs more than one run.
 
 Threads: ``torch.set_num_threads(N)`` (eager, and torch ops anywhere); ExecuTorch's threadpool
 (XNNPACK and the LLM custom ops, one pool per process shared by kvexport's runner and
