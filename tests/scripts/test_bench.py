@@ -88,11 +88,16 @@ def test_ratios_divide_each_decode_median_by_eager_and_llama():
     assert r["decode_vs_llama"] == {} and r["decode_vs_eager"]["run a"] == 6.0
 
 
-def test_cpu_info_names_the_instruction_sets_that_pick_the_kernels(tmp_path, monkeypatch):
+def bench_reading(monkeypatch, tmp_path, proc_file: str):
+    """bench.py with ``proc_file`` (e.g. ``/proc/cpuinfo``) redirected to a file the test writes."""
     bench = load_script("bench")
-    cpuinfo = tmp_path / "cpuinfo"
-    real_path = bench.Path
-    monkeypatch.setattr(bench, "Path", lambda p: real_path(cpuinfo if p == "/proc/cpuinfo" else p))
+    fake, real_path = tmp_path / Path(proc_file).name, bench.Path
+    monkeypatch.setattr(bench, "Path", lambda p: real_path(fake if p == proc_file else p))
+    return bench, fake
+
+
+def test_cpu_info_names_the_instruction_sets_that_pick_the_kernels(tmp_path, monkeypatch):
+    bench, cpuinfo = bench_reading(monkeypatch, tmp_path, "/proc/cpuinfo")
 
     cpuinfo.write_text("processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: fpu sse2 avx2 fma avx512f avx512_vnni\n")
     assert bench.cpu_info() == ("AMD EPYC", ["avx2", "avx512f", "avx512_vnni"])
@@ -102,10 +107,7 @@ def test_cpu_info_names_the_instruction_sets_that_pick_the_kernels(tmp_path, mon
 
 
 def test_other_load_between_runs_is_measured_and_flagged(tmp_path, monkeypatch):
-    bench = load_script("bench")
-    stat = tmp_path / "stat"
-    real_path = bench.Path
-    monkeypatch.setattr(bench, "Path", lambda p: real_path(stat if p == "/proc/stat" else p))
+    bench, stat = bench_reading(monkeypatch, tmp_path, "/proc/stat")
     #                 user nice system idle iowait irq softirq steal
     stat.write_text("cpu  100 0 50 800 50 0 0 0 0 0\ncpu0 50 0 25 400 25 0 0 0 0 0\n")
     assert bench.cpu_times() == (150, 1000)
