@@ -35,6 +35,10 @@ def export(
     max_cache_len: Annotated[
         Optional[int], typer.Option(help="cache positions [default: min(model max positions, 2048)]")
     ] = None,
+    prefill_chunk: Annotated[
+        Optional[int],
+        typer.Option(help="most tokens one forward call takes; longer prompts are prefilled in chunks (ExecuTorch plans activation memory for it) [default: min(max_cache_len, 512)]"),
+    ] = None,
     dtype: Annotated[str, typer.Option(help="float32 or float16")] = "float32",
     force: Annotated[bool, typer.Option("--force", help="replace an existing output folder")] = False,
     quantize: Annotated[
@@ -52,7 +56,8 @@ def export(
     from .progress import Progress
 
     options = ExportOptions(
-        model, target, out, max_cache_len, dtype, force, quantize=quantize, quantize_embedding=quantize_embedding
+        model, target, out, max_cache_len, dtype, force, quantize=quantize, quantize_embedding=quantize_embedding,
+        prefill_chunk=prefill_chunk,
     )
     result = export_model(options, Progress(quiet=quiet))
     if as_json:

@@ -1,4 +1,4 @@
-"""``torch.export`` of the wrappers: one program, ``T`` dynamic from 1 to ``max_cache_len``."""
+"""``torch.export`` of the wrappers: one program, ``T`` dynamic from 1 to the wrapper's ``max_tokens_per_call``."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import torch
 from .wrapper import ExportableDecoder, ExternalCacheDecoder
 
 
-def example_inputs(max_cache_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+def example_inputs(max_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
     # A prompt-sized example (not 1, not max) so no dimension is specialised on its example value.
-    n = min(8, max_cache_len)
+    n = min(8, max_tokens)
     return torch.zeros((1, n), dtype=torch.long), torch.zeros((1,), dtype=torch.long)
 
 
@@ -19,7 +19,7 @@ def export_decoder(decoder: ExportableDecoder) -> torch.export.ExportedProgram:
     dynamic_shapes = ({1: torch.export.Dim.DYNAMIC}, None)
     with torch.no_grad():
         program = torch.export.export(
-            decoder, example_inputs(decoder.max_cache_len), dynamic_shapes=dynamic_shapes, strict=False
+            decoder, example_inputs(decoder.max_tokens_per_call), dynamic_shapes=dynamic_shapes, strict=False
         )
     return program
 

@@ -41,10 +41,12 @@ def _prepare(model: nn.Module) -> nn.Module:
 class ExportableDecoder(nn.Module):
     """A causal LM with an export-safe cache, returning the logits of the last position."""
 
-    def __init__(self, model: nn.Module, max_cache_len: int, cache_builder=build_caches):
+    def __init__(self, model: nn.Module, max_cache_len: int, cache_builder=build_caches, max_tokens_per_call: int | None = None):
         super().__init__()
         self.model = _prepare(model)
         self.max_cache_len = max_cache_len
+        # The bound of T; ExecuTorch plans activation memory for a call this long.
+        self.max_tokens_per_call = max_tokens_per_call or max_cache_len
         self.specs = layer_specs(model.config)
         self.dtype = next(model.parameters()).dtype
         self.caches = cache_builder(self.specs, max_cache_len, self.dtype)
@@ -76,7 +78,7 @@ class ExportableDecoder(nn.Module):
         """Run the model on ``tokens`` at ``input_pos``, through our caches and masks."""
         # The bound is stated here rather than in a bounded export Dim: a named Dim with a max
         # makes torch.export reject a spurious guard from transformers' repeat_kv reshape.
-        torch._check(tokens.shape[1] <= self.max_cache_len)
+        torch._check(tokens.shape[1] <= self.max_tokens_per_call)
         positions = input_pos[:1] + torch.arange(tokens.shape[1], device=tokens.device)
         out = self.model(
             input_ids=tokens,

@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import ArtifactError, InvalidOptionError
+from .programs import max_tokens_per_call
 
 
 class ExecuTorchProgram:
@@ -17,6 +18,7 @@ class ExecuTorchProgram:
         register_kernels()
 
         self.manifest = manifest
+        self._chunk = max_tokens_per_call(manifest)
         self._torch = torch
         self._path = path
         try:
@@ -29,8 +31,11 @@ class ExecuTorchProgram:
 
     def forward(self, tokens: list[int], start: int) -> np.ndarray:
         torch = self._torch
-        inputs = [torch.tensor([tokens], dtype=torch.long), torch.tensor([start], dtype=torch.long)]
-        logits = self._method.execute(inputs)[0]
+        # Activation memory is planned for calls of at most `_chunk` tokens: a longer prompt takes several.
+        for first in range(0, len(tokens), self._chunk):
+            chunk = tokens[first : first + self._chunk]
+            inputs = [torch.tensor([chunk], dtype=torch.long), torch.tensor([start + first], dtype=torch.long)]
+            logits = self._method.execute(inputs)[0]
         # Copy: the runtime may reuse the output memory on the next call.
         return logits[0].to(torch.float32, copy=True).numpy()
 

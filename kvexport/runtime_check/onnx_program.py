@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import ArtifactError, InvalidOptionError, PromptTooLongError
+from .programs import max_tokens_per_call
 
 _GPU_HINT = "install onnxruntime-gpu (pip install 'kvexport[gpu]') on a machine with an NVIDIA GPU, or use --device cpu"
 
@@ -95,6 +96,9 @@ class OnnxProgram:
         self._layers = [_Layer(ort, spec, self._max_cache_len, self._dtype, device) for spec in manifest["layers"]]
         self._rings = [layer for layer in self._layers if layer.window is not None]
         self._window = min((layer.window for layer in self._rings), default=None)
+        # Tokens per call: at most --prefill-chunk (the interface's limit), and at most the window,
+        # as many more rows as a ring buffer holds once its last window - 1 are moved up (_call).
+        self._chunk = min(max_tokens_per_call(manifest), self._window or self._max_cache_len)
         self._ring_rows = 0  # rows of each ring buffer in use: the next call's ring_start
         # Host memory for the small inputs and the logits: ONNX Runtime copies them across itself.
         self._tokens = np.zeros((1, self._max_cache_len), dtype=np.int64)
@@ -129,10 +133,8 @@ class OnnxProgram:
                 f"calls must be contiguous: this one starts at {start}, the sequence is at {self._next_start} "
                 "(start at 0 for a new sequence)"
             )
-        # A ring buffer takes at most `window` more rows once the last window - 1 are moved up.
-        step = self._window or n
-        for first in range(0, n, step):
-            self._call(tokens[first : first + step], start + first)
+        for first in range(0, n, self._chunk):
+            self._call(tokens[first : first + self._chunk], start + first)
         self._next_start = end
         return self._logits[0].astype(np.float32)  # a copy: the next call overwrites the bound logits
 

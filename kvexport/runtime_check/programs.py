@@ -24,6 +24,12 @@ class Program(Protocol):
     def reset(self) -> None: ...
 
 
+def max_tokens_per_call(manifest: dict) -> int:
+    """The most tokens one forward call of the program takes; runners split longer prompts. Artifacts
+    written before ``--prefill-chunk`` took calls as long as the cache."""
+    return manifest.get("interface", {}).get("max_tokens_per_call") or manifest["max_cache_len"]
+
+
 _RUNNERS = {"executorch": "executorch_program", "onnx": "onnx_program"}
 # The package each target runs on (ExecuTorch's Python runtime brings torch).
 _RUNTIME_PACKAGE = {"executorch": "executorch", "onnx": "onnxruntime"}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from kvexport.exporter.artifact import read_manifest
 from kvexport.models.presets import build_preset
@@ -28,6 +29,36 @@ def test_pte_chunked_prefill_and_reuse(artifact):
     for chunks in ([40, 4], [3, 7, 11, 23], [len(ids)]):  # the last one also proves a fresh start works
         got = greedy_with(program.forward, ids, NEW_TOKENS, chunks=chunks)
         assert_generation_matches(got, expected, FP32_LOGIT_ATOL, f"chunks {chunks}")
+
+
+def test_prefill_chunk_bounds_each_call_and_the_memory_planned_for_it(artifact, tmp_path):
+    """--prefill-chunk C: ExecuTorch plans forward's memory for calls of at most C tokens (a call of
+    C + 1 is refused), TextLLMRunner reads C as get_max_seq_len, and kvexport's runner prefills a
+    longer prompt in chunks of C with eager's result."""
+    from executorch.runtime import Runtime
+
+    from kvexport.exporter.pipeline import ExportOptions, export_model
+    from kvexport.progress import Progress
+
+    folder = tmp_path / "chunk5"
+    export_model(ExportOptions("tiny-gemma3", "executorch", folder, TEST_CACHE_LEN, prefill_chunk=5), Progress(quiet=True))
+    manifest, whole = read_manifest(folder), read_manifest(artifact("tiny-gemma3"))
+    assert manifest["export_options"]["prefill_chunk"] == manifest["interface"]["max_tokens_per_call"] == 5
+    assert whole["interface"]["max_tokens_per_call"] == TEST_CACHE_LEN  # the default: min(cache, 512)
+    assert manifest["planned_memory_bytes"] < whole["planned_memory_bytes"]
+
+    pte = Runtime.get().load_program(folder / "model.pte", data_path=folder / "model.ptd")
+    assert pte.load_method("get_max_seq_len").execute([]) == [5]
+    forward = pte.load_method("forward")
+    forward.execute([torch.zeros((1, 5), dtype=torch.long), torch.tensor([0])])
+    with pytest.raises(RuntimeError):
+        forward.execute([torch.zeros((1, 6), dtype=torch.long), torch.tensor([0])])
+
+    model, tokenizer = build_preset("tiny-gemma3")
+    ids = tokenizer(PROMPT).input_ids
+    assert len(ids) > 5
+    got = greedy_with(load_program(folder).forward, ids, NEW_TOKENS)
+    assert_generation_matches(got, eager_reference(model, ids, NEW_TOKENS), FP32_LOGIT_ATOL, "prefill in chunks of 5")
 
 
 def test_tied_embedding_is_stored_once(artifact):

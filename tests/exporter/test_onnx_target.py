@@ -189,6 +189,29 @@ def test_a_ring_with_one_kv_head_matches_eager_past_the_window(tmp_path):
     assert_generation_matches(got, eager_reference(model, ids, NEW_TOKENS), FP32_LOGIT_ATOL, "one kv head")
 
 
+def test_prefill_chunk_below_the_window_limits_each_call(tmp_path, artifact, monkeypatch):
+    """ONNX Runtime sizes memory per call, so --prefill-chunk is the interface's limit (with the
+    window's): the runner prefills in calls of at most that many tokens, with eager's result."""
+    from kvexport.exporter.pipeline import ExportOptions, export_model
+    from kvexport.progress import Progress
+    from kvexport.runtime_check.onnx_program import OnnxProgram
+
+    folder = tmp_path / "chunk4"
+    export_model(ExportOptions("tiny-gemma3", "onnx", folder, TEST_CACHE_LEN, prefill_chunk=4), Progress(quiet=True))
+    assert read_manifest(folder)["interface"]["max_tokens_per_call"] == 4
+    window = read_manifest(folder)["layers"][0]["window"]
+    assert read_manifest(artifact("tiny-gemma3", "onnx"))["interface"]["max_tokens_per_call"] == window == 6
+
+    calls = []
+    original = OnnxProgram._call
+    monkeypatch.setattr(OnnxProgram, "_call", lambda self, tokens, start: calls.append(len(tokens)) or original(self, tokens, start))
+    model, tokenizer = build_preset("tiny-gemma3")
+    ids = tokenizer(PROMPT).input_ids
+    got = greedy_with(load_program(folder).forward, ids, NEW_TOKENS)
+    assert_generation_matches(got, eager_reference(model, ids, NEW_TOKENS), FP32_LOGIT_ATOL, "prefill in chunks of 4")
+    assert max(calls) == 4 and sum(calls) == len(ids) + NEW_TOKENS - 1
+
+
 def test_a_family_with_its_own_rotation_exports_it_as_is(artifact):
     # GPT-OSS rotates with its own function: the swap leaves it alone (its parity is the test above).
     assert _op_counts(artifact("tiny-gpt-oss", "onnx"))["RotaryEmbedding"] == 0

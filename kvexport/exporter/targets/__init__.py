@@ -2,8 +2,8 @@
 
 - ``SUPPORTED_DTYPES``: the ``--dtype`` values it takes;
 - ``RUNTIME_PACKAGES``: the packages whose versions ``kvexport.json`` records;
-- ``export(model, max_cache_len) -> ExportedProgram``: the model wrapped with the target's cache
-  and traced;
+- ``export(model, max_cache_len, max_tokens_per_call) -> ExportedProgram``: the model wrapped
+  with the target's cache and traced;
 - ``lower(program, metadata, out_dir) -> dict``: write the program file(s) into ``out_dir`` and
   return facts for ``kvexport.json`` (at least ``program``, the main file's name).
 """

@@ -27,14 +27,15 @@ RUNTIME_PACKAGES = ("executorch",)
 RING_WINDOWS = 1
 
 
-def export(model: torch.nn.Module, max_cache_len: int) -> torch.export.ExportedProgram:
+def export(model: torch.nn.Module, max_cache_len: int, max_tokens_per_call: int) -> torch.export.ExportedProgram:
     """The cache lives in the program's mutable buffers, written and read by ExecuTorch's LLM
-    custom ops (in-place update, fused attention over the filled positions only)."""
+    custom ops (in-place update, fused attention over the filled positions only). A call takes at
+    most ``max_tokens_per_call`` tokens, the size ExecuTorch plans activation memory for."""
     from ..custom_op_cache import build_custom_op_caches
     from ..xnnpack_rewrites import rotary_as_matmul
 
     with rotary_as_matmul(model):
-        return export_decoder(ExportableDecoder(model, max_cache_len, build_custom_op_caches))
+        return export_decoder(ExportableDecoder(model, max_cache_len, build_custom_op_caches, max_tokens_per_call))
 
 
 def quantize_model(model: torch.nn.Module, scheme: str | None, embedding: str | None) -> list[str]:
@@ -47,7 +48,7 @@ def quantize_model(model: torch.nn.Module, scheme: str | None, embedding: str | 
 def _constant_methods(info: dict) -> dict:
     """Metadata methods of the ``.pte``, named and meant as ExecuTorch's ``llm_runner_helper`` reads them."""
     methods = {
-        "get_max_seq_len": info["max_cache_len"],  # most tokens one forward call takes (the prefill chunk)
+        "get_max_seq_len": info["interface"]["max_tokens_per_call"],  # most tokens one call takes: the prefill chunk
         "get_max_context_len": info["max_cache_len"],
         "use_kv_cache": True,
         "use_sdpa_with_kv_cache": False,
@@ -88,7 +89,7 @@ def lower(program: torch.export.ExportedProgram, info: dict, out_dir: Path) -> d
             ExecutorchBackendConfig(
                 extract_delegate_segments=True,
                 memory_planning_pass=MemoryPlanningPass(alloc_graph_input=False),
-                # Plan activation memory for the largest call (T = max_cache_len), not the example input.
+                # Plan activation memory for the largest call (T = max_tokens_per_call), not the example input.
                 sym_shape_eval_pass=ConstraintBasedSymShapeEvalPass(),
                 external_constants=lambda node: WEIGHTS_TAG,
                 # Quantized embeddings (torchao dequantize + embedding) become ExecuTorch's
@@ -96,6 +97,7 @@ def lower(program: torch.export.ExportedProgram, info: dict, out_dir: Path) -> d
                 do_quant_fusion_and_const_prop=True,
             )
         )
+        planned = _planned_memory_bytes(et_program)
         with open(out_dir / PROGRAM_FILE, "wb") as f:
             et_program.write_to_file(f)
         et_program.write_tensor_data_to_file(str(out_dir))
@@ -104,6 +106,9 @@ def lower(program: torch.export.ExportedProgram, info: dict, out_dir: Path) -> d
     return {
         "program": PROGRAM_FILE,
         "weights": WEIGHTS_FILE,
+        # What a runtime allocates for forward's activations and KV cache (ExecuTorch's memory
+        # plan), on top of the weights: it grows with max_tokens_per_call.
+        "planned_memory_bytes": planned,
         "delegated_calls": delegated,
         "non_delegated_ops": portable,
         # Kernels beyond ExecuTorch's portable set that a runtime must link or register.
@@ -162,6 +167,11 @@ def _tag_weights_for_data_file(program: torch.export.ExportedProgram) -> None:
     for node in program.graph.nodes:
         if node.op == "placeholder" and node.name in weights:
             node.meta.setdefault("custom", {})["delegate_constant_tag"] = WEIGHTS_TAG
+
+
+def _planned_memory_bytes(et_program) -> int:
+    forward = next(plan for plan in et_program.executorch_program.execution_plan if plan.name == "forward")
+    return sum(forward.non_const_buffer_sizes)
 
 
 def _op_counts(graph_module: torch.fx.GraphModule) -> tuple[int, int, list[str]]:

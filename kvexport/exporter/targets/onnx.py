@@ -37,9 +37,13 @@ SYMBOLS = {
 }
 
 
-def export(model: torch.nn.Module, max_cache_len: int) -> torch.export.ExportedProgram:
+def export(model: torch.nn.Module, max_cache_len: int, max_tokens_per_call: int) -> torch.export.ExportedProgram:
     """The cache crosses the graph boundary: past rows in, the call's new rows out. Rotary
-    embeddings go through ONNX Runtime's kernel where the family's rotation is the standard one."""
+    embeddings go through ONNX Runtime's kernel where the family's rotation is the standard one.
+
+    ONNX Runtime sizes memory per call, so the graph itself takes any ``T`` the cache holds (its
+    rotary tables are computed from a call of ``max_cache_len`` tokens); ``max_tokens_per_call``
+    is the interface's limit, which runners keep to (``interface``)."""
     decoder = ExternalCacheDecoder(model, max_cache_len)
     windows = {layer.window for layer in decoder.caches if layer.window}
     if len(windows) > 1:  # one ring_start serves every ring
@@ -256,8 +260,8 @@ def interface(graph, info: dict) -> dict:
         "outputs": [_describe(v, layers_by_index) for v in graph.graph.output],
         "symbols": SYMBOLS,
         "calls": "contiguous: each call starts where the previous one ended; start at 0 for a new sequence",
-        # A ring buffer has 2W rows and a call may start at row W - 1: W more rows fit.
-        "max_tokens_per_call": min(windows) if windows else info["max_cache_len"],
+        # --prefill-chunk; and a ring buffer has 2W rows and a call may start at row W - 1: W more rows fit.
+        "max_tokens_per_call": min([info["interface"]["max_tokens_per_call"], *windows]),
         "cache": {
             "owner": "the runtime: per layer, a key and a value buffer allocated once and filled with zeros "
             "(a masked slot still enters attention with weight 0, so it must hold finite numbers)",
