@@ -33,8 +33,8 @@ def test_pte_chunked_prefill_and_reuse(artifact):
 
 def test_prefill_chunk_bounds_each_call_and_the_memory_planned_for_it(artifact, tmp_path):
     """--prefill-chunk C: ExecuTorch plans forward's memory for calls of at most C tokens (a call of
-    C + 1 is refused), TextLLMRunner reads C as get_max_seq_len, and kvexport's runner prefills a
-    longer prompt in chunks of C with eager's result."""
+    C + 1 is refused), and both kvexport's runner and TextLLMRunner (which reads C as
+    get_max_seq_len) prefill a longer prompt in chunks of C with eager's result."""
     from executorch.runtime import Runtime
 
     from kvexport.exporter.pipeline import ExportOptions, export_model
@@ -57,8 +57,10 @@ def test_prefill_chunk_bounds_each_call_and_the_memory_planned_for_it(artifact, 
     model, tokenizer = build_preset("tiny-gemma3")
     ids = tokenizer(PROMPT).input_ids
     assert len(ids) > 5
+    expected = eager_reference(model, ids, NEW_TOKENS)
     got = greedy_with(load_program(folder).forward, ids, NEW_TOKENS)
-    assert_generation_matches(got, eager_reference(model, ids, NEW_TOKENS), FP32_LOGIT_ATOL, "prefill in chunks of 5")
+    assert_generation_matches(got, expected, FP32_LOGIT_ATOL, "prefill in chunks of 5")
+    assert text_llm_runner_text(folder, PROMPT, NEW_TOKENS) == tokenizer.decode(expected[0])
 
 
 def test_tied_embedding_is_stored_once(artifact):
@@ -91,29 +93,32 @@ def test_pte_carries_the_runner_metadata(artifact):
     assert value("get_eos_ids") == manifest["eos_token_ids"]
 
 
-# tiny-gemma3: sliding layers, and a prompt longer than their window.
-@pytest.mark.parametrize("name", ["tiny-phi3", "tiny-gemma3"])
-def test_executorch_text_llm_runner_generates_eager_text(artifact, name):
-    """ExecuTorch's own C++ LLM runner (its pip bindings) runs the .pte and agrees with eager."""
+def text_llm_runner_text(folder, prompt: str, new_tokens: int) -> str:
+    """What ExecuTorch's own C++ LLM runner (its pip bindings) generates with the .pte, greedily."""
     runner_mod = pytest.importorskip("executorch.extension.llm.runner")
     from kvexport.runtime_check.executorch_program import register_kernels
 
     register_kernels()
-    folder = artifact(name)
-    model, tokenizer = build_preset(name)
-    prompt_ids = tokenizer(PROMPT).input_ids
-    eager_ids, _ = eager_reference(model, prompt_ids, NEW_TOKENS)
-    # The stock runner stops at EOS and has no switch to ignore it: this preset/prompt pair has none.
-    assert model.config.eos_token_id not in eager_ids, "pick a preset whose greedy output has no EOS"
     pieces: list[str] = []
     runner = runner_mod.TextLLMRunner(str(folder / "model.pte"), str(folder / "tokenizer.json"), str(folder / "model.ptd"))
     # Its tokenizer adds no BOS: the runner prepends one where the model's tokenizer would.
     bos = int(read_manifest(folder)["tokenizer_adds_bos"])
     config = runner_mod.GenerationConfig(
-        max_new_tokens=NEW_TOKENS, temperature=0.0, echo=False, num_bos=bos, num_eos=0
+        max_new_tokens=new_tokens, temperature=0.0, echo=False, num_bos=bos, num_eos=0
     )
-    runner.generate(PROMPT, config, token_callback=pieces.append)
-    assert "".join(pieces) == tokenizer.decode(eager_ids)
+    runner.generate(prompt, config, token_callback=pieces.append)
+    return "".join(pieces)
+
+
+# tiny-gemma3: sliding layers, and a prompt longer than their window.
+@pytest.mark.parametrize("name", ["tiny-phi3", "tiny-gemma3"])
+def test_executorch_text_llm_runner_generates_eager_text(artifact, name):
+    """ExecuTorch's own C++ LLM runner (its pip bindings) runs the .pte and agrees with eager."""
+    model, tokenizer = build_preset(name)
+    eager_ids, _ = eager_reference(model, tokenizer(PROMPT).input_ids, NEW_TOKENS)
+    # The stock runner stops at EOS and has no switch to ignore it: this preset/prompt pair has none.
+    assert model.config.eos_token_id not in eager_ids, "pick a preset whose greedy output has no EOS"
+    assert text_llm_runner_text(artifact(name), PROMPT, NEW_TOKENS) == tokenizer.decode(eager_ids)
 
 
 def test_lowering_shares_the_programs_weights_rather_than_copying_them():
