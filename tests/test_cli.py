@@ -322,8 +322,8 @@ DAMAGED_ARTIFACTS = {
     "manifest-not-json": (lambda f: (f / "kvexport.json").write_text("{"), ["is not valid JSON"]),
     "foreign-manifest": (_edit_manifest(lambda m: m.update(format="other-tool")), ["is not a kvexport manifest"]),
     "foreign-version": (
-        _edit_manifest(lambda m: m.update(format_version=4)),
-        ["has format version 4, this kvexport reads 1 or 2 or 3 for executorch artifacts", "re-export"],
+        _edit_manifest(lambda m: m.update(format_version=5)),
+        ["has format version 5, this kvexport reads 1 or 2 or 3 or 4 for executorch artifacts", "re-export"],
     ),
     "manifest-changed": (
         _edit_manifest(lambda m: m.update(max_cache_len=m["max_cache_len"] + 1), update_its_sum=False),

@@ -29,9 +29,12 @@ FORMAT = "kvexport-artifact"
 # (GroupQueryAttention); version 1 took the filled prefix, sequence-major, and returned new rows.
 # 3: so do its sliding layers, over a buffer of 2 * window rows from row ring_start (an input);
 # version 2 took the whole ring, sequence-major, and returned the new rows.
-FORMAT_VERSION = 3
-# The versions each target still runs: 2 and 3 changed nothing in an ExecuTorch artifact.
-_READABLE_VERSIONS = {"executorch": (1, 2, 3), "onnx": (3,)}
+# 4: a call takes at most interface.max_tokens_per_call tokens (--prefill-chunk), which a `.pte`
+# now enforces (its memory is planned for it); before, an ExecuTorch artifact took max_cache_len.
+FORMAT_VERSION = 4
+# The versions each target still runs: 2 and 3 changed nothing in an ExecuTorch artifact, and 4
+# nothing in an ONNX graph (its interface already had max_tokens_per_call).
+_READABLE_VERSIONS = {"executorch": (1, 2, 3, 4), "onnx": (3, 4)}
 
 
 def sha256_file(path: Path) -> str:

@@ -107,14 +107,17 @@ def test_manifest_checks(tmp_path):
     (out / "kvexport.json").write_text(json.dumps(manifest))
     with pytest.raises(ArtifactError, match="format version 99"):
         artifact.read_manifest(out)
-    # Version 1 and 2 ExecuTorch artifacts still run; version 1 and 2 ONNX graphs had other cache interfaces.
-    for version in (1, 2):
+    # Version 1 to 3 ExecuTorch artifacts still run; version 1 and 2 ONNX graphs had other cache interfaces.
+    for version in (1, 2, 3):
         manifest["format_version"], manifest["target"] = version, "executorch"
         (out / "kvexport.json").write_text(json.dumps(manifest))
         assert artifact.read_manifest(out, verify=False)["format_version"] == version
         manifest["target"] = "onnx"
         (out / "kvexport.json").write_text(json.dumps(manifest))
-        with pytest.raises(ArtifactError, match=f"format version {version}, this kvexport reads 3 for onnx artifacts; re-export"):
+        if version == 3:  # version 3 ONNX graphs still run: 4 changed only ExecuTorch programs
+            assert artifact.read_manifest(out, verify=False)["format_version"] == version
+            continue
+        with pytest.raises(ArtifactError, match=f"format version {version}, this kvexport reads 3 or 4 for onnx artifacts; re-export"):
             artifact.read_manifest(out, verify=False)
     (out / "kvexport.json").write_text("{not json")
     with pytest.raises(ArtifactError, match="not valid JSON"):
