@@ -103,7 +103,7 @@ def test_a_failure_in_lowering_leaves_the_previous_artifact(tmp_path, monkeypatc
         raise RuntimeError("lowering failed")
 
     # Skip the trace (seconds of CPU): the lowering is what fails here.
-    monkeypatch.setattr(executorch, "export", lambda model, max_cache_len: object())
+    monkeypatch.setattr(executorch, "export", lambda model, max_cache_len, max_tokens_per_call: object())
     monkeypatch.setattr(executorch, "lower", failing_lower)
     out = tmp_path / "out"
     previous_artifact(out)
@@ -125,7 +125,7 @@ def test_a_full_disk_while_lowering_gets_one_line(tmp_path, monkeypatch, capsys)
         (folder / "model.pte").write_bytes(b"half a program")
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(folder / "model.pte"))
 
-    monkeypatch.setattr(executorch, "export", lambda model, max_cache_len: object())
+    monkeypatch.setattr(executorch, "export", lambda model, max_cache_len, max_tokens_per_call: object())
     monkeypatch.setattr(executorch, "lower", lower_on_a_full_disk)
     out = tmp_path / "out"
     previous_artifact(out)
