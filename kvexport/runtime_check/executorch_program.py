@@ -31,6 +31,8 @@ class ExecuTorchProgram:
 
     def forward(self, tokens: list[int], start: int) -> np.ndarray:
         torch = self._torch
+        if not tokens:
+            raise InvalidOptionError("forward needs at least one token")
         # Activation memory is planned for calls of at most `_chunk` tokens: a longer prompt takes several.
         for first in range(0, len(tokens), self._chunk):
             chunk = tokens[first : first + self._chunk]
