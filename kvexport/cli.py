@@ -19,6 +19,8 @@ app = typer.Typer(
     add_completion=False,
     no_args_is_help=True,
     pretty_exceptions_enable=False,
+    # Help texts are plain: rich markup would swallow their "[default: ...]" notes.
+    rich_markup_mode=None,
     help="Export Hugging Face decoder LLMs to ExecuTorch / ONNX with an export-safe KV cache, "
     "and prove the artifact generates what eager transformers generates.",
 )

@@ -44,6 +44,13 @@ def test_help_lists_commands(capsys):
         assert command in out
 
 
+def test_help_shows_the_defaults_options_describe(capsys):
+    code, out, _ = run_cli(capsys, "export", "--help")
+    text = " ".join(out.split())  # help lines wrap
+    assert code == 0
+    assert "[default: min(max_cache_len, 512)]" in text and "[default: MODEL-TARGET]" in text
+
+
 def test_model_shorthand_is_export(tmp_path, capsys):
     out_dir = tmp_path / "llama"
     code, out, err = run_cli(capsys, "tiny-llama", "--target", "executorch", "-o", out_dir, "--max-cache-len", "32", "--json")
