@@ -96,9 +96,9 @@ class OnnxProgram:
         self._layers = [_Layer(ort, spec, self._max_cache_len, self._dtype, device) for spec in manifest["layers"]]
         self._rings = [layer for layer in self._layers if layer.window is not None]
         self._window = min((layer.window for layer in self._rings), default=None)
-        # Tokens per call: at most --prefill-chunk (the interface's limit), and at most the window,
-        # as many more rows as a ring buffer holds once its last window - 1 are moved up (_call).
-        self._chunk = min(max_tokens_per_call(manifest), self._window or self._max_cache_len)
+        # Tokens per call: the interface's limit, at most --prefill-chunk and at most the window (as
+        # many more rows as a ring buffer holds once its last window - 1 are moved up, see _call).
+        self._chunk = max_tokens_per_call(manifest)
         self._ring_rows = 0  # rows of each ring buffer in use: the next call's ring_start
         # Host memory for the small inputs and the logits: ONNX Runtime copies them across itself.
         self._tokens = np.zeros((1, self._max_cache_len), dtype=np.int64)
