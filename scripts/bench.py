@@ -3,7 +3,7 @@
 
     python scripts/bench.py MODEL ARTIFACT [ARTIFACT ...] [--prompt-tokens 128] [--new-tokens 128]
         [--repeats 3] [--threads 2] [--json OUT.json] [--markdown OUT.md] [--paths eager,run,textllm,llama]
-        [--llama-python PYTHON]
+        [--llama-python PYTHON] [--pte OTHER.pte ...]
 
 Paths, each measured in a fresh subprocess per repeat (so peak RSS is that path's alone and no path
 warms another's caches), the repeats interleaved round-robin across paths (so a burst of load on a
@@ -14,7 +14,9 @@ shared machine spreads over all of them):
 - ``run``: each ARTIFACT (any target or dtype) through kvexport's own loop, what ``kvexport run``
   does (``load_program`` + ``generation.generate``);
 - ``textllm``: each ``.pte`` ARTIFACT through ExecuTorch's C++ ``TextLLMRunner`` (its pybinding), its
-  timing from the ``Stats`` it hands to ``stats_callback``;
+  timing from the ``Stats`` it hands to ``stats_callback``; so is each ``--pte`` file, another
+  exporter's program of the same model (optimum-executorch's, say), with the first ARTIFACT's
+  tokenizer and BOS (a ``.ptd`` of the same name beside it is its data file);
 - ``llama``: llama.cpp (``llama-cpp-python``) on MODEL's GGUF file, when ``llama_cpp`` imports in
   ``--llama-python`` (default: this interpreter); otherwise reported as not installed.
 
@@ -170,17 +172,22 @@ def work_textllm(spec: dict) -> dict:
     from kvexport.exporter.artifact import read_manifest
     from kvexport.runtime_check.executorch_program import register_kernels
 
-    folder = Path(spec["artifact"])
+    folder = Path(spec["artifact"])  # with --pte, the kvexport artifact whose tokenizer it borrows
     manifest = read_manifest(folder)
     _set_torch_threads(spec["threads"])
     _set_executorch_threads(spec["threads"])
     register_kernels()
     from executorch.extension.llm.runner import GenerationConfig, TextLLMRunner
 
-    weights = str(folder / manifest["weights"]) if manifest.get("weights") else None
+    if spec.get("pte"):
+        program, data = Path(spec["pte"]), Path(spec["pte"]).with_suffix(".ptd")
+        weights = str(data) if data.is_file() else None
+    else:
+        program = folder / manifest["program"]
+        weights = str(folder / manifest["weights"]) if manifest.get("weights") else None
     bos = 1 if manifest.get("tokenizer_adds_bos") else 0  # its tokenizer adds none: the runner prepends them
     t = time.perf_counter()
-    runner = TextLLMRunner(str(folder / manifest["program"]), str(folder / "tokenizer.json"), weights)
+    runner = TextLLMRunner(str(program), str(folder / "tokenizer.json"), weights)
     load_s = time.perf_counter() - t  # plus the load inside the first generate, from its stats below
 
     def config(n: int, warming: bool):
@@ -321,6 +328,11 @@ def plan_jobs(args, manifests: dict[str, dict], gguf: str | None, llama_version:
         if "textllm" in wanted and manifest["target"] == "executorch":
             jobs.append({"path": "textllm", "label": f"ExecuTorch TextLLMRunner · {name} ({describe(manifest)})",
                          "artifact": folder, "python": sys.executable})
+    if "textllm" in wanted:
+        tokenizer_of = next(iter(manifests))
+        for pte in args.pte:
+            jobs.append({"path": "textllm", "label": f"ExecuTorch TextLLMRunner · {pte.parent.name}/{pte.name}",
+                         "artifact": tokenizer_of, "pte": str(pte.resolve()), "python": sys.executable})
     if "llama" in wanted:
         label = f"llama.cpp · {Path(gguf).name if gguf else args.model}"
         job = {"path": "llama", "label": label, "gguf": gguf, "python": args.llama_python}
@@ -407,7 +419,7 @@ def finish(jobs: list[dict], args) -> None:
         eager_ok = [r for r in (eager or {}).get("runs", []) if "error" not in r]
         if "new_ids" in first and eager_ok:
             job["same_tokens_as_eager"] = common_prefix(first["new_ids"], eager_ok[0]["new_ids"])
-        if job["path"] == "textllm" and job["artifact"] in runs_by_artifact:
+        if job["path"] == "textllm" and not job.get("pte") and job["artifact"] in runs_by_artifact:
             mine = [r for r in runs_by_artifact[job["artifact"]]["runs"] if "error" not in r]
             if mine:
                 from kvexport.runtime_check.tokenizer import ArtifactTokenizer
@@ -433,7 +445,7 @@ def ratios(jobs: list[dict]) -> dict:
                 if job is not base and med(job):
                     out[key][job["label"]] = med(job) / med(base)
     for job in jobs:
-        if job["path"] == "textllm" and med(job):
+        if job["path"] == "textllm" and not job.get("pte") and med(job):
             run = next((j for j in jobs if j["path"] == "run" and j.get("artifact") == job["artifact"]), None)
             if run and med(run):
                 out["run_vs_textllm"][job["artifact"]] = med(run) / med(job)
@@ -530,6 +542,8 @@ def parse_args(argv):
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--paths", default=",".join(PATHS), help=f"comma-separated subset of {','.join(PATHS)}")
     parser.add_argument("--llama-python", default=sys.executable, help="interpreter that has llama_cpp [default: this one]")
+    parser.add_argument("--pte", type=Path, action="append", default=[],
+                        help="another exporter's .pte of MODEL, run through TextLLMRunner (repeatable)")
     parser.add_argument("--json", type=Path, help="write the full report here")
     parser.add_argument("--markdown", type=Path, help="write the table here too")
     args = parser.parse_args(argv)
@@ -541,6 +555,9 @@ def parse_args(argv):
         parser.error("--prompt-tokens, --new-tokens, --repeats and --threads must be at least 1")
     if not args.artifacts:
         parser.error("give at least one artifact folder (its tokenizer makes the prompt)")
+    for pte in args.pte:
+        if not pte.is_file():
+            parser.error(f"--pte {pte}: no such file")
     return args
 
 

@@ -147,7 +147,7 @@ def quantize_linears(model: torch.nn.Module) -> list[str]:
             continue
         q, scale, offset = int4_blocks(weight, steps)
         parent_name, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent_name), child, Int4GridLinear(q, scale, offset, module.bias))
+        setattr(model.get_submodule(parent_name), child, Int4GridLinear.from_blocks(q, scale, offset, module.bias))
     return skipped
 
 
@@ -184,8 +184,17 @@ class Int4GridLinear(torch.nn.Module):
     eager was 69% that way.
     """
 
-    def __init__(self, q, scale, offset, bias: torch.Tensor | None):
+    def __init__(self, weight: torch.Tensor, offset: torch.Tensor, bias: torch.Tensor | None):
+        """``weight``: torchao's int4 tensor ``scale * (q - 8)``; ``offset``: ``[out, in / 32]``, for
+        the block means, not sums (XNNPACK averages, global average pooling; it has no sum)."""
         super().__init__()
+        self.weight = torch.nn.Parameter(weight, requires_grad=False)
+        self.offset = torch.nn.Parameter(offset, requires_grad=False)
+        self.bias = bias
+
+    @classmethod
+    def from_blocks(cls, q, scale, offset, bias: torch.Tensor | None) -> "Int4GridLinear":
+        """From ``weight_grids.int4_blocks``' arrays: levels ``q`` (0..15), per-block scales and offsets."""
         from torchao.quantization import IntxUnpackedToInt8Tensor
 
         n, blocks, _ = q.shape
@@ -198,10 +207,7 @@ class Int4GridLinear(torch.nn.Module):
             dtype=torch.float32,
             activation_quantization=_activations_per_token(),
         )
-        self.weight = torch.nn.Parameter(weight, requires_grad=False)
-        # Offsets for the block means, not sums: XNNPACK averages (global average pooling), it has no sum.
-        self.offset = torch.nn.Parameter(torch.from_numpy(offset) * GROUP_SIZE, requires_grad=False)
-        self.bias = bias
+        return cls(weight, torch.from_numpy(offset) * GROUP_SIZE, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # [.., K] -> [tokens, K/32, 32, 1]: the 4-D layout, averaged over its last two dims, that

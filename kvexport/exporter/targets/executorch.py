@@ -32,9 +32,10 @@ def export(model: torch.nn.Module, max_cache_len: int, max_tokens_per_call: int)
     custom ops (in-place update, fused attention over the filled positions only). A call takes at
     most ``max_tokens_per_call`` tokens, the size ExecuTorch plans activation memory for."""
     from ..custom_op_cache import build_custom_op_caches
+    from ..stacked_projections import stacked_projections
     from ..xnnpack_rewrites import rotary_as_matmul
 
-    with rotary_as_matmul(model):
+    with rotary_as_matmul(model), stacked_projections(model):
         return export_decoder(ExportableDecoder(model, max_cache_len, build_custom_op_caches, max_tokens_per_call))
 
 
