@@ -90,9 +90,19 @@ def effective_weight(module: torch.nn.Module) -> torch.Tensor:
     from kvexport.exporter.quantize import GROUP_SIZE, Int4GridLinear
 
     weight = module.weight.dequantize()
-    if isinstance(module, Int4GridLinear):  # its offsets multiply block means of the input
-        weight = weight + module.offset.repeat_interleave(GROUP_SIZE, dim=1) / GROUP_SIZE
+    if isinstance(module, Int4GridLinear):  # its offsets multiply block sums of the input
+        offset = module.offset.dequantize() if hasattr(module.offset, "qdata") else module.offset
+        weight = weight + offset.repeat_interleave(GROUP_SIZE, dim=1)
     return weight
+
+
+def assert_on_grid(layer, weight: torch.Tensor) -> None:
+    """``layer`` (an ``Int4GridLinear``) multiplies by ``weight``: its int4 levels and scales exactly,
+    its offsets to within half their int8 step (one per output channel) where they are int8."""
+    off = (effective_weight(layer) - weight).abs()
+    half_step = layer.offset.scale.float() / 2 if hasattr(layer.offset, "qdata") else torch.zeros(1)
+    assert bool((off <= half_step + 1e-5).all()), f"{float((off - half_step).max()):.3g} past half an offset step"
+    assert float(half_step.max()) < 0.01 * float(weight.abs().max())  # the offsets' rounding is small
 
 
 def load_script(name: str):

@@ -80,7 +80,7 @@ def describe(scheme: str | None, embedding: str | None, hidden_size: int) -> dic
     if scheme:
         activations = "int8, dynamic per token"
         described["linear"] = {"weights": "int4", "group_size": GROUP_SIZE, "activations": activations,
-                               "op": "XNNPACK int8 x int4 + per-block offset"}
+                               "op": "XNNPACK int8 x int4 + per-block offsets (int8, one scale per row)"}
         # A weight the source stores finer than 4 bits (GGUF Q5_0, Q6_K, Q8_0) is not rounded to 4.
         described["linear_finer_than_4_bits"] = {"weights": "int8", "group_size": "row", "activations": activations}
         described["lm_head"] = {"weights": "int8", "group_size": "row", "activations": activations}
@@ -175,22 +175,27 @@ def _int8_per_channel(weight: torch.Tensor) -> torch.Tensor:
 
 class Int4GridLinear(torch.nn.Module):
     """A linear layer whose weight is ``scale * (q - 8) + offset`` per block of 32 along its input
-    (``weight_grids.int4_blocks``: a 4-bit GGUF's weight exactly).
+    (``weight_grids.int4_blocks``: a 4-bit GGUF's weight, up to the roundings below).
 
     XNNPACK's int8 x int4 kernel reads symmetric blocks only (zero point 8): the weight is stored as
-    torchao's 8da4w tensor ``scale * (q - 8)`` and the offsets are added back in float, from the
-    input's block means: ``means(x) @ (32 * offset).T``, a matmul 32x smaller. Symmetric int4 on its own (ExecuTorch's
-    recipe) rounds a 4-bit GGUF's weights onto a second grid: SmolLM2's top-1 agreement with float
-    eager was 69% that way.
+    torchao's 8da4w tensor ``scale * (q - 8)`` (XNNPACK keeps each scale as bfloat16) and the offsets
+    are added back from the input's block sums: ``sums(x) @ offset.T``, a matmul 32x smaller, run as
+    XNNPACK's int8 x int8 kernel with the offsets int8, one scale per output channel (a float32 matrix
+    there added a quarter of the int4 weights' bytes and ~4% to SmolLM2's decode step; agreement
+    with float eager held). Symmetric int4 on its own (ExecuTorch's recipe) rounds a 4-bit GGUF's
+    weights onto a second grid: SmolLM2's top-1 agreement with float eager was 69% that way.
     """
 
     def __init__(self, weight: torch.Tensor, offset: torch.Tensor, bias: torch.Tensor | None):
-        """``weight``: torchao's int4 tensor ``scale * (q - 8)``; ``offset``: ``[out, in / 32]``, for
-        the block means, not sums (XNNPACK averages, global average pooling; it has no sum)."""
+        """``weight``: torchao's int4 tensor ``scale * (q - 8)``; ``offset``: ``[out, in / 32]``,
+        multiplying the input's block sums, as torchao's int8 tensor (``_int8_per_channel``) or float."""
         super().__init__()
         self.weight = torch.nn.Parameter(weight, requires_grad=False)
         self.offset = torch.nn.Parameter(offset, requires_grad=False)
         self.bias = bias
+        # Block sums as a product with ones: XNNPACK's one reduction (mean.dim, as a pooling over a
+        # 4-D tensor) would transpose in and out around it, and is slower.
+        self.register_buffer("ones", torch.ones(1, GROUP_SIZE), persistent=False)
 
     @classmethod
     def from_blocks(cls, q, scale, offset, bias: torch.Tensor | None) -> "Int4GridLinear":
@@ -207,14 +212,15 @@ class Int4GridLinear(torch.nn.Module):
             dtype=torch.float32,
             activation_quantization=_activations_per_token(),
         )
-        return cls(weight, torch.from_numpy(offset) * GROUP_SIZE, bias)
+        offset = torch.from_numpy(offset)
+        # One block (in_features 32: tiny test models) stays float: torchao's per-token int8
+        # quantization of a one-value input fails.
+        return cls(weight, _int8_per_channel(offset) if offset.shape[1] > 1 else offset, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # [.., K] -> [tokens, K/32, 32, 1]: the 4-D layout, averaged over its last two dims, that
-        # XNNPACK runs (mean.dim) inside the delegate.
-        block_means = x.reshape(-1, self.offset.shape[1], GROUP_SIZE, 1).mean((2, 3), keepdim=True)
-        offsets = torch.nn.functional.linear(block_means.reshape(*x.shape[:-1], self.offset.shape[1]), self.offset)
-        return torch.nn.functional.linear(x, self.weight, self.bias) + offsets
+        blocks = self.offset.shape[1]
+        block_sums = torch.nn.functional.linear(x.reshape(-1, GROUP_SIZE), self.ones).reshape(*x.shape[:-1], blocks)
+        return torch.nn.functional.linear(x, self.weight, self.bias) + torch.nn.functional.linear(block_sums, self.offset)
 
 
 def fuse_quantized_embeddings(program: torch.export.ExportedProgram) -> int:
