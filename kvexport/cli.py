@@ -50,6 +50,10 @@ def export(
     quantize_embedding: Annotated[
         Optional[str], typer.Option(help="executorch: int8 or int4 embedding table")
     ] = None,
+    quantize_lm_head: Annotated[
+        Optional[str],
+        typer.Option(help="with --quantize 8da4w: int8 or int4 lm_head (int4: smaller and faster, less exact) [default: int8]"),
+    ] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="no progress output")] = False,
     as_json: JsonFlag = False,
 ):
@@ -59,7 +63,7 @@ def export(
 
     options = ExportOptions(
         model, target, out, max_cache_len, dtype, force, quantize=quantize, quantize_embedding=quantize_embedding,
-        prefill_chunk=prefill_chunk,
+        quantize_lm_head=quantize_lm_head, prefill_chunk=prefill_chunk,
     )
     result = export_model(options, Progress(quiet=quiet))
     if as_json:

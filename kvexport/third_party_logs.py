@@ -9,8 +9,10 @@ import warnings
 
 def quiet() -> None:
     """Import-time noise (torchao's optional CUDA kernels failing to load on a CPU machine, torch's
-    pytree deprecation notices) and export-time notices that are expected."""
-    for name in ("torchao", "torch.utils._pytree"):
+    pytree deprecation notices, torch.onnx's registry missing torchvision) and export-time notices
+    that are expected."""
+    # torch.onnx's op registry reports torchvision's ops missing (kvexport exports no vision op).
+    for name in ("torchao", "torch.utils._pytree", "torch.onnx._internal.exporter._registration"):
         logging.getLogger(name).setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", category=DeprecationWarning)
     warnings.filterwarnings("ignore", category=FutureWarning)

@@ -32,6 +32,7 @@ class ExportOptions:
     force: bool = False
     quantize: str | None = None  # "8da4w" (executorch) or "int4" (onnx)
     quantize_embedding: str | None = None  # "int8" or "int4" (executorch)
+    quantize_lm_head: str | None = None  # "int8" (8da4w's default) or "int4" (executorch)
     prefill_chunk: int | None = None  # most tokens per forward call [default: DEFAULT_PREFILL_CHUNK]
 
 
@@ -118,7 +119,8 @@ class ExportPlan:
     def summary(self) -> str:
         o = self.options
         rings = sum(s.is_ring(self.max_cache_len) for s in self.specs)
-        schemes = [f"--quantize {o.quantize}" if o.quantize else "", f"--quantize-embedding {o.quantize_embedding}" if o.quantize_embedding else ""]
+        schemes = [f"--quantize {o.quantize}" if o.quantize else "", f"--quantize-embedding {o.quantize_embedding}" if o.quantize_embedding else "",
+                   f"--quantize-lm-head {o.quantize_lm_head}" if o.quantize_lm_head else ""]
         quantized = f" ({', '.join(s for s in schemes if s)})" if any(schemes) else ""
         default = (
             ""
@@ -142,7 +144,7 @@ def plan_export(options: ExportOptions) -> ExportPlan:
         raise InvalidOptionError(
             f"target {options.target} does not take --dtype {options.dtype}; it takes {', '.join(target.SUPPORTED_DTYPES)}"
         )
-    quantize.check_request(options.target, options.quantize, options.quantize_embedding, options.dtype)
+    quantize.check_request(options.target, options.quantize, options.quantize_embedding, options.dtype, options.quantize_lm_head)
     out = Path(options.out) if options.out else default_output(options.model, options.target)
     artifact.check_output_path(out, options.force)
     source = sources.resolve(options.model)
@@ -166,7 +168,7 @@ def export_model(options: ExportOptions, progress: Progress | None = None) -> Ex
     quantization = info.get("quantization")
     if quantization and hasattr(target, "quantize_model"):  # ExecuTorch: the module, before export
         with progress.step("quantize", _quantize_detail(options)):
-            skipped = target.quantize_model(model, options.quantize, options.quantize_embedding)
+            skipped = target.quantize_model(model, options.quantize, options.quantize_embedding, options.quantize_lm_head)
         if skipped:
             quantization["left_in_float"] = skipped
 
@@ -195,7 +197,7 @@ def export_model(options: ExportOptions, progress: Progress | None = None) -> Ex
 def _quantize_detail(options: ExportOptions) -> str:
     if options.quantize == "int4":
         return "int4 linear weights (int8 lm_head), MatMul -> MatMulNBits, Gather -> GatherBlockQuantized int8 (ONNX Runtime)"
-    parts = ["8da4w linear weights (int8 lm_head)" if options.quantize else "",
+    parts = [f"8da4w linear weights ({options.quantize_lm_head or 'int8'} lm_head)" if options.quantize else "",
              f"embedding {options.quantize_embedding}" if options.quantize_embedding else ""]
     return ", ".join(p for p in parts if p) + " (torchao tensors for XNNPACK)"
 
@@ -229,12 +231,14 @@ def _manifest_info(plan: ExportPlan, model, tokenizer) -> dict:
             # Only when set, so unquantized manifests read as before.
             **({"quantize": plan.options.quantize} if plan.options.quantize else {}),
             **({"quantize_embedding": plan.options.quantize_embedding} if plan.options.quantize_embedding else {}),
+            **({"quantize_lm_head": plan.options.quantize_lm_head} if plan.options.quantize_lm_head else {}),
         },
         "model_type": config.model_type,
         "dtype": dtype,
         "max_cache_len": plan.max_cache_len,
         # Weight quantization (absent: float weights). `check` then measures agreement with float eager.
-        **({"quantization": q} if (q := quantize.describe(plan.options.quantize, plan.options.quantize_embedding, config.hidden_size)) else {}),
+        **({"quantization": q} if (q := quantize.describe(plan.options.quantize, plan.options.quantize_embedding, config.hidden_size,
+                                                          plan.options.quantize_lm_head)) else {}),
         "vocab_size": config.vocab_size,
         "bos_token_id": bos,
         "eos_token_ids": _eos_ids(model, tokenizer),

@@ -1,9 +1,10 @@
-"""Weight quantization (``--quantize``, ``--quantize-embedding``).
+"""Weight quantization (``--quantize``, ``--quantize-embedding``, ``--quantize-lm-head``).
 
 ExecuTorch (``8da4w``): the module is quantized in place before export. Linear layers
 (``quantize_linears``): int8 activations per token and int4 weights in groups of 32 that keep the
 grid a quantized source put them on (``weight_grids``), int8 per channel where the source is finer
-than 4 bits and for the lm_head; torchao's tensors, which XNNPACK runs as fused kernels.
+than 4 bits and for the lm_head (int4 on request); torchao's tensors, which XNNPACK runs as fused
+kernels.
 Embeddings: ExecuTorch's own torchao recipe (``executorch.extension.llm.export.quantize``).
 
 torchao leaves a quantized embedding as ``dequantize_affine`` followed by ``embedding``, which
@@ -16,6 +17,7 @@ ONNX (``int4``): the saved graph's weights, rewritten after export (``onnx_quant
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from ..errors import InvalidOptionError
@@ -25,12 +27,17 @@ from .weight_grids import BLOCK
 SCHEMES = {"8da4w": "executorch", "int4": "onnx"}
 # --quantize-embedding (ExecuTorch): kvexport's name -> ExecuTorch's quantize_model_ config.
 EMBEDDING_SCHEMES = {"int8": "8w", "int4": "4w"}
+# --quantize-lm-head (ExecuTorch 8da4w): int8, one scale per row (the default: its rounding lands
+# straight on the logits), or int4 like the other linear layers (smaller and faster, less exact).
+LM_HEAD_SCHEMES = ("int8", "int4")
 GROUP_SIZE = BLOCK  # weights per scale, for 4-bit linear weights and int4 embeddings (ExecuTorch)
+# The scale of a block whose weights are all one value (any positive scale holds it exactly).
+_FLAT_BLOCK_SCALE = np.float32(2**-24)
 # torchao's quant range for each embedding scheme, and the ExecuTorch kernel that reads it.
 _EMBEDDING_KERNELS = {(-128, 127): ("embedding_byte", 8), (-8, 7): ("embedding_4bit", 4)}
 
 
-def check_request(target: str, scheme: str | None, embedding: str | None, dtype: str) -> None:
+def check_request(target: str, scheme: str | None, embedding: str | None, dtype: str, lm_head: str | None = None) -> None:
     """Refuse, before anything loads, a scheme that does not exist or that the target does not run."""
     if scheme is not None and scheme not in SCHEMES:
         choices = ", ".join(f"{s} (--target {t})" for s, t in SCHEMES.items())
@@ -50,11 +57,21 @@ def check_request(target: str, scheme: str | None, embedding: str | None, dtype:
             raise InvalidOptionError(
                 f"unknown --quantize-embedding '{embedding}'; choose one of: {', '.join(EMBEDDING_SCHEMES)}"
             )
+    if lm_head is not None:
+        if lm_head not in LM_HEAD_SCHEMES:
+            raise InvalidOptionError(f"unknown --quantize-lm-head '{lm_head}'; choose one of: {', '.join(LM_HEAD_SCHEMES)}")
+        if target != "executorch":
+            raise InvalidOptionError(
+                f"--quantize-lm-head is for --target executorch; for --target {target} leave it out "
+                "(--quantize int4 keeps the lm_head 8-bit: it reads the embedding's table)"
+            )
+        if scheme != "8da4w":
+            raise InvalidOptionError("--quantize-lm-head goes with --quantize 8da4w; add it, or leave --quantize-lm-head out")
     if (scheme or embedding) and dtype != "float32":
         raise InvalidOptionError(f"--quantize takes --dtype float32 (the default), not {dtype}; leave --dtype out")
 
 
-def describe(scheme: str | None, embedding: str | None, hidden_size: int) -> dict | None:
+def describe(scheme: str | None, embedding: str | None, hidden_size: int, lm_head: str | None = None) -> dict | None:
     """What ``kvexport.json`` records under ``quantization`` (None: not quantized). ``hidden_size``
     is the lm_head's and embedding table's K, which sets their ONNX block."""
     if not scheme and not embedding:
@@ -83,7 +100,11 @@ def describe(scheme: str | None, embedding: str | None, hidden_size: int) -> dic
                                "op": "XNNPACK int8 x int4 + per-block offsets (int8, one scale per row)"}
         # A weight the source stores finer than 4 bits (GGUF Q5_0, Q6_K, Q8_0) is not rounded to 4.
         described["linear_finer_than_4_bits"] = {"weights": "int8", "group_size": "row", "activations": activations}
-        described["lm_head"] = {"weights": "int8", "group_size": "row", "activations": activations}
+        described["lm_head"] = (
+            {**described["linear"], "note": "--quantize-lm-head int4: a block on no 4-bit grid spans its min..max in 16 levels"}
+            if lm_head == "int4"
+            else {"weights": "int8", "group_size": "row", "activations": activations}
+        )
     if embedding:
         described["embedding"] = {
             "weights": embedding,
@@ -93,10 +114,10 @@ def describe(scheme: str | None, embedding: str | None, hidden_size: int) -> dic
     return described
 
 
-def quantize_model(model: torch.nn.Module, scheme: str | None, embedding: str | None) -> list[str]:
+def quantize_model(model: torch.nn.Module, scheme: str | None, embedding: str | None, lm_head: str | None = None) -> list[str]:
     """Quantize ``model``'s embeddings (torchao, ExecuTorch's recipe) and linear layers (``8da4w``,
-    ``quantize_linears``) in place, before export; return the names of the layers left in float (a
-    width that is no multiple of the group size)."""
+    ``quantize_linears``; ``lm_head``: ``LM_HEAD_SCHEMES``, default int8) in place, before export;
+    return the names of the layers left in float (a width that is no multiple of the group size)."""
     import contextlib
     import io
 
@@ -117,18 +138,20 @@ def quantize_model(model: torch.nn.Module, scheme: str | None, embedding: str | 
             if line.strip().startswith("Skipping "):
                 skipped.append(line.strip().split()[1].rstrip(":"))
     if scheme:
-        skipped += quantize_linears(model)
+        skipped += quantize_linears(model, lm_head or "int8")
     return skipped
 
 
-def quantize_linears(model: torch.nn.Module) -> list[str]:
+def quantize_linears(model: torch.nn.Module, lm_head: str = "int8") -> list[str]:
     """``8da4w``: every linear layer with int8 activations (per token, on the fly) and weights that
     keep the grid they lie on (``weight_grids``); return the names of the layers left in float.
 
     - a weight on a 4-bit grid, or a float weight: int4 in groups of 32, ``Int4GridLinear``;
     - a weight the source stores finer than 4 bits (GGUF Q5_0, Q6_K, Q8_0), and the lm_head (its
       error lands straight on the logits): int8, one scale per output channel (XNNPACK's
-      int8 x int8 kernel).
+      int8 x int8 kernel);
+    - with ``lm_head="int4"``, the lm_head too is int4 whatever its source: the largest matrix of a
+      small model at half the bytes, each block the source stores finer rounded to its min..max.
     """
     from .weight_grids import finer_than_4_bits, grid_steps, int4_blocks
 
@@ -141,8 +164,10 @@ def quantize_linears(model: torch.nn.Module) -> list[str]:
             skipped.append(name)
             continue
         weight = module.weight.detach().float().numpy()
-        steps = None if module is head else grid_steps(weight, GROUP_SIZE)
-        if module is head or finer_than_4_bits(weight, coarse=steps):
+        is_head = module is head
+        steps = None if is_head else grid_steps(weight, GROUP_SIZE)
+        int8 = lm_head == "int8" if is_head else finer_than_4_bits(weight, coarse=steps)
+        if int8:
             module.weight = torch.nn.Parameter(_int8_per_channel(module.weight.detach()), requires_grad=False)
             continue
         q, scale, offset = int4_blocks(weight, steps)
@@ -203,6 +228,12 @@ class Int4GridLinear(torch.nn.Module):
         from torchao.quantization import IntxUnpackedToInt8Tensor
 
         n, blocks, _ = q.shape
+        # XNNPACK refuses a zero scale, which a block of one value gets (an embedding's padding row,
+        # all zeros, read as a tied int4 lm_head). Its levels are all 0, so any scale holds it exactly
+        # once the offset makes up for it: scale * (0 - 8) + offset + 8 * scale.
+        flat = scale == 0
+        scale = np.where(flat, _FLAT_BLOCK_SCALE, scale).astype(np.float32)
+        offset = np.where(flat, offset + 8 * _FLAT_BLOCK_SCALE, offset).astype(np.float32)
         weight = IntxUnpackedToInt8Tensor(
             qdata=torch.from_numpy(q.reshape(n, blocks * GROUP_SIZE).astype("int8") - 8),
             scale=torch.from_numpy(scale),

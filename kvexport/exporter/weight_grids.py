@@ -15,13 +15,21 @@ BLOCK = 32  # weights per scale, along K (a MatMul's input dim, an embedding's h
 FINE_BLOCK = 16  # weights per scale of an 8-bit projection: GGUF's Q6_K scales runs of 16
 
 
-def int4_blocks(weight_nk: np.ndarray, steps: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def int4_blocks(weight_nk: np.ndarray, steps: np.ndarray | None = None,
+                rows_per_call: int = 16384) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``weight_nk`` [N, K] as (q [N, K/32, 32] in 0..15, scale [N, K/32], offset [N, K/32]) with
     ``weight ~= scale * (q - 8) + offset`` per block. A block on a grid of at most 16 levels keeps
     its grid's step, so it comes out exactly even where it does not reach its grid's lowest and
     highest level (GGUF's Q4_K); any other block spans its min..max in 15 steps (exact for Q4_1).
-    ``steps``: the weight's ``grid_steps`` over blocks of 32, where the caller has them already."""
+    ``steps``: the weight's ``grid_steps`` over blocks of 32, where the caller has them already.
+    Taken ``rows_per_call`` rows at a time: an int4 lm_head of a 262k vocabulary would otherwise
+    hold several float32 copies of itself at once."""
     n, k = weight_nk.shape
+    if n > rows_per_call:
+        step_rows = None if steps is None else steps.reshape(n, -1)
+        parts = [int4_blocks(weight_nk[i : i + rows_per_call], None if step_rows is None else step_rows[i : i + rows_per_call])
+                 for i in range(0, n, rows_per_call)]
+        return tuple(np.concatenate(arrays) for arrays in zip(*parts))
     blocks = weight_nk.reshape(n, k // BLOCK, BLOCK).astype(np.float32)
     lo, hi = blocks.min(-1), blocks.max(-1)
     scale = (hi - lo) / np.float32(15)

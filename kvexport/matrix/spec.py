@@ -14,10 +14,11 @@ model_type = "olmo2"            # other keys override kvexport's tiny defaults (
 ```
 
 Row keys: ``model``, ``target``, ``dtype``, ``max_cache_len`` (one value or a list; a missing
-``max_cache_len`` is export's default); ``quantize`` and ``quantize_embedding`` (one value each,
-as ``kvexport export`` takes them: ``int4`` for onnx, ``8da4w`` / ``int8`` / ``int4`` for
-executorch; the row's check then measures top-1 agreement); ``timeout_s`` (the row's child process
-is killed after it); ``check_new_tokens`` (new tokens per check prompt; default: check's own, past
+``max_cache_len`` is export's default); ``quantize``, ``quantize_embedding`` and
+``quantize_lm_head`` (one value each, as ``kvexport export`` takes them: ``int4`` for onnx,
+``8da4w`` / ``int8`` / ``int4`` for executorch; the row's check then measures top-1 agreement);
+``prefill_chunk`` (one value: export's ``--prefill-chunk``; default: export's); ``timeout_s`` (the
+row's child process is killed after it); ``check_new_tokens`` (new tokens per check prompt; default: check's own, past
 the sliding window); ``run_new_tokens`` (tokens of the short run that measures decode speed).
 
 Rows are numbered in file order, each table expanding with ``model`` varying fastest, so that a
@@ -36,9 +37,9 @@ from pathlib import Path
 from ..errors import InvalidOptionError, KvexportError
 
 AXES = ("target", "dtype", "max_cache_len", "model")  # expansion order: the last varies fastest
-_OPTIONS = {"timeout_s": 1800, "check_new_tokens": None, "run_new_tokens": 32}
+_OPTIONS = {"timeout_s": 1800, "check_new_tokens": None, "run_new_tokens": 32, "prefill_chunk": None}
 _DEFAULTS = {"target": "executorch", "dtype": "float32", "max_cache_len": None}
-QUANTIZATION = ("quantize", "quantize_embedding")  # one value per [[row]] (TOML has no null for "float")
+QUANTIZATION = ("quantize", "quantize_embedding", "quantize_lm_head")  # one value per [[row]] (TOML has no null for "float")
 ROW_KEYS = (*AXES, *QUANTIZATION, *_OPTIONS)
 
 
@@ -56,12 +57,16 @@ class Row:
     tiny_config: dict | None = None
     quantize: str | None = None
     quantize_embedding: str | None = None
+    quantize_lm_head: str | None = None
+    prefill_chunk: int | None = None  # export's --prefill-chunk (None: its default)
 
     @property
     def id(self) -> str:
         """Unique within a matrix, and usable as a folder name."""
         model = re.sub(r"[^A-Za-z0-9._-]+", "_", Path(self.model).name)
-        schemes = "".join(f"-{q}" for q in (self.quantize, self.quantize_embedding and f"emb{self.quantize_embedding}") if q)
+        schemes = "".join(f"-{q}" for q in (self.quantize, self.quantize_embedding and f"emb{self.quantize_embedding}",
+                                             self.quantize_lm_head and f"head{self.quantize_lm_head}",
+                                             self.prefill_chunk and f"chunk{self.prefill_chunk}") if q)
         return f"{self.index:03d}-{model}-{self.target}-{self.dtype}-{self.max_cache_len or 'default'}{schemes}"
 
     def to_dict(self) -> dict:
@@ -121,7 +126,7 @@ def _rows(data: dict) -> list[Row]:
         schemes = {key: _scheme(merged.get(key), key, where) for key in QUANTIZATION}
         for target, dtype, max_cache_len, model in itertools.product(*(axes[a] for a in AXES)):
             _check_row(model, target, dtype, max_cache_len, tiny, where, **schemes)
-            key = (model, target, dtype, max_cache_len, *schemes.values())
+            key = (model, target, dtype, max_cache_len, *schemes.values(), options["prefill_chunk"])
             if key in seen:
                 raise InvalidOptionError(f"{where} repeats row {seen[key]} ({', '.join(str(k) for k in key if k is not None)})")
             seen[key] = len(rows)
@@ -163,7 +168,8 @@ def _scheme(value, key: str, where: str) -> str | None:
 
 
 def _check_row(model: str, target: str, dtype: str, max_cache_len, tiny: dict, where: str,
-               quantize: str | None = None, quantize_embedding: str | None = None) -> None:
+               quantize: str | None = None, quantize_embedding: str | None = None,
+               quantize_lm_head: str | None = None) -> None:
     from ..exporter import quantize as quantization
     from ..exporter.targets import TARGETS
     from ..models import sources
@@ -173,7 +179,7 @@ def _check_row(model: str, target: str, dtype: str, max_cache_len, tiny: dict, w
     if dtype not in sources.DTYPES:
         raise InvalidOptionError(f"{where}: unknown dtype '{dtype}'; choose one of: {', '.join(sources.DTYPES)}")
     try:  # the same one-line refusal `kvexport export` gives, per expanded row
-        quantization.check_request(target, quantize, quantize_embedding, dtype)
+        quantization.check_request(target, quantize, quantize_embedding, dtype, quantize_lm_head)
     except KvexportError as e:
         raise InvalidOptionError(f"{where} ({target}): {e}")
     if model not in tiny:

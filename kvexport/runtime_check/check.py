@@ -236,6 +236,8 @@ def run_check(
 def _scheme(quantization: dict) -> str:
     embedding = quantization.get("embedding", {}).get("weights")
     scheme = quantization.get("scheme") or "float linear layers"
+    if quantization.get("lm_head", {}).get("weights") == "int4":
+        scheme += ", int4 lm_head"
     return f"{scheme}, {embedding} embedding" if embedding and quantization.get("scheme") != "int4" else scheme
 
 

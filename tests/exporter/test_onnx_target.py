@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import collections
 import json
+import subprocess
+import sys
 
 import onnx
 import pytest
@@ -249,3 +251,15 @@ def test_a_model_failing_onnx_checker_leaves_no_folder(tmp_path, capsys, monkeyp
 def test_bfloat16_is_refused(tmp_path, capsys):
     code, _, err = run_cli(capsys, "tiny-llama", "--target", "onnx", "--dtype", "bfloat16", "-o", tmp_path / "out")
     assert_one_line_error(code, err, "target onnx does not take --dtype bfloat16")
+
+
+def test_a_quiet_export_prints_nothing(tmp_path):
+    """``--quiet`` in a fresh process (where import-time chatter appears): not even torch.onnx's
+    notice that torchvision's ops are missing."""
+    done = subprocess.run(
+        [sys.executable, "-c", "from kvexport.cli import main; main()", "tiny-llama", "--target", "onnx",
+         "-o", str(tmp_path / "out"), "--max-cache-len", "16", "--quiet"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    assert (done.stdout, done.stderr) == ("", "")

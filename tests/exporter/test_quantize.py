@@ -19,6 +19,7 @@ import torch
 
 from kvexport.exporter.artifact import read_manifest
 from kvexport.exporter.quantize import GROUP_SIZE, quantize_model
+from kvexport.exporter.weight_grids import int4_blocks
 from kvexport.models.presets import build_preset
 from kvexport.runtime_check.programs import load_program
 
@@ -73,28 +74,34 @@ def artifact_bytes(folder, manifest) -> int:
 
 
 @pytest.mark.parametrize(
-    "name, embedding, kernel",
-    [("tiny-gemma3", "int8", "embedding_byte"), ("tiny-smollm3", "int4", "embedding_4bit")],
-    ids=["gemma3-int8-embedding", "smollm3-tied-int4-embedding"],
+    "name, embedding, kernel, lm_head",
+    [("tiny-gemma3", "int8", "embedding_byte", None), ("tiny-smollm3", "int4", "embedding_4bit", None),
+     ("tiny-smollm3", "int8", "embedding_byte", "int4")],
+    ids=["gemma3-int8-embedding", "smollm3-tied-int4-embedding", "smollm3-tied-int4-lm-head"],
 )
-def test_8da4w_pte_runs_the_quantized_model(artifact, name, embedding, kernel):
-    folder = artifact(name, "executorch", "8da4w", embedding)
+def test_8da4w_pte_runs_the_quantized_model(artifact, capsys, name, embedding, kernel, lm_head):
+    folder = artifact(name, "executorch", "8da4w", embedding, lm_head)
     manifest = read_manifest(folder)
     assert manifest["quantization"]["scheme"] == "8da4w"
     assert manifest["quantization"]["embedding"]["weights"] == embedding
+    assert manifest["quantization"]["lm_head"]["weights"] == (lm_head or "int8")
     assert manifest["export_options"]["quantize"] == "8da4w"
     assert manifest["export_options"]["quantize_embedding"] == embedding
+    assert manifest["export_options"].get("quantize_lm_head") == lm_head
     # The embedding lookup is ExecuTorch's quantized kernel, not torchao's dequantize of the whole table.
     assert manifest["quantized_embedding_ops"] == 1
     assert f"quantized_decomposed::{kernel}" in manifest["custom_ops"]
 
     model, ids, prompt_len = sequence(name)
     quantized = copy.deepcopy(model)
-    assert quantize_model(quantized, "8da4w", embedding) == []  # every tiny width is a multiple of 32
+    assert quantize_model(quantized, "8da4w", embedding, lm_head) == []  # every tiny width is a multiple of 32
     got = teacher_forced(load_program(folder).forward, ids, prompt_len)
     reference = torch_logits(quantized, ids, prompt_len)
     as_float = torch_logits(model, ids, prompt_len)
     assert_closer_to(got, reference, as_float)
+    if lm_head:  # check names the scheme it holds the artifact to
+        _, _, err = run_cli(capsys, "check", folder, "--max-new-tokens", "4")
+        assert f"8da4w, {lm_head} lm_head, {embedding} embedding" in err
 
 
 def test_8da4w_adds_no_op_outside_the_delegate_but_the_stacks_splits(artifact):
@@ -139,11 +146,25 @@ def test_8da4w_keeps_each_weight_on_its_grid():
     assert_on_grid(layers[name], asymmetric_int4(original[name]))
 
 
+def test_an_int4_lm_head_is_rounded_like_a_float_weight_and_its_tied_table_stays_8_bit():
+    """``--quantize-lm-head int4``: the lm_head spans each block's min..max in 16 levels (its source
+    here is float), while the embedding it is tied to keeps its own 8-bit table."""
+    from kvexport.exporter.quantize import Int4GridLinear
+
+    model, _ = build_preset("tiny-smollm3")  # tied embeddings
+    original = model.lm_head.weight.detach().clone()
+    assert quantize_model(model, "8da4w", "int8", "int4") == []
+    assert isinstance(model.lm_head, Int4GridLinear)
+    assert_on_grid(model.lm_head, asymmetric_int4(original))
+    table_error = (effective_weight(model.get_input_embeddings()) - original).abs().max()
+    head_error = (effective_weight(model.lm_head) - original).abs().max()
+    assert table_error < head_error / 4  # 8-bit levels (256 of them), not 4-bit ones (16)
+
+
 def test_int4_grid_linear_computes_the_exact_weight():
     """The layer adds the offsets back in float: off from ``x @ W.T`` only by its int8 activations,
     far less than symmetric int4 would be."""
     from kvexport.exporter.quantize import Int4GridLinear
-    from kvexport.exporter.weight_grids import int4_blocks
 
     rng = np.random.default_rng(7)
     weight = q4_1_weight(rng, 64, 128)
@@ -154,6 +175,21 @@ def test_int4_grid_linear_computes_the_exact_weight():
     exact = x.numpy() @ weight.T
     symmetric = x.numpy() @ fake_symmetric_int4(weight).T
     assert np.abs(got - exact).max() < 0.25 * np.abs(symmetric - exact).max()
+
+
+def test_a_block_of_one_value_gets_a_positive_scale_and_stays_exact():
+    """XNNPACK refuses a zero scale (an embedding's all-zero padding row read as a tied int4
+    lm_head made the ``.pte`` fail to load); the offset makes up for the scale it gets instead."""
+    from kvexport.exporter.quantize import Int4GridLinear
+
+    weight = q4_1_weight(np.random.default_rng(8), 4, 64)
+    weight[1] = 0.0
+    weight[2, :32] = 0.25
+    q, scale, offset = int4_blocks(weight)
+    assert (scale == 0).sum() == 3
+    layer = Int4GridLinear.from_blocks(q, scale, offset, None)
+    assert bool((layer.weight.scale > 0).all())
+    assert_on_grid(layer, torch.from_numpy(weight))
 
 
 def test_8da4w_pte_is_smaller(artifact):
@@ -365,8 +401,12 @@ def test_teacher_forcing_goes_on_past_a_divergence(artifact):
         (["--quantize", "int3"], ["unknown --quantize 'int3'", "8da4w (--target executorch), int4 (--target onnx)"]),
         (["--quantize", "8da4w", "--quantize-embedding", "int2"], ["unknown --quantize-embedding 'int2'", "int8, int4"]),
         (["--quantize", "8da4w", "--dtype", "float16"], ["--quantize takes --dtype float32"]),
+        (["--quantize-lm-head", "int4"], ["--quantize-lm-head goes with --quantize 8da4w"]),
+        (["--target", "onnx", "--quantize", "int4", "--quantize-lm-head", "int4"], ["--quantize-lm-head is for --target executorch"]),
+        (["--quantize", "8da4w", "--quantize-lm-head", "int2"], ["unknown --quantize-lm-head 'int2'", "int8, int4"]),
     ],
-    ids=["int4-on-executorch", "8da4w-on-onnx", "embedding-on-onnx", "unknown-scheme", "unknown-embedding-scheme", "float16"],
+    ids=["int4-on-executorch", "8da4w-on-onnx", "embedding-on-onnx", "unknown-scheme", "unknown-embedding-scheme", "float16",
+         "lm-head-without-8da4w", "lm-head-on-onnx", "unknown-lm-head-scheme"],
 )
 def test_quantize_mistakes_get_one_line_before_loading(tmp_path, capsys, monkeypatch, args, phrases):
     from kvexport.exporter import pipeline
@@ -433,7 +473,6 @@ def q4_1_weight(rng, n: int, k: int) -> np.ndarray:
 def test_int4_reproduces_a_weight_already_on_a_4_bit_grid(tmp_path):
     """A weight read from a 4-bit GGUF (Q4_1) comes out exactly: the rewrite adds no error of its
     own. Symmetric int4 would round it again."""
-    from kvexport.exporter.weight_grids import int4_blocks
 
     rng = np.random.default_rng(1)
     n, k = 64, 128  # n: the head below (an identity) is quantized too, so a multiple of 32
@@ -503,7 +542,7 @@ def finer_weight(rng, n: int, k: int, run: int, half_levels: int) -> np.ndarray:
 
 @pytest.mark.parametrize("kind", ["q4_1", "q4_k"])
 def test_int4_blocks_keep_a_4_bit_grid_exactly(kind):
-    from kvexport.exporter.weight_grids import finer_than_4_bits, int4_blocks
+    from kvexport.exporter.weight_grids import finer_than_4_bits
 
     rng = np.random.default_rng(3)
     weight = (q4_1_weight if kind == "q4_1" else q4_k_weight)(rng, 64, 128)
@@ -511,6 +550,15 @@ def test_int4_blocks_keep_a_4_bit_grid_exactly(kind):
     rebuilt = (scale[..., None] * (levels.astype(np.float32) - 8) + offset[..., None]).reshape(weight.shape)
     assert np.abs(rebuilt - weight).max() < 1e-6
     assert not finer_than_4_bits(weight)
+
+
+@pytest.mark.parametrize("kind", ["q4_k", "float"])
+def test_int4_blocks_of_a_tall_weight_come_out_the_same_a_few_rows_at_a_time(kind):
+    rng = np.random.default_rng(12)
+    weight = q4_k_weight(rng, 70, 64) if kind == "q4_k" else rng.standard_normal((70, 64)).astype(np.float32)
+    whole = int4_blocks(weight, rows_per_call=len(weight))
+    for got, expected in zip(int4_blocks(weight, rows_per_call=16), whole):
+        np.testing.assert_array_equal(got, expected)
 
 
 @pytest.mark.parametrize("run, half_levels", [(32, 16), (16, 32), (32, 127)], ids=["q5_0", "q6_k", "q8_0"])

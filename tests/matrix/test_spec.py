@@ -67,6 +67,25 @@ quantize_embedding = "int8"
     ]
 
 
+def test_a_row_sets_the_lm_head_scheme_and_prefill_chunk(tmp_path):
+    """Rows that differ only in ``quantize_lm_head`` or ``prefill_chunk`` are rows of their own."""
+    matrix = load_matrix(write(tmp_path, """
+[defaults]
+model = "tiny-gemma3"
+quantize = "8da4w"
+[[row]]
+[[row]]
+quantize_lm_head = "int4"
+[[row]]
+prefill_chunk = 16
+"""))
+    assert [(r.quantize_lm_head, r.prefill_chunk) for r in matrix.rows] == [(None, None), ("int4", None), (None, 16)]
+    assert [r.id.split("-", 1)[1] for r in matrix.rows] == [
+        "tiny-gemma3-executorch-float32-default-8da4w", "tiny-gemma3-executorch-float32-default-8da4w-headint4",
+        "tiny-gemma3-executorch-float32-default-8da4w-chunk16",
+    ]
+
+
 def test_a_model_built_from_a_config_in_the_file(tmp_path):
     matrix = load_matrix(write(tmp_path, """
 [[row]]
@@ -112,6 +131,8 @@ def test_shards_cover_every_row_exactly_once(count):
          "[[row]] #1 (executorch): --quantize int4 is for --target onnx"),
         ("[[row]]\nmodel = 'tiny-llama'\ntarget = 'onnx'\nquantize = ['int4']", "'quantize' must be one string"),
         ("[[row]]\nmodel = 'tiny-llama'\ntarget = 'onnx'\nquantize = 'int4'\ndtype = 'float16'", "--quantize takes --dtype float32"),
+        ("[[row]]\nmodel = 'tiny-llama'\nquantize_lm_head = 'int4'", "--quantize-lm-head goes with --quantize 8da4w"),
+        ("[[row]]\nmodel = 'tiny-llama'\nprefill_chunk = 0", "'prefill_chunk' must be a positive integer"),
     ],
 )
 def test_mistakes_in_the_file_get_one_line(tmp_path, capsys, text, phrase):
