@@ -1,5 +1,6 @@
-"""One matrix row run in this process: a quantized row is exported with its scheme and checked for
-agreement (its tokens may differ from eager's), not for identical tokens."""
+"""One matrix row run in this process: a quantized row is exported with its scheme (and the row's
+prefill chunk) and checked for agreement (its tokens may differ from eager's), not for identical
+tokens."""
 
 from __future__ import annotations
 
@@ -10,9 +11,10 @@ from kvexport.matrix.spec import Row
 
 def test_a_quantized_row_is_checked_for_agreement(tmp_path):
     row = Row(0, "tiny-gemma3", "onnx", "float32", 64, timeout_s=600, check_new_tokens=None, run_new_tokens=4,
-              quantize="int4")
+              quantize="int4", prefill_chunk=16)
     result = run_row(row, tmp_path)
-    assert read_manifest(tmp_path / ARTIFACT_DIR)["export_options"]["quantize"] == "int4"
+    options = read_manifest(tmp_path / ARTIFACT_DIR)["export_options"]
+    assert (options["quantize"], options["prefill_chunk"]) == ("int4", 16)
     assert "quantize" in result["export_steps"]
     assert 0.0 <= result["top1_agreement"] <= 1.0 and result["first_divergence"] is None
     # A random 4-bit tiny model may or may not reach 95%; the verdict and its reason follow the figure.
