@@ -473,7 +473,6 @@ def q4_1_weight(rng, n: int, k: int) -> np.ndarray:
 def test_int4_reproduces_a_weight_already_on_a_4_bit_grid(tmp_path):
     """A weight read from a 4-bit GGUF (Q4_1) comes out exactly: the rewrite adds no error of its
     own. Symmetric int4 would round it again."""
-
     rng = np.random.default_rng(1)
     n, k = 64, 128  # n: the head below (an identity) is quantized too, so a multiple of 32
     weight = q4_1_weight(rng, n, k)
