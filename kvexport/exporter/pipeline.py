@@ -119,9 +119,8 @@ class ExportPlan:
     def summary(self) -> str:
         o = self.options
         rings = sum(s.is_ring(self.max_cache_len) for s in self.specs)
-        schemes = [f"--quantize {o.quantize}" if o.quantize else "", f"--quantize-embedding {o.quantize_embedding}" if o.quantize_embedding else "",
-                   f"--quantize-lm-head {o.quantize_lm_head}" if o.quantize_lm_head else ""]
-        quantized = f" ({', '.join(s for s in schemes if s)})" if any(schemes) else ""
+        schemes = [f"--{name.replace('_', '-')} {getattr(o, name)}" for name in quantize.OPTIONS if getattr(o, name)]
+        quantized = f" ({', '.join(schemes)})" if schemes else ""
         default = (
             ""
             if o.max_cache_len
@@ -229,9 +228,7 @@ def _manifest_info(plan: ExportPlan, model, tokenizer) -> dict:
             "max_cache_len": plan.max_cache_len,
             "prefill_chunk": plan.prefill_chunk,
             # Only when set, so unquantized manifests read as before.
-            **({"quantize": plan.options.quantize} if plan.options.quantize else {}),
-            **({"quantize_embedding": plan.options.quantize_embedding} if plan.options.quantize_embedding else {}),
-            **({"quantize_lm_head": plan.options.quantize_lm_head} if plan.options.quantize_lm_head else {}),
+            **{name: getattr(plan.options, name) for name in quantize.OPTIONS if getattr(plan.options, name)},
         },
         "model_type": config.model_type,
         "dtype": dtype,

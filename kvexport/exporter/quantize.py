@@ -23,6 +23,8 @@ import torch
 from ..errors import InvalidOptionError
 from .weight_grids import BLOCK
 
+# The export options that choose a quantization (ExportOptions' fields, and matrix rows' keys).
+OPTIONS = ("quantize", "quantize_embedding", "quantize_lm_head")
 # --quantize: the scheme, and the one target that runs it.
 SCHEMES = {"8da4w": "executorch", "int4": "onnx"}
 # --quantize-embedding (ExecuTorch): kvexport's name -> ExecuTorch's quantize_model_ config.

@@ -18,8 +18,9 @@ Row keys: ``model``, ``target``, ``dtype``, ``max_cache_len`` (one value or a li
 ``quantize_lm_head`` (one value each, as ``kvexport export`` takes them: ``int4`` for onnx,
 ``8da4w`` / ``int8`` / ``int4`` for executorch; the row's check then measures top-1 agreement);
 ``prefill_chunk`` (one value: export's ``--prefill-chunk``; default: export's); ``timeout_s`` (the
-row's child process is killed after it); ``check_new_tokens`` (new tokens per check prompt; default: check's own, past
-the sliding window); ``run_new_tokens`` (tokens of the short run that measures decode speed).
+row's child process is killed after it); ``check_new_tokens`` (new tokens per check prompt;
+default: check's own, past the sliding window); ``run_new_tokens`` (tokens of the short run that
+measures decode speed).
 
 Rows are numbered in file order, each table expanding with ``model`` varying fastest, so that a
 round-robin split (row ``i`` to shard ``i % N + 1``) spreads models and targets over the shards.
@@ -39,7 +40,9 @@ from ..errors import InvalidOptionError, KvexportError
 AXES = ("target", "dtype", "max_cache_len", "model")  # expansion order: the last varies fastest
 _OPTIONS = {"timeout_s": 1800, "check_new_tokens": None, "run_new_tokens": 32, "prefill_chunk": None}
 _DEFAULTS = {"target": "executorch", "dtype": "float32", "max_cache_len": None}
-QUANTIZATION = ("quantize", "quantize_embedding", "quantize_lm_head")  # one value per [[row]] (TOML has no null for "float")
+# One value per [[row]] (TOML has no null for "float"); exporter.quantize.OPTIONS, which this light
+# module does not import (it would load torch for a matrix file's first check).
+QUANTIZATION = ("quantize", "quantize_embedding", "quantize_lm_head")
 ROW_KEYS = (*AXES, *QUANTIZATION, *_OPTIONS)
 
 

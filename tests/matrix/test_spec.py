@@ -165,3 +165,10 @@ def test_usage_mistakes_get_usage_not_a_traceback(capsys):
     assert code == 2 and "Missing argument" in err and "Traceback" not in err
     code, _, err = run_cli(capsys, "matrix", TINY_MATRIX, "--shards", "1/2")
     assert code == 2 and "No such option: --shards" in err and "Traceback" not in err
+
+
+def test_a_row_takes_every_quantization_option_export_takes():
+    from kvexport.exporter.quantize import OPTIONS
+    from kvexport.matrix.spec import QUANTIZATION
+
+    assert QUANTIZATION == OPTIONS
