@@ -52,7 +52,7 @@ def export(
     ] = None,
     quantize_lm_head: Annotated[
         Optional[str],
-        typer.Option(help="with --quantize 8da4w: int8 or int4 lm_head (int4: smaller and faster, less exact) [default: int8]"),
+        typer.Option(help="with --quantize: int8 or int4 lm_head (int4: smaller and faster, less exact) [default: int8]"),
     ] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="no progress output")] = False,
     as_json: JsonFlag = False,

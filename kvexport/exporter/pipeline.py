@@ -32,7 +32,7 @@ class ExportOptions:
     force: bool = False
     quantize: str | None = None  # "8da4w" (executorch) or "int4" (onnx)
     quantize_embedding: str | None = None  # "int8" or "int4" (executorch)
-    quantize_lm_head: str | None = None  # "int8" (8da4w's default) or "int4" (executorch)
+    quantize_lm_head: str | None = None  # "int8" (the default) or "int4", with quantize
     prefill_chunk: int | None = None  # most tokens per forward call [default: DEFAULT_PREFILL_CHUNK]
 
 
@@ -180,7 +180,7 @@ def export_model(options: ExportOptions, progress: Progress | None = None) -> Ex
         if quantization and hasattr(target, "quantize_files"):  # ONNX: the saved graph's weights
             del model
             with progress.step("quantize", _quantize_detail(options)):
-                lowered.update(target.quantize_files(folder, info))
+                lowered.update(target.quantize_files(folder, info, options.quantize_lm_head))
         with progress.step("save", str(plan.out)):
             tokenizer.save_pretrained(folder)
             # The target's facts win: the ONNX target replaces `interface` with its graph's own.
@@ -195,7 +195,8 @@ def export_model(options: ExportOptions, progress: Progress | None = None) -> Ex
 
 def _quantize_detail(options: ExportOptions) -> str:
     if options.quantize == "int4":
-        return "int4 linear weights (int8 lm_head), MatMul -> MatMulNBits, Gather -> GatherBlockQuantized int8 (ONNX Runtime)"
+        return (f"int4 linear weights ({options.quantize_lm_head or 'int8'} lm_head), MatMul -> MatMulNBits, "
+                "Gather -> GatherBlockQuantized int8 (ONNX Runtime)")
     parts = [f"8da4w linear weights ({options.quantize_lm_head or 'int8'} lm_head)" if options.quantize else "",
              f"embedding {options.quantize_embedding}" if options.quantize_embedding else ""]
     return ", ".join(p for p in parts if p) + " (torchao tensors for XNNPACK)"

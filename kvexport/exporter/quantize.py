@@ -29,8 +29,8 @@ OPTIONS = ("quantize", "quantize_embedding", "quantize_lm_head")
 SCHEMES = {"8da4w": "executorch", "int4": "onnx"}
 # --quantize-embedding (ExecuTorch): kvexport's name -> ExecuTorch's quantize_model_ config.
 EMBEDDING_SCHEMES = {"int8": "8w", "int4": "4w"}
-# --quantize-lm-head (ExecuTorch 8da4w): int8, one scale per row (the default: its rounding lands
-# straight on the logits), or int4 like the other linear layers (smaller and faster, less exact).
+# --quantize-lm-head (with 8da4w or int4): int8 (the default: its rounding lands straight on the
+# logits), or int4 (smaller and faster, less exact).
 LM_HEAD_SCHEMES = ("int8", "int4")
 GROUP_SIZE = BLOCK  # weights per scale, for 4-bit linear weights and int4 embeddings (ExecuTorch)
 # The scale of a block whose weights are all one value (any positive scale holds it exactly).
@@ -62,13 +62,11 @@ def check_request(target: str, scheme: str | None, embedding: str | None, dtype:
     if lm_head is not None:
         if lm_head not in LM_HEAD_SCHEMES:
             raise InvalidOptionError(f"unknown --quantize-lm-head '{lm_head}'; choose one of: {', '.join(LM_HEAD_SCHEMES)}")
-        if target != "executorch":
+        if scheme is None:
+            right = next(s for s, t in SCHEMES.items() if t == target)
             raise InvalidOptionError(
-                f"--quantize-lm-head is for --target executorch; for --target {target} leave it out "
-                "(--quantize int4 keeps the lm_head 8-bit: it reads the embedding's table)"
+                f"--quantize-lm-head goes with --quantize {right} (--target {target}); add it, or leave --quantize-lm-head out"
             )
-        if scheme != "8da4w":
-            raise InvalidOptionError("--quantize-lm-head goes with --quantize 8da4w; add it, or leave --quantize-lm-head out")
     if (scheme or embedding) and dtype != "float32":
         raise InvalidOptionError(f"--quantize takes --dtype float32 (the default), not {dtype}; leave --dtype out")
 
@@ -90,8 +88,14 @@ def describe(scheme: str | None, embedding: str | None, hidden_size: int, lm_hea
             "linear_finer_than_4_bits": {"weights": "int8", "symmetric": True,
                                          "block_size": f"{BLOCK}, or {FINE_BLOCK} where the source steps runs of {FINE_BLOCK} (Q6_K)",
                                          "accuracy_level": ACCURACY_LEVEL, "op": "com.microsoft::MatMulNBits"},
-            "lm_head": {"weights": "int8", "symmetric": True, "block_size": table_block(hidden_size),
-                        "op": "com.microsoft::MatMulNBits"},
+            "lm_head": (
+                {"weights": "int4", "symmetric": False, "block_size": BLOCK, "zero_points": "4-bit, one a block",
+                 "accuracy_level": ACCURACY_LEVEL, "op": "com.microsoft::MatMulNBits",
+                 "note": "--quantize-lm-head int4: 16 levels over each block's range widened to hold zero (ONNX Runtime's rounding)"}
+                if lm_head == "int4"
+                else {"weights": "int8", "symmetric": True, "block_size": table_block(hidden_size),
+                      "op": "com.microsoft::MatMulNBits"}
+            ),
             "embedding": {"weights": "int8", "symmetric": True, "block_size": table_block(hidden_size),
                           "op": "com.microsoft::GatherBlockQuantized"},
         }

@@ -15,8 +15,9 @@ model_type = "olmo2"            # other keys override kvexport's tiny defaults (
 
 Row keys: ``model``, ``target``, ``dtype``, ``max_cache_len`` (one value or a list; a missing
 ``max_cache_len`` is export's default); ``quantize``, ``quantize_embedding`` and
-``quantize_lm_head`` (one value each, as ``kvexport export`` takes them: ``int4`` for onnx,
-``8da4w`` / ``int8`` / ``int4`` for executorch; the row's check then measures top-1 agreement);
+``quantize_lm_head`` (one value each, as ``kvexport export`` takes them: ``quantize`` ``int4`` for
+onnx, ``8da4w`` for executorch, with ``quantize_embedding`` (executorch) and ``quantize_lm_head``
+``int8`` / ``int4``; the row's check then measures top-1 agreement);
 ``prefill_chunk`` (one value: export's ``--prefill-chunk``; default: export's); ``timeout_s`` (the
 row's child process is killed after it); ``check_new_tokens`` (new tokens per check prompt;
 default: check's own, past the sliding window); ``run_new_tokens`` (tokens of the short run that

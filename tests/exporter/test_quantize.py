@@ -221,12 +221,25 @@ def symmetric_int8(weight: torch.Tensor) -> torch.Tensor:
     return (q * scale).reshape(weight.shape)
 
 
-def as_onnx_int4(model: torch.nn.Module) -> torch.nn.Module:
+def int4_with_zero_points(weight: torch.Tensor) -> torch.Tensor:
+    """``--quantize-lm-head int4`` on ONNX: blocks of 32 along the input dim, 16 levels over the
+    block's range widened to hold zero, a whole zero point (ONNX Runtime's asymmetric rule)."""
+    blocks = weight.reshape(weight.shape[0], -1, GROUP_SIZE)
+    lo, hi = blocks.amin(-1, keepdim=True).clamp(max=0), blocks.amax(-1, keepdim=True).clamp(min=0)
+    step = (hi - lo) / 15
+    zero = torch.where(step == 0, 8.0, (-lo / step).round().clamp(0, 15))
+    q = torch.where(step == 0, 8.0, (blocks / step + zero).round().clamp(0, 15))
+    return ((q - zero) * step).reshape(weight.shape)
+
+
+def as_onnx_int4(model: torch.nn.Module, lm_head: str = "int8") -> torch.nn.Module:
     rounded = copy.deepcopy(model)
     head = rounded.get_output_embeddings()
+    if lm_head == "int4":  # a copy of its own, the table (tied or not) stays as it was for the lookup
+        head.weight = torch.nn.Parameter(int4_with_zero_points(head.weight.detach()), requires_grad=False)
     with torch.no_grad():
         for module in rounded.modules():
-            if isinstance(module, torch.nn.Embedding) or module is head:
+            if isinstance(module, torch.nn.Embedding) or (module is head and lm_head == "int8"):
                 module.weight.copy_(symmetric_int8(module.weight))  # a tied table: once, 8-bit both ways
             elif isinstance(module, torch.nn.Linear):
                 module.weight.copy_(asymmetric_int4(module.weight))
@@ -261,6 +274,33 @@ def test_int4_onnx_export_runs_the_int4_model(tmp_path, capsys):
     reference = torch_logits(as_onnx_int4(model), ids, prompt_len)
     as_float = torch_logits(model, ids, prompt_len)
     assert_closer_to(got, reference, as_float)
+
+
+def test_an_int4_lm_head_on_onnx_reads_zero_points_and_the_lookup_keeps_its_8_bit_table(artifact, capsys):
+    """``--quantize int4 --quantize-lm-head int4`` on a tied model: the lm_head is MatMulNBits int4
+    with a zero point per block (no offsets), the lookup still reads the 8-bit table, and the graph
+    computes that model."""
+    import onnx
+
+    folder = artifact("tiny-smollm3", "onnx", "int4", None, "int4")
+    manifest = read_manifest(folder)
+    assert manifest["quantization"]["lm_head"]["weights"] == "int4"
+    assert manifest["export_options"]["quantize_lm_head"] == "int4"
+    assert manifest["quantized_ops"] == {"MatMulNBits": 17, "GatherBlockQuantized": 1}
+    assert sorted(bits for bits, *_ in nbits_ops(folder / "model.onnx")) == [4] * 17
+    graph = onnx.load(str(folder / "model.onnx"), load_external_data=False).graph
+    head = next(n for n in graph.node if n.op_type == "MatMulNBits"
+                and next(a.i for a in n.attribute if a.name == "N") == manifest["vocab_size"])
+    assert len(head.input) == 4 and head.input[3].endswith("_zero_points")
+    lookup = next(n for n in graph.node if n.op_type == "GatherBlockQuantized")
+    assert next(a.i for a in lookup.attribute if a.name == "bits") == 8
+
+    model, ids, prompt_len = sequence("tiny-smollm3")
+    got = teacher_forced(load_program(folder).forward, ids, prompt_len)
+    reference = torch_logits(as_onnx_int4(model, lm_head="int4"), ids, prompt_len)
+    assert_closer_to(got, reference, torch_logits(model, ids, prompt_len))
+    _, _, err = run_cli(capsys, "check", folder, "--max-new-tokens", "4")  # check names the scheme
+    assert "quantized (int4, int4 lm_head, " in err
 
 
 def nbits_ops(path, with_block: bool = False) -> list[tuple[int, ...]]:
@@ -401,12 +441,12 @@ def test_teacher_forcing_goes_on_past_a_divergence(artifact):
         (["--quantize", "int3"], ["unknown --quantize 'int3'", "8da4w (--target executorch), int4 (--target onnx)"]),
         (["--quantize", "8da4w", "--quantize-embedding", "int2"], ["unknown --quantize-embedding 'int2'", "int8, int4"]),
         (["--quantize", "8da4w", "--dtype", "float16"], ["--quantize takes --dtype float32"]),
-        (["--quantize-lm-head", "int4"], ["--quantize-lm-head goes with --quantize 8da4w"]),
-        (["--target", "onnx", "--quantize", "int4", "--quantize-lm-head", "int4"], ["--quantize-lm-head is for --target executorch"]),
+        (["--quantize-lm-head", "int4"], ["--quantize-lm-head goes with --quantize 8da4w (--target executorch)"]),
+        (["--target", "onnx", "--quantize-lm-head", "int4"], ["--quantize-lm-head goes with --quantize int4 (--target onnx)"]),
         (["--quantize", "8da4w", "--quantize-lm-head", "int2"], ["unknown --quantize-lm-head 'int2'", "int8, int4"]),
     ],
     ids=["int4-on-executorch", "8da4w-on-onnx", "embedding-on-onnx", "unknown-scheme", "unknown-embedding-scheme", "float16",
-         "lm-head-without-8da4w", "lm-head-on-onnx", "unknown-lm-head-scheme"],
+         "lm-head-without-8da4w", "lm-head-without-int4", "unknown-lm-head-scheme"],
 )
 def test_quantize_mistakes_get_one_line_before_loading(tmp_path, capsys, monkeypatch, args, phrases):
     from kvexport.exporter import pipeline

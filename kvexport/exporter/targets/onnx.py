@@ -98,16 +98,17 @@ def lower(program: torch.export.ExportedProgram, info: dict, out_dir: Path) -> d
     }
 
 
-def quantize_files(out_dir: Path, info: dict) -> dict:
-    """``--quantize int4``: the written graph's weights to 4 bits (8 for the lm_head and the
-    embedding; ONNX Runtime's MatMulNBits and GatherBlockQuantized), rewritten in place as ``model.onnx`` + ``model.onnx.data``, then checked
-    again. The interface does not change."""
+def quantize_files(out_dir: Path, info: dict, lm_head: str | None = None) -> dict:
+    """``--quantize int4``: the written graph's weights to 4 bits (8 for the embedding, and for the
+    lm_head unless ``lm_head`` is ``int4``; ONNX Runtime's MatMulNBits and GatherBlockQuantized),
+    rewritten in place as ``model.onnx`` + ``model.onnx.data``, then checked again. The interface
+    does not change."""
     import onnx
 
     from ..onnx_quantize import quantize_onnx
 
     path = out_dir / PROGRAM_FILE
-    ops = quantize_onnx(path, DATA_FILE)
+    ops = quantize_onnx(path, DATA_FILE, lm_head or "int8")
     _check(path)
     return {"opset": _opset(onnx.load(str(path), load_external_data=False)), "quantized_ops": ops}
 
