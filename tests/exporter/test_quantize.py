@@ -222,13 +222,16 @@ def symmetric_int8(weight: torch.Tensor) -> torch.Tensor:
 
 
 def int4_with_zero_points(weight: torch.Tensor) -> torch.Tensor:
-    """``--quantize-lm-head int4`` on ONNX: blocks of 32 along the input dim, 16 levels over the
-    block's range widened to hold zero, a whole zero point (ONNX Runtime's asymmetric rule)."""
+    """``--quantize-lm-head int4`` on ONNX: blocks of 32 along the input dim, ``step * (q - zero)``
+    with a whole ``zero`` in 0..15, the one whose step can be smallest and still reach the block's
+    min and max (with zero, always a level)."""
     blocks = weight.reshape(weight.shape[0], -1, GROUP_SIZE)
     lo, hi = blocks.amin(-1, keepdim=True).clamp(max=0), blocks.amax(-1, keepdim=True).clamp(min=0)
-    step = (hi - lo) / 15
-    zero = torch.where(step == 0, 8.0, (-lo / step).round().clamp(0, 15))
-    q = torch.where(step == 0, 8.0, (blocks / step + zero).round().clamp(0, 15))
+    candidates = [torch.maximum(-lo / z if z else torch.where(lo < 0, torch.inf, 0.0),
+                                hi / (15 - z) if z < 15 else torch.where(hi > 0, torch.inf, 0.0)) for z in range(16)]
+    step, zero = torch.stack(candidates).min(0)
+    step = torch.where(step == 0, 1.0, step)
+    q = (blocks / step + zero).round().clamp(0, 15)
     return ((q - zero) * step).reshape(weight.shape)
 
 
@@ -301,6 +304,29 @@ def test_an_int4_lm_head_on_onnx_reads_zero_points_and_the_lookup_keeps_its_8_bi
     assert_closer_to(got, reference, torch_logits(model, ids, prompt_len))
     _, _, err = run_cli(capsys, "check", folder, "--max-new-tokens", "4")  # check names the scheme
     assert "quantized (int4, int4 lm_head, " in err
+
+
+def test_an_int4_onnx_lm_head_reaches_each_blocks_min_and_max():
+    """Each block's levels reach its min and max (no clipping, every weight within half a step),
+    packed as MatMulNBits reads them: two levels and two zero points a byte, low nibble first."""
+    from kvexport.exporter.onnx_quantize import _int4_with_zero_points
+
+    rng = np.random.default_rng(0)
+    weight = rng.standard_normal((96, 70)).astype(np.float32)  # [K, N]: 3 blocks, an odd count
+    weight[:32, 0] = 0  # a block of zeros
+    weight[32:64, 1] = np.abs(weight[32:64, 1])  # all positive: zero is level 0
+    weight[:32, 2] = -np.abs(weight[:32, 2])  # all negative: zero is level 15
+    data, step, zero = _int4_with_zero_points(weight)
+    n, blocks = step.shape
+    assert data.shape == (70, 3, 16) and zero.shape == (70, 2) and (n, blocks) == (70, 3)
+    levels = np.stack([data & 15, data >> 4], -1).reshape(n, blocks, GROUP_SIZE).astype(np.float32)
+    zeros = np.stack([zero & 15, zero >> 4], -1).reshape(n, -1)[:, :blocks].astype(np.float32)
+    dequantized = (levels - zeros[..., None]) * step[..., None]
+    original = weight.T.reshape(n, blocks, GROUP_SIZE)
+    assert np.all(np.abs(dequantized - original) <= 0.5001 * step[..., None])
+    np.testing.assert_allclose(dequantized.reshape(n, -1), int4_with_zero_points(torch.from_numpy(weight.T.copy())).numpy(),
+                               rtol=0, atol=1e-6)
+    assert zeros[2, 0] == 15 and zeros[1, 1] == 0 and np.all(dequantized[0, 0] == 0)
 
 
 def nbits_ops(path, with_block: bool = False) -> list[tuple[int, ...]]:
