@@ -79,10 +79,15 @@ def test_8da4w_agrees_with_float_eager(real):
     assert agreement >= MIN_QUANTIZED_AGREEMENT, f"top-1 agreement {agreement:.1%}"
 
 
-def test_int4_onnx_smollm2_passes_check(tmp_path):
+@pytest.mark.parametrize("lm_head", [None, "int4"], ids=["int8-lm-head", "int4-lm-head"])
+def test_int4_onnx_smollm2_passes_check(tmp_path, lm_head):
+    """Exported and checked by hand (2026-11-26): 99.2% / 100%, and 96.5% / 100% with the int4
+    lm_head (Gemma 3: 97.7% / 100% and 96.9% / 100%; ONNX Runtime's own int4 rounding left that
+    one at 94.5%)."""
     folder = tmp_path / "smollm2-onnx-int4"
+    head = ["--quantize-lm-head", lm_head] if lm_head else []
     for argv in (["export", "smollm2-135m", "--target", "onnx", "-o", str(folder), "--max-cache-len", "1024",
-                  "--quantize", "int4", "--quiet"], ["check", str(folder)]):
+                  "--quantize", "int4", *head, "--quiet"], ["check", str(folder)]):
         with pytest.raises(SystemExit) as done:
             main(argv)
         assert done.value.code == 0, argv[0]
