@@ -91,7 +91,7 @@ def describe(scheme: str | None, embedding: str | None, hidden_size: int, lm_hea
             "lm_head": (
                 {"weights": "int4", "symmetric": False, "block_size": BLOCK, "zero_points": "4-bit, one a block",
                  "accuracy_level": ACCURACY_LEVEL, "op": "com.microsoft::MatMulNBits",
-                 "note": "--quantize-lm-head int4: 16 levels over each block's range widened to hold zero (ONNX Runtime's rounding)"}
+                 "note": "--quantize-lm-head int4: each block's zero point the one whose smallest step reaches its min and max"}
                 if lm_head == "int4"
                 else {"weights": "int8", "symmetric": True, "block_size": table_block(hidden_size),
                       "op": "com.microsoft::MatMulNBits"}
