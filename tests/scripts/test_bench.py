@@ -93,6 +93,7 @@ def test_ratios_divide_each_decode_median_by_eager_and_llama():
     assert r["decode_vs_eager"] == {"run a": 6.0, "textllm a": 5.0, "run b": 3.0, "llama None": 4.0}
     assert r["decode_vs_llama"] == {"eager None": 0.25, "run a": 1.5, "textllm a": 1.25, "run b": 0.75}
     assert r["run_vs_textllm"] == {"a": 1.2}
+    assert r["run_vs_textllm_by_round"] == {}  # no rounds in these jobs: no paired ratio
     # llama.cpp not installed (skipped, no median): no ratio against it, the others stay.
     jobs[-1]["summary"]["decode_tokens_per_s"] = None
     r = bench.ratios(jobs)
@@ -133,3 +134,20 @@ def test_other_load_between_runs_is_measured_and_flagged(tmp_path, monkeypatch):
     shared = bench.busy_lines({**idle, "max": 0.2})[1]
     assert "max 20%" in shared and "not idle" in shared
     assert bench.busy_lines(None) == []  # no /proc/stat: nothing claimed
+
+
+def test_run_against_textllm_is_also_paired_round_by_round():
+    """A slow spell that catches kvexport run's rounds and not TextLLMRunner's moves the ratio of
+    the medians; each round's own ratio (the two paths back to back) mostly does not."""
+    bench = load_script("bench")
+    run = [200.0, 200.0, 250.0, 250.0, 200.0]
+    textllm = [200.0, 250.0, 260.0, 260.0, 260.0]
+    jobs = [{"path": path, "label": path, "artifact": "a",
+             "runs": [{"decode_tokens_per_s": v} for v in values],
+             "summary": {"decode_tokens_per_s": {"median": sorted(values)[2]}}}
+            for path, values in (("run", run), ("textllm", textllm))]
+    jobs[0]["runs"][1] = {"error": "crashed"}  # a failed round pairs with nothing
+    r = bench.ratios(jobs)
+    assert r["run_vs_textllm"] == {"a": 200.0 / 260.0}
+    # Rounds 1, 3, 4, 5: 1.0, 250/260, 250/260, 200/260; their median is 250/260.
+    assert r["run_vs_textllm_by_round"] == {"a": pytest.approx(250 / 260)}
