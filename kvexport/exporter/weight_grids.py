@@ -27,9 +27,8 @@ def int4_blocks(weight_nk: np.ndarray, steps: np.ndarray | None = None,
     n, k = weight_nk.shape
     if n > rows_per_call:
         step_rows = None if steps is None else steps.reshape(n, -1)
-        parts = [int4_blocks(weight_nk[i : i + rows_per_call], None if step_rows is None else step_rows[i : i + rows_per_call])
-                 for i in range(0, n, rows_per_call)]
-        return tuple(np.concatenate(arrays) for arrays in zip(*parts))
+        return _in_row_pieces(lambda rows, i: int4_blocks(rows, None if step_rows is None else step_rows[i : i + len(rows)]),
+                              weight_nk, rows_per_call)
     blocks = weight_nk.reshape(n, k // BLOCK, BLOCK).astype(np.float32)
     lo, hi = blocks.min(-1), blocks.max(-1)
     scale = (hi - lo) / np.float32(15)
@@ -39,6 +38,36 @@ def int4_blocks(weight_nk: np.ndarray, steps: np.ndarray | None = None,
     safe = np.where(scale == 0, np.float32(1), scale)
     q = np.clip(np.rint((blocks - lo[..., None]) / safe[..., None]), 0, 15).astype(np.uint8)
     return q, scale.astype(np.float32), (lo + 8 * scale).astype(np.float32)
+
+
+def int4_zero_point_blocks(weight_nk: np.ndarray, rows_per_call: int = 16384) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``weight_nk`` [N, K] as (q [N, K/32, 32] in 0..15, step [N, K/32], zero [N, K/32] in 0..15)
+    with ``weight ~= step * (q - zero)`` per block, ``zero`` a whole level: of the 16, the one whose
+    smallest step still reaches the block's min and max (with zero, always a level) without
+    clipping either, so every weight is within half a step. For a weight rounded anyway (ONNX's
+    int4 lm_head), which a kernel with whole zero points reads without offsets."""
+    n, k = weight_nk.shape
+    if n > rows_per_call:
+        return _in_row_pieces(lambda rows, _: int4_zero_point_blocks(rows, rows_per_call), weight_nk, rows_per_call)
+    blocks = weight_nk.reshape(n, k // BLOCK, BLOCK).astype(np.float32)
+    lo = np.minimum(blocks.min(-1), 0)
+    hi = np.maximum(blocks.max(-1), 0)
+    zero = np.arange(16, dtype=np.float32)[:, None, None]  # candidates, broadcast over [N, K/32]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        steps = np.maximum(np.where(lo < 0, -lo / zero, 0), np.where(hi > 0, hi / (15 - zero), 0))
+    best = np.argmin(steps, axis=0)
+    step = np.take_along_axis(steps, best[None], 0)[0].astype(np.float32)
+    step = np.where(step == 0, np.float32(1), step)  # a block of zeros: any step, every weight at the zero point
+    q = np.clip(np.rint(blocks / step[..., None]) + best[..., None], 0, 15).astype(np.uint8)
+    return q, step, best.astype(np.uint8)
+
+
+def _in_row_pieces(quantize, weight_nk: np.ndarray, rows_per_call: int) -> tuple[np.ndarray, ...]:
+    """``quantize(rows, first_row)`` over ``weight_nk`` ``rows_per_call`` rows at a time, its arrays
+    joined along the rows: a 262k-row lm_head would otherwise hold several float32 copies of
+    itself at once."""
+    parts = [quantize(weight_nk[i : i + rows_per_call], i) for i in range(0, weight_nk.shape[0], rows_per_call)]
+    return tuple(np.concatenate(arrays) for arrays in zip(*parts))
 
 
 def int8_blocks(weight: np.ndarray, block: int = BLOCK, steps: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
