@@ -35,6 +35,10 @@ class ExportOptions:
     quantize_lm_head: str | None = None  # "int8" (the default) or "int4", with quantize
     prefill_chunk: int | None = None  # most tokens per forward call [default: DEFAULT_PREFILL_CHUNK]
 
+    @property
+    def quantization(self) -> quantize.Quantization:
+        return quantize.Quantization(self.quantize, self.quantize_embedding, self.quantize_lm_head)
+
 
 @dataclass
 class ExportResult:
@@ -143,7 +147,7 @@ def plan_export(options: ExportOptions) -> ExportPlan:
         raise InvalidOptionError(
             f"target {options.target} does not take --dtype {options.dtype}; it takes {', '.join(target.SUPPORTED_DTYPES)}"
         )
-    quantize.check_request(options.target, options.quantize, options.quantize_embedding, options.dtype, options.quantize_lm_head)
+    options.quantization.check(options.target, options.dtype)
     out = Path(options.out) if options.out else default_output(options.model, options.target)
     artifact.check_output_path(out, options.force)
     source = sources.resolve(options.model)
@@ -166,8 +170,8 @@ def export_model(options: ExportOptions, progress: Progress | None = None) -> Ex
     info = _manifest_info(plan, model, tokenizer)
     quantization = info.get("quantization")
     if quantization and hasattr(target, "quantize_model"):  # ExecuTorch: the module, before export
-        with progress.step("quantize", _quantize_detail(options)):
-            skipped = target.quantize_model(model, options.quantize, options.quantize_embedding, options.quantize_lm_head)
+        with progress.step("quantize", _quantize_detail(options.quantization)):
+            skipped = target.quantize_model(model, options.quantization)
         if skipped:
             quantization["left_in_float"] = skipped
 
@@ -179,8 +183,8 @@ def export_model(options: ExportOptions, progress: Progress | None = None) -> Ex
             del program
         if quantization and hasattr(target, "quantize_files"):  # ONNX: the saved graph's weights
             del model
-            with progress.step("quantize", _quantize_detail(options)):
-                lowered.update(target.quantize_files(folder, info, options.quantize_lm_head))
+            with progress.step("quantize", _quantize_detail(options.quantization)):
+                lowered.update(target.quantize_files(folder, info, options.quantization))
         with progress.step("save", str(plan.out)):
             tokenizer.save_pretrained(folder)
             # The target's facts win: the ONNX target replaces `interface` with its graph's own.
@@ -193,12 +197,13 @@ def export_model(options: ExportOptions, progress: Progress | None = None) -> Ex
     return ExportResult(plan.out, manifest, dict(progress.seconds), peak_rss_mb())
 
 
-def _quantize_detail(options: ExportOptions) -> str:
-    if options.quantize == "int4":
-        return (f"int4 linear weights ({options.quantize_lm_head or 'int8'} lm_head), MatMul -> MatMulNBits, "
+def _quantize_detail(quantization: quantize.Quantization) -> str:
+    head = quantization.lm_head or "int8"
+    if quantization.scheme == "int4":
+        return (f"int4 linear weights ({head} lm_head), MatMul -> MatMulNBits, "
                 "Gather -> GatherBlockQuantized int8 (ONNX Runtime)")
-    parts = [f"8da4w linear weights ({options.quantize_lm_head or 'int8'} lm_head)" if options.quantize else "",
-             f"embedding {options.quantize_embedding}" if options.quantize_embedding else ""]
+    parts = [f"8da4w linear weights ({head} lm_head)" if quantization.scheme else "",
+             f"embedding {quantization.embedding}" if quantization.embedding else ""]
     return ", ".join(p for p in parts if p) + " (torchao tensors for XNNPACK)"
 
 
@@ -235,8 +240,7 @@ def _manifest_info(plan: ExportPlan, model, tokenizer) -> dict:
         "dtype": dtype,
         "max_cache_len": plan.max_cache_len,
         # Weight quantization (absent: float weights). `check` then measures agreement with float eager.
-        **({"quantization": q} if (q := quantize.describe(plan.options.quantize, plan.options.quantize_embedding, config.hidden_size,
-                                                          plan.options.quantize_lm_head)) else {}),
+        **({"quantization": q} if (q := plan.options.quantization.describe(config.hidden_size)) else {}),
         "vocab_size": config.vocab_size,
         "bos_token_id": bos,
         "eos_token_ids": _eos_ids(model, tokenizer),

@@ -17,6 +17,8 @@ ONNX (``int4``): the saved graph's weights, rewritten after export (``onnx_quant
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
@@ -39,97 +41,112 @@ _FLAT_BLOCK_SCALE = np.float32(2**-24)
 _EMBEDDING_KERNELS = {(-128, 127): ("embedding_byte", 8), (-8, 7): ("embedding_4bit", 4)}
 
 
-def check_request(target: str, scheme: str | None, embedding: str | None, dtype: str, lm_head: str | None = None) -> None:
-    """Refuse, before anything loads, a scheme that does not exist or that the target does not run."""
-    if scheme is not None and scheme not in SCHEMES:
-        choices = ", ".join(f"{s} (--target {t})" for s, t in SCHEMES.items())
-        raise InvalidOptionError(f"unknown --quantize '{scheme}'; choose one of: {choices}")
-    if scheme is not None and SCHEMES[scheme] != target:
-        right = next(s for s, t in SCHEMES.items() if t == target)
-        raise InvalidOptionError(
-            f"--quantize {scheme} is for --target {SCHEMES[scheme]}; for --target {target} use --quantize {right}"
-        )
-    if embedding is not None:
-        if target != "executorch":
-            raise InvalidOptionError(
-                f"--quantize-embedding is for --target executorch; for --target {target} leave it out "
-                "(--quantize int4 quantizes the embedding too)"
-            )
-        if embedding not in EMBEDDING_SCHEMES:
-            raise InvalidOptionError(
-                f"unknown --quantize-embedding '{embedding}'; choose one of: {', '.join(EMBEDDING_SCHEMES)}"
-            )
-    if lm_head is not None:
-        if lm_head not in LM_HEAD_SCHEMES:
-            raise InvalidOptionError(f"unknown --quantize-lm-head '{lm_head}'; choose one of: {', '.join(LM_HEAD_SCHEMES)}")
-        if scheme is None:
+@dataclass(frozen=True)
+class Quantization:
+    """What ``--quantize``, ``--quantize-embedding`` and ``--quantize-lm-head`` ask for (None: not
+    asked), carried as one value from the command line to the target that applies it."""
+
+    scheme: str | None = None  # --quantize: "8da4w" (executorch) or "int4" (onnx)
+    embedding: str | None = None  # --quantize-embedding: "int8" or "int4" (executorch)
+    lm_head: str | None = None  # --quantize-lm-head: "int8" (the default) or "int4", with scheme
+
+    def __bool__(self) -> bool:
+        return bool(self.scheme or self.embedding)
+
+    def check(self, target: str, dtype: str) -> None:
+        """Refuse, before anything loads, a scheme that does not exist or that the target does not run."""
+        scheme, embedding, lm_head = self.scheme, self.embedding, self.lm_head
+        if scheme is not None and scheme not in SCHEMES:
+            choices = ", ".join(f"{s} (--target {t})" for s, t in SCHEMES.items())
+            raise InvalidOptionError(f"unknown --quantize '{scheme}'; choose one of: {choices}")
+        if scheme is not None and SCHEMES[scheme] != target:
             right = next(s for s, t in SCHEMES.items() if t == target)
             raise InvalidOptionError(
-                f"--quantize-lm-head goes with --quantize {right} (--target {target}); add it, or leave --quantize-lm-head out"
+                f"--quantize {scheme} is for --target {SCHEMES[scheme]}; for --target {target} use --quantize {right}"
             )
-    if (scheme or embedding) and dtype != "float32":
-        raise InvalidOptionError(f"--quantize takes --dtype float32 (the default), not {dtype}; leave --dtype out")
+        if embedding is not None:
+            if target != "executorch":
+                raise InvalidOptionError(
+                    f"--quantize-embedding is for --target executorch; for --target {target} leave it out "
+                    "(--quantize int4 quantizes the embedding too)"
+                )
+            if embedding not in EMBEDDING_SCHEMES:
+                raise InvalidOptionError(
+                    f"unknown --quantize-embedding '{embedding}'; choose one of: {', '.join(EMBEDDING_SCHEMES)}"
+                )
+        if lm_head is not None:
+            if lm_head not in LM_HEAD_SCHEMES:
+                raise InvalidOptionError(f"unknown --quantize-lm-head '{lm_head}'; choose one of: {', '.join(LM_HEAD_SCHEMES)}")
+            if scheme is None:
+                right = next(s for s, t in SCHEMES.items() if t == target)
+                raise InvalidOptionError(
+                    f"--quantize-lm-head goes with --quantize {right} (--target {target}); add it, or leave --quantize-lm-head out"
+                )
+        if (scheme or embedding) and dtype != "float32":
+            raise InvalidOptionError(f"--quantize takes --dtype float32 (the default), not {dtype}; leave --dtype out")
 
+    def describe(self, hidden_size: int) -> dict | None:
+        """What ``kvexport.json`` records under ``quantization`` (None: not quantized). ``hidden_size``
+        is the lm_head's and embedding table's K, which sets their ONNX block."""
+        scheme, embedding, lm_head = self.scheme, self.embedding, self.lm_head
+        if not scheme and not embedding:
+            return None
+        if scheme == "int4":
+            from .onnx_quantize import ACCURACY_LEVEL, BLOCK, FINE_BLOCK, table_block
 
-def describe(scheme: str | None, embedding: str | None, hidden_size: int, lm_head: str | None = None) -> dict | None:
-    """What ``kvexport.json`` records under ``quantization`` (None: not quantized). ``hidden_size``
-    is the lm_head's and embedding table's K, which sets their ONNX block."""
-    if not scheme and not embedding:
-        return None
-    if scheme == "int4":
-        from .onnx_quantize import ACCURACY_LEVEL, BLOCK, FINE_BLOCK, table_block
-
-        return {
-            "scheme": "int4",
-            "by": "kvexport.exporter.onnx_quantize",
-            "linear": {"weights": "int4", "symmetric": False, "block_size": BLOCK, "accuracy_level": ACCURACY_LEVEL,
-                       "op": "com.microsoft::MatMulNBits + per-block offset"},
+            return {
+                "scheme": "int4",
+                "by": "kvexport.exporter.onnx_quantize",
+                "linear": {"weights": "int4", "symmetric": False, "block_size": BLOCK, "accuracy_level": ACCURACY_LEVEL,
+                           "op": "com.microsoft::MatMulNBits + per-block offset"},
+                # A weight the source stores finer than 4 bits (GGUF Q5_0, Q6_K, Q8_0) is not rounded to 4.
+                "linear_finer_than_4_bits": {"weights": "int8", "symmetric": True,
+                                             "block_size": f"{BLOCK}, or {FINE_BLOCK} where the source steps runs of {FINE_BLOCK} (Q6_K)",
+                                             "accuracy_level": ACCURACY_LEVEL, "op": "com.microsoft::MatMulNBits"},
+                "lm_head": (
+                    {"weights": "int4", "symmetric": False, "block_size": BLOCK, "zero_points": "4-bit, one a block",
+                     "accuracy_level": ACCURACY_LEVEL, "op": "com.microsoft::MatMulNBits",
+                     "note": "--quantize-lm-head int4: each block's zero point the one whose smallest step reaches its min and max"}
+                    if lm_head == "int4"
+                    else {"weights": "int8", "symmetric": True, "block_size": table_block(hidden_size),
+                          "op": "com.microsoft::MatMulNBits"}
+                ),
+                "embedding": {"weights": "int8", "symmetric": True, "block_size": table_block(hidden_size),
+                              "op": "com.microsoft::GatherBlockQuantized"},
+            }
+        described: dict = {"scheme": scheme, "by": "kvexport.exporter.quantize (torchao tensors)"}
+        if scheme:
+            activations = "int8, dynamic per token"
+            described["linear"] = {"weights": "int4", "group_size": GROUP_SIZE, "activations": activations,
+                                   "op": "XNNPACK int8 x int4 + per-block offsets (int8, one scale per row)"}
             # A weight the source stores finer than 4 bits (GGUF Q5_0, Q6_K, Q8_0) is not rounded to 4.
-            "linear_finer_than_4_bits": {"weights": "int8", "symmetric": True,
-                                         "block_size": f"{BLOCK}, or {FINE_BLOCK} where the source steps runs of {FINE_BLOCK} (Q6_K)",
-                                         "accuracy_level": ACCURACY_LEVEL, "op": "com.microsoft::MatMulNBits"},
-            "lm_head": (
-                {"weights": "int4", "symmetric": False, "block_size": BLOCK, "zero_points": "4-bit, one a block",
-                 "accuracy_level": ACCURACY_LEVEL, "op": "com.microsoft::MatMulNBits",
-                 "note": "--quantize-lm-head int4: each block's zero point the one whose smallest step reaches its min and max"}
+            described["linear_finer_than_4_bits"] = {"weights": "int8", "group_size": "row", "activations": activations}
+            described["lm_head"] = (
+                {**described["linear"], "note": "--quantize-lm-head int4: a block on no 4-bit grid spans its min..max in 16 levels"}
                 if lm_head == "int4"
-                else {"weights": "int8", "symmetric": True, "block_size": table_block(hidden_size),
-                      "op": "com.microsoft::MatMulNBits"}
-            ),
-            "embedding": {"weights": "int8", "symmetric": True, "block_size": table_block(hidden_size),
-                          "op": "com.microsoft::GatherBlockQuantized"},
-        }
-    described: dict = {"scheme": scheme, "by": "kvexport.exporter.quantize (torchao tensors)"}
-    if scheme:
-        activations = "int8, dynamic per token"
-        described["linear"] = {"weights": "int4", "group_size": GROUP_SIZE, "activations": activations,
-                               "op": "XNNPACK int8 x int4 + per-block offsets (int8, one scale per row)"}
-        # A weight the source stores finer than 4 bits (GGUF Q5_0, Q6_K, Q8_0) is not rounded to 4.
-        described["linear_finer_than_4_bits"] = {"weights": "int8", "group_size": "row", "activations": activations}
-        described["lm_head"] = (
-            {**described["linear"], "note": "--quantize-lm-head int4: a block on no 4-bit grid spans its min..max in 16 levels"}
-            if lm_head == "int4"
-            else {"weights": "int8", "group_size": "row", "activations": activations}
-        )
-    if embedding:
-        described["embedding"] = {
-            "weights": embedding,
-            "group_size": GROUP_SIZE if embedding == "int4" else "row",
-            "op": f"quantized_decomposed::{'embedding_4bit' if embedding == 'int4' else 'embedding_byte'}",
-        }
-    return described
+                else {"weights": "int8", "group_size": "row", "activations": activations}
+            )
+        if embedding:
+            described["embedding"] = {
+                "weights": embedding,
+                "group_size": GROUP_SIZE if embedding == "int4" else "row",
+                "op": f"quantized_decomposed::{'embedding_4bit' if embedding == 'int4' else 'embedding_byte'}",
+            }
+        return described
 
 
-def quantize_model(model: torch.nn.Module, scheme: str | None, embedding: str | None, lm_head: str | None = None) -> list[str]:
+def quantize_model(model: torch.nn.Module, quantization: Quantization) -> list[str]:
     """Quantize ``model``'s embeddings (torchao, ExecuTorch's recipe) and linear layers (``8da4w``,
-    ``quantize_linears``; ``lm_head``: ``LM_HEAD_SCHEMES``, default int8) in place, before export;
-    return the names of the layers left in float (a width that is no multiple of the group size)."""
+    ``quantize_linears``; the lm_head as ``quantization.lm_head`` asks, default int8) in place,
+    before export; return the names of the layers left in float (a width that is no multiple of
+    the group size)."""
     import contextlib
     import io
 
     from executorch.extension.llm.export.quantize import quantize_model_
 
     skipped: list[str] = []
+    embedding = quantization.embedding
     if embedding:
         # quantize_model_ prints what it does, and each layer it skips, on stdout (which --json owns).
         with contextlib.redirect_stdout(io.StringIO()) as said:
@@ -143,8 +160,8 @@ def quantize_model(model: torch.nn.Module, scheme: str | None, embedding: str | 
         for line in said.getvalue().splitlines():
             if line.strip().startswith("Skipping "):
                 skipped.append(line.strip().split()[1].rstrip(":"))
-    if scheme:
-        skipped += quantize_linears(model, lm_head or "int8")
+    if quantization.scheme:
+        skipped += quantize_linears(model, quantization.lm_head or "int8")
     return skipped
 
 

@@ -183,7 +183,7 @@ def _check_row(model: str, target: str, dtype: str, max_cache_len, tiny: dict, w
     if dtype not in sources.DTYPES:
         raise InvalidOptionError(f"{where}: unknown dtype '{dtype}'; choose one of: {', '.join(sources.DTYPES)}")
     try:  # the same one-line refusal `kvexport export` gives, per expanded row
-        quantization.check_request(target, quantize, quantize_embedding, dtype, quantize_lm_head)
+        quantization.Quantization(quantize, quantize_embedding, quantize_lm_head).check(target, dtype)
     except KvexportError as e:
         raise InvalidOptionError(f"{where} ({target}): {e}")
     if model not in tiny:

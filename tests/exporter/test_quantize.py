@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from kvexport.exporter.artifact import read_manifest
-from kvexport.exporter.quantize import GROUP_SIZE, quantize_model
+from kvexport.exporter.quantize import GROUP_SIZE, Quantization, quantize_model
 from kvexport.exporter.weight_grids import int4_blocks
 from kvexport.models.presets import build_preset
 from kvexport.runtime_check.programs import load_program
@@ -94,7 +94,7 @@ def test_8da4w_pte_runs_the_quantized_model(artifact, capsys, name, embedding, k
 
     model, ids, prompt_len = sequence(name)
     quantized = copy.deepcopy(model)
-    assert quantize_model(quantized, "8da4w", embedding, lm_head) == []  # every tiny width is a multiple of 32
+    assert quantize_model(quantized, Quantization("8da4w", embedding, lm_head)) == []  # every tiny width is a multiple of 32
     got = teacher_forced(load_program(folder).forward, ids, prompt_len)
     reference = torch_logits(quantized, ids, prompt_len)
     as_float = torch_logits(model, ids, prompt_len)
@@ -130,7 +130,7 @@ def test_8da4w_keeps_each_weight_on_its_grid():
                              (attention.v_proj, lambda rng, n, k: finer_weight(rng, n, k, 32, 127))]:
             linear.weight.copy_(torch.from_numpy(make(rng, *linear.weight.shape)))
     original = {name: m.weight.detach().clone() for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
-    assert quantize_model(model, "8da4w", None) == []
+    assert quantize_model(model, Quantization("8da4w")) == []
     layers = dict(model.named_modules())
 
     for name in ("model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.k_proj"):
@@ -153,7 +153,7 @@ def test_an_int4_lm_head_is_rounded_like_a_float_weight_and_its_tied_table_stays
 
     model, _ = build_preset("tiny-smollm3")  # tied embeddings
     original = model.lm_head.weight.detach().clone()
-    assert quantize_model(model, "8da4w", "int8", "int4") == []
+    assert quantize_model(model, Quantization("8da4w", "int8", "int4")) == []
     assert isinstance(model.lm_head, Int4GridLinear)
     assert_on_grid(model.lm_head, asymmetric_int4(original))
     table_error = (effective_weight(model.get_input_embeddings()) - original).abs().max()

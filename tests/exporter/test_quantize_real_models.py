@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kvexport.cli import main
-from kvexport.exporter.quantize import quantize_model
+from kvexport.exporter.quantize import Quantization, quantize_model
 from kvexport.models import sources
 
 from ..helpers import assert_on_grid
@@ -28,7 +28,7 @@ def real(request):
     """(name, float model, its tokenizer, the same model quantized 8da4w)."""
     model, tokenizer = sources.load_model(sources.resolve(request.param))
     quantized = copy.deepcopy(model)
-    assert quantize_model(quantized, "8da4w", "int8") == []
+    assert quantize_model(quantized, Quantization("8da4w", "int8")) == []
     return request.param, model, tokenizer, quantized
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from ..export import export_decoder
-from ..quantize import fuse_quantized_embeddings
+from ..quantize import Quantization, fuse_quantized_embeddings
 from ..wrapper import ExportableDecoder
 
 PROGRAM_FILE = "model.pte"
@@ -39,11 +39,11 @@ def export(model: torch.nn.Module, max_cache_len: int, max_tokens_per_call: int)
         return export_decoder(ExportableDecoder(model, max_cache_len, build_custom_op_caches, max_tokens_per_call))
 
 
-def quantize_model(model: torch.nn.Module, scheme: str | None, embedding: str | None, lm_head: str | None = None) -> list[str]:
+def quantize_model(model: torch.nn.Module, quantization: Quantization) -> list[str]:
     """Quantize the linear layers (``8da4w``) and embeddings in place with torchao, before export."""
     from ..quantize import quantize_model as quantize
 
-    return quantize(model, scheme, embedding, lm_head)
+    return quantize(model, quantization)
 
 
 def _constant_methods(info: dict) -> dict:

@@ -20,6 +20,7 @@ from ..export import export_external_cache_decoder
 from ..onnx_attention import ONNX_TRANSLATIONS as ATTENTION_TRANSLATIONS
 from ..onnx_rotary import ONNX_TRANSLATIONS as ROTARY_TRANSLATIONS
 from ..onnx_rotary import fold_rotations_into_attention, rotary_as_kernel
+from ..quantize import Quantization
 from ..wrapper import ExternalCacheDecoder
 
 PROGRAM_FILE = "model.onnx"
@@ -98,9 +99,9 @@ def lower(program: torch.export.ExportedProgram, info: dict, out_dir: Path) -> d
     }
 
 
-def quantize_files(out_dir: Path, info: dict, lm_head: str | None = None) -> dict:
+def quantize_files(out_dir: Path, info: dict, quantization: Quantization) -> dict:
     """``--quantize int4``: the written graph's weights to 4 bits (8 for the embedding, and for the
-    lm_head unless ``lm_head`` is ``int4``; ONNX Runtime's MatMulNBits and GatherBlockQuantized),
+    lm_head unless ``quantization.lm_head`` is ``int4``; ONNX Runtime's MatMulNBits and GatherBlockQuantized),
     rewritten in place as ``model.onnx`` + ``model.onnx.data``, then checked again. The interface
     does not change."""
     import onnx
@@ -108,7 +109,7 @@ def quantize_files(out_dir: Path, info: dict, lm_head: str | None = None) -> dic
     from ..onnx_quantize import quantize_onnx
 
     path = out_dir / PROGRAM_FILE
-    ops = quantize_onnx(path, DATA_FILE, lm_head or "int8")
+    ops = quantize_onnx(path, DATA_FILE, quantization.lm_head or "int8")
     _check(path)
     return {"opset": _opset(onnx.load(str(path), load_external_data=False)), "quantized_ops": ops}
 
