@@ -23,7 +23,7 @@ from torch import nn
 import executorch.extension.llm.custom_ops.custom_ops  # noqa: F401  (registers torch.ops.llama.*)
 
 from .attention import family_eager_attention, plain_softmax_attention
-from .kv_cache import CallState, newest_in_slot, ring_key_positions
+from .kv_cache import CallState, ring_key_positions
 
 
 def _to_seq_major(x: torch.Tensor) -> torch.Tensor:
@@ -74,11 +74,11 @@ class CustomOpRingCache(nn.Module):
             )
         elif self.k.shape[2] == 1:  # one KV head
             # Gemma 3 270M 8da4w: prefill 1.65x custom_sdpa's, decode the same or a little faster.
-            result = (window_attention(query, keys, values, mask[0, 0], scaling), None)
+            result = (window_attention(query, keys, values, mask, scaling), None)
         else:
             out = torch.ops.llama.custom_sdpa(_to_seq_major(query), keys, values, 0, mask[0, 0], 0.0, False, scaling)
             result = (out, None)
-        newest, slots = newest_in_slot(call.positions, self.window)
+        newest, slots = call.ring_writes(self.window)
         torch.ops.llama.update_cache_with_indices(k_new.index_select(1, newest), self.k, 0, slots[None])
         torch.ops.llama.update_cache_with_indices(v_new.index_select(1, newest), self.v, 0, slots[None])
         return result
@@ -93,9 +93,10 @@ def window_attention(query, keys, values, mask, scaling=None) -> torch.Tensor:
     it per layer).
 
     query ``[1, H, T, D]``; keys, values ``[1, W + T, 1, D]`` (sequence-major, one KV head: already
-    the ``[S, D]`` matrices the products take); mask ``[T, W + T]``. The query heads are stacked
-    along the rows. Scores come out as ``K·Qᵀ`` and are transposed after: a transpose of ``Kᵀ``
-    would copy the whole window every layer. Returns ``[1, T, H, D]``.
+    the ``[S, D]`` matrices the products take); mask ``[1, 1, T, W + T]``, added by broadcasting
+    (taking its ``[T, W + T]`` first would be one more op outside the delegate per layer). The
+    query heads are stacked along the rows. Scores come out as ``K·Qᵀ`` and are transposed after: a
+    transpose of ``Kᵀ`` would copy the whole window every layer. Returns ``[1, T, H, D]``.
     """
     _, h, t, d = query.shape
     scaling = d**-0.5 if scaling is None else scaling

@@ -129,6 +129,15 @@ class CallState:
         self.positions = positions
         self.max_cache_len = max_cache_len
         self._start = None
+        self._ring_writes = {}
+
+    def ring_writes(self, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``newest_in_slot`` of this call for rings of ``window`` slots, computed once for all of
+        them: per layer it was a run of small integer ops outside the delegate in every sliding
+        layer (Gemma 3 270M: 8 a layer, 120 a step)."""
+        if window not in self._ring_writes:
+            self._ring_writes[window] = newest_in_slot(self.positions, window)
+        return self._ring_writes[window]
 
     @property
     def start(self):

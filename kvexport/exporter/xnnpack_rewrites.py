@@ -6,8 +6,8 @@ into several delegate calls with portable ops between them (slower to run and to
 - a reshape whose target shape names the symbolic token count (XNNPACK's reshape takes ``-1`` for
   the one inferred dim, not a symbol; where the shape infers another dim too, as attention's
   ``view(1, T, -1, head_dim)`` does, that dim is computed first);
-- RMSNorm's mean over the last dim of a 3-D tensor (XNNPACK averages the two innermost dims of a
-  4-D tensor only);
+- RMSNorm's mean over the last dim of a 3-D tensor, or of a 4-D one for per-head norms (XNNPACK
+  averages the two innermost dims of a 4-D tensor only);
 - rotary embeddings' ``rotate_half`` (slices along the head dim, which XNNPACK refuses on tensors
   with a dynamic dim).
 
@@ -45,7 +45,7 @@ def partitioner_configs() -> list:
 
 
 class XnnpackFriendlyShapes(ExportPass):
-    """Edge-dialect pass: symbolic reshapes use ``-1``; last-dim means of 3-D tensors become 4-D."""
+    """Edge-dialect pass: symbolic reshapes use ``-1``; last-dim means become means over a 4-D tensor's two innermost dims."""
 
     def call_operator(self, op, args, kwargs, meta):
         if op == _VIEW:
@@ -56,12 +56,13 @@ class XnnpackFriendlyShapes(ExportPass):
             if len(symbolic) == 1 and -1 not in shape:
                 shape[symbolic[0]] = -1
                 return super().call_operator(op, (args[0], shape), kwargs, meta)
-        if op == _MEAN and self._is_last_dim_mean_of_3d(args, kwargs):
+        if op == _MEAN and self._is_last_dim_mean(args, kwargs):
             x = args[0]
-            batch, _, dim = x.to_tensor().shape
+            batch, *middle, dim = x.to_tensor().shape
             as_4d = super().call_operator(_VIEW, (x, [batch, -1, dim, 1]), {}, meta)
             mean = super().call_operator(_MEAN, (as_4d, [2, 3], True), {}, meta)
-            return super().call_operator(_VIEW, (mean, [batch, -1, 1]), {}, meta)
+            back = [batch, *(d if isinstance(d, int) else -1 for d in middle), 1]
+            return super().call_operator(_VIEW, (mean, back), {}, meta)
         return super().call_operator(op, args, kwargs, meta)
 
     @staticmethod
@@ -77,17 +78,20 @@ class XnnpackFriendlyShapes(ExportPass):
         return source_static // target_static if target_static and source_static % target_static == 0 else -1
 
     @staticmethod
-    def _is_last_dim_mean_of_3d(args, kwargs) -> bool:
+    def _is_last_dim_mean(args, kwargs) -> bool:
+        """A keepdim mean over the last dim of a 3-D tensor (RMSNorm's) or a 4-D one (per-head q/k
+        norms: Gemma 3, Qwen 3) whose dims are static but one of the middle ones."""
         x = args[0].to_tensor()
         dims = list(args[1]) if len(args) > 1 and args[1] is not None else []
         keepdim = len(args) > 2 and bool(args[2])
+        batch, *middle, last = x.shape if x.dim() in (3, 4) else (None, None)
         return (
-            x.dim() == 3
-            and dims in ([-1], [2])
+            dims in ([-1], [x.dim() - 1])
             and keepdim
             and kwargs.get("dtype") is None
-            and isinstance(x.shape[0], int)
-            and isinstance(x.shape[2], int)
+            and isinstance(batch, int)
+            and isinstance(last, int)
+            and sum(not isinstance(d, int) for d in middle) <= 1
         )
 
 

@@ -85,3 +85,43 @@ def test_a_reshape_that_infers_a_dim_beside_the_token_count_stays_in_the_delegat
     for n in (1, 7, 64):
         x = torch.randn(1, n, 64)
         torch.testing.assert_close(method.execute([x])[0], SplitHeads()(x), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("shape", [(1, 5, 64), (1, 5, 4, 16)], ids=["rms-norm", "per-head-norm"])
+def test_a_last_dim_mean_joins_the_delegate(shape):
+    """RMSNorm's ``x.pow(2).mean(-1, keepdim=True)``, over the hidden dim ([1, T, hidden]) or per
+    head (Gemma 3's and Qwen 3's q/k norms, [1, T, heads, head_dim]): XNNPACK averages a 4-D tensor's
+    two innermost dims only, so the rewrite reads the mean that way; left alone, it runs outside
+    the delegate and splits it. The lowered program computes what the module computes at every length."""
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+    from executorch.exir import EdgeCompileConfig, to_edge_transform_and_lower
+    from executorch.runtime import Runtime
+
+    from kvexport.exporter.xnnpack_rewrites import XnnpackFriendlyShapes
+
+    class Norm(torch.nn.Module):
+        def forward(self, x):
+            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+    tokens = torch.export.Dim("tokens", min=1, max=64)
+    program = torch.export.export(Norm(), (torch.randn(*shape),), dynamic_shapes=({1: tokens},))
+
+    def lowered(passes):
+        return to_edge_transform_and_lower(
+            program,
+            transform_passes=passes,
+            partitioner=[XnnpackPartitioner(configs=partitioner_configs())],
+            compile_config=EdgeCompileConfig(_check_ir_validity=False),
+        )
+
+    def means_outside(edge) -> int:
+        return sum("mean" in str(n.target) for n in edge.exported_program().graph.nodes)
+
+    assert means_outside(lowered([])) == 1
+    edge = lowered([XnnpackFriendlyShapes()])
+    assert means_outside(edge) == 0
+    buffer = edge.to_executorch().buffer  # the runtime reads the program from these: keep them alive
+    method = Runtime.get().load_program(buffer).load_method("forward")
+    for n in (1, 7, 64):
+        x = torch.randn(1, n, *shape[2:])
+        torch.testing.assert_close(method.execute([x])[0], Norm()(x), atol=1e-5, rtol=1e-5)
