@@ -49,42 +49,55 @@ def test_softmax_after_a_max_shift_over_a_dynamic_dim_is_exact():
         torch.testing.assert_close(method.execute([x])[0], ShiftedSoftmax()(x), atol=1e-6, rtol=0)
 
 
-def test_a_reshape_that_infers_a_dim_beside_the_token_count_stays_in_the_delegate():
-    """Attention splits heads with ``view(1, T, -1, head_dim)``: a symbolic dim and an inferred one,
-    which XNNPACK's reshape refuses. The rewrite computes the inferred dim, so both reshapes join
-    the delegate, and it computes what the module computes at every length."""
+def _with_and_without_rewrites(module: torch.nn.Module, example: torch.Tensor):
+    """``module`` exported with a dynamic dim 1 and lowered to XNNPACK without kvexport's
+    ``XnnpackFriendlyShapes`` and with it: (edge program without, edge program with)."""
     from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
     from executorch.exir import EdgeCompileConfig, to_edge_transform_and_lower
-    from executorch.runtime import Runtime
 
     from kvexport.exporter.xnnpack_rewrites import XnnpackFriendlyShapes
 
-    class SplitHeads(torch.nn.Module):
-        def forward(self, x):
-            return (x.view(1, x.shape[1], -1, 16) * 2).view(1, x.shape[1], -1)
-
     tokens = torch.export.Dim("tokens", min=1, max=64)
-    program = torch.export.export(SplitHeads(), (torch.randn(1, 5, 64),), dynamic_shapes=({1: tokens},))
-
-    def lowered(passes):
-        return to_edge_transform_and_lower(
+    program = torch.export.export(module, (example,), dynamic_shapes=({1: tokens},))
+    return tuple(
+        to_edge_transform_and_lower(
             program,
             transform_passes=passes,
             partitioner=[XnnpackPartitioner(configs=partitioner_configs())],
             compile_config=EdgeCompileConfig(_check_ir_validity=False),
         )
+        for passes in ([], [XnnpackFriendlyShapes()])
+    )
 
-    def reshapes_outside(edge) -> int:
-        return sum("view_copy" in str(n.target) for n in edge.exported_program().graph.nodes)
 
-    assert reshapes_outside(lowered([])) == 2
-    edge = lowered([XnnpackFriendlyShapes()])
-    assert reshapes_outside(edge) == 0
-    buffer = edge.to_executorch().buffer
+def _ops_outside(edge, name: str) -> int:
+    return sum(name in str(n.target) for n in edge.exported_program().graph.nodes)
+
+
+def _assert_runs_as_eager(edge, module: torch.nn.Module, rest_of_shape: tuple, tolerance: float) -> None:
+    """The lowered program computes what ``module`` computes at several lengths of dim 1."""
+    from executorch.runtime import Runtime
+
+    buffer = edge.to_executorch().buffer  # the runtime reads the program from these: keep them alive
     method = Runtime.get().load_program(buffer).load_method("forward")
     for n in (1, 7, 64):
-        x = torch.randn(1, n, 64)
-        torch.testing.assert_close(method.execute([x])[0], SplitHeads()(x), atol=0, rtol=0)
+        x = torch.randn(1, n, *rest_of_shape)
+        torch.testing.assert_close(method.execute([x])[0], module(x), atol=tolerance, rtol=tolerance)
+
+
+def test_a_reshape_that_infers_a_dim_beside_the_token_count_stays_in_the_delegate():
+    """Attention splits heads with ``view(1, T, -1, head_dim)``: a symbolic dim and an inferred one,
+    which XNNPACK's reshape refuses. The rewrite computes the inferred dim, so both reshapes join
+    the delegate, and it computes what the module computes at every length."""
+
+    class SplitHeads(torch.nn.Module):
+        def forward(self, x):
+            return (x.view(1, x.shape[1], -1, 16) * 2).view(1, x.shape[1], -1)
+
+    without, with_rewrites = _with_and_without_rewrites(SplitHeads(), torch.randn(1, 5, 64))
+    assert _ops_outside(without, "view_copy") == 2
+    assert _ops_outside(with_rewrites, "view_copy") == 0
+    _assert_runs_as_eager(with_rewrites, SplitHeads(), (64,), tolerance=0)
 
 
 @pytest.mark.parametrize("shape", [(1, 5, 64), (1, 5, 4, 16)], ids=["rms-norm", "per-head-norm"])
@@ -93,35 +106,12 @@ def test_a_last_dim_mean_joins_the_delegate(shape):
     head (Gemma 3's and Qwen 3's q/k norms, [1, T, heads, head_dim]): XNNPACK averages a 4-D tensor's
     two innermost dims only, so the rewrite reads the mean that way; left alone, it runs outside
     the delegate and splits it. The lowered program computes what the module computes at every length."""
-    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
-    from executorch.exir import EdgeCompileConfig, to_edge_transform_and_lower
-    from executorch.runtime import Runtime
-
-    from kvexport.exporter.xnnpack_rewrites import XnnpackFriendlyShapes
 
     class Norm(torch.nn.Module):
         def forward(self, x):
             return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
 
-    tokens = torch.export.Dim("tokens", min=1, max=64)
-    program = torch.export.export(Norm(), (torch.randn(*shape),), dynamic_shapes=({1: tokens},))
-
-    def lowered(passes):
-        return to_edge_transform_and_lower(
-            program,
-            transform_passes=passes,
-            partitioner=[XnnpackPartitioner(configs=partitioner_configs())],
-            compile_config=EdgeCompileConfig(_check_ir_validity=False),
-        )
-
-    def means_outside(edge) -> int:
-        return sum("mean" in str(n.target) for n in edge.exported_program().graph.nodes)
-
-    assert means_outside(lowered([])) == 1
-    edge = lowered([XnnpackFriendlyShapes()])
-    assert means_outside(edge) == 0
-    buffer = edge.to_executorch().buffer  # the runtime reads the program from these: keep them alive
-    method = Runtime.get().load_program(buffer).load_method("forward")
-    for n in (1, 7, 64):
-        x = torch.randn(1, n, *shape[2:])
-        torch.testing.assert_close(method.execute([x])[0], Norm()(x), atol=1e-5, rtol=1e-5)
+    without, with_rewrites = _with_and_without_rewrites(Norm(), torch.randn(*shape))
+    assert _ops_outside(without, "mean") == 1
+    assert _ops_outside(with_rewrites, "mean") == 0
+    _assert_runs_as_eager(with_rewrites, Norm(), shape[2:], tolerance=1e-5)
