@@ -94,7 +94,7 @@ def window_attention(query, keys, values, mask, scaling=None) -> torch.Tensor:
 
     query ``[1, H, T, D]``; keys, values ``[1, W + T, 1, D]`` (sequence-major, one KV head: already
     the ``[S, D]`` matrices the products take); mask ``[1, 1, T, W + T]``, added by broadcasting
-    (taking its ``[T, W + T]`` first would be one more op outside the delegate per layer). The
+    (taking its ``[T, W + T]`` first added two ops outside the delegate in every layer). The
     query heads are stacked along the rows. Scores come out as ``K·Qᵀ`` and are transposed after: a
     transpose of ``Kᵀ`` would copy the whole window every layer. Returns ``[1, T, H, D]``.
     """

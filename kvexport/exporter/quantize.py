@@ -50,7 +50,7 @@ class Quantization:
     embedding: str | None = None  # --quantize-embedding: "int8" or "int4" (executorch)
     lm_head: str | None = None  # --quantize-lm-head: "int8" (the default) or "int4", with scheme
 
-    def __bool__(self) -> bool:
+    def __bool__(self) -> bool:  # whether anything is quantized (an lm_head scheme alone is refused)
         return bool(self.scheme or self.embedding)
 
     def check(self, target: str, dtype: str) -> None:
@@ -88,9 +88,9 @@ class Quantization:
     def describe(self, hidden_size: int) -> dict | None:
         """What ``kvexport.json`` records under ``quantization`` (None: not quantized). ``hidden_size``
         is the lm_head's and embedding table's K, which sets their ONNX block."""
-        scheme, embedding, lm_head = self.scheme, self.embedding, self.lm_head
-        if not scheme and not embedding:
+        if not self:
             return None
+        scheme, embedding, lm_head = self.scheme, self.embedding, self.lm_head
         if scheme == "int4":
             from .onnx_quantize import ACCURACY_LEVEL, BLOCK, FINE_BLOCK, table_block
 
