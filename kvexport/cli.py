@@ -82,7 +82,7 @@ def run(
     temperature: Annotated[float, typer.Option(help="0 is greedy")] = 0.0,
     top_p: Annotated[float, typer.Option(help="nucleus sampling threshold")] = 1.0,
     seed: Annotated[Optional[int], typer.Option(help="sampling seed")] = None,
-    device: Annotated[str, typer.Option(help="cpu or cuda (ONNX artifacts)")] = "cpu",
+    device: Annotated[str, typer.Option(help="cpu or cuda (float16 ONNX artifacts)")] = "cpu",
     as_json: JsonFlag = False,
 ):
     """Generate with the artifact (folder or kvexport pack archive) and its tokenizer alone (no transformers model)."""

@@ -38,7 +38,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy [default: 0]")
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold [default: 1]")
     parser.add_argument("--seed", type=int, help="sampling seed")
-    parser.add_argument("--device", default="cpu", help="cpu or cuda (ONNX artifacts) [default: cpu]")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (float16 ONNX artifacts) [default: cpu]")
     parser.add_argument("--runner", choices=("kvexport", "executorch"), default="kvexport",
                         help="executorch: ExecuTorch's own TextLLMRunner (.pte only) [default: kvexport]")
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")

@@ -32,22 +32,22 @@ def tiny(preset):
 
 @pytest.fixture(scope="session")
 def artifact(tmp_path_factory):
-    """``artifact(name, target, quantize=None, quantize_embedding=None, quantize_lm_head=None)`` ->
-    folder, exported once per session."""
+    """``artifact(name, target, quantize=None, quantize_embedding=None, quantize_lm_head=None,
+    dtype="float32")`` -> folder, exported once per session."""
     from kvexport.exporter.pipeline import ExportOptions, export_model
     from kvexport.progress import Progress
 
     cache: dict[tuple, object] = {}
 
     def get(name: str, target: str = "executorch", quantize: str | None = None, quantize_embedding: str | None = None,
-            quantize_lm_head: str | None = None):
-        key = (name, target, quantize, quantize_embedding, quantize_lm_head)
+            quantize_lm_head: str | None = None, dtype: str = "float32"):
+        key = (name, target, quantize, quantize_embedding, quantize_lm_head, dtype)
         if key not in cache:
-            suffix = "".join(f"-{q}" for q in key[2:] if q)
+            suffix = "".join(f"-{q}" for q in key[2:] if q and q != "float32")
             out = tmp_path_factory.mktemp("artifacts") / f"{name}-{target}{suffix}"
             options = ExportOptions(
-                name, target, out, TEST_CACHE_LEN, quantize=quantize, quantize_embedding=quantize_embedding,
-                quantize_lm_head=quantize_lm_head,
+                name, target, out, TEST_CACHE_LEN, dtype=dtype, quantize=quantize,
+                quantize_embedding=quantize_embedding, quantize_lm_head=quantize_lm_head,
             )
             export_model(options, Progress(quiet=True))
             cache[key] = out

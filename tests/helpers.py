@@ -4,6 +4,7 @@ the scripts in scripts/ loaded as modules."""
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 
 import numpy as np
@@ -111,3 +112,19 @@ def load_script(name: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def edit_manifest(change, update_its_sum: bool = True):
+    """A function of an artifact folder that edits its kvexport.json with ``change(manifest)``; with
+    ``update_its_sum``, as a tool would that rewrites the sum file too, so that what is checked is
+    the manifest's fields themselves."""
+    from kvexport.exporter.artifact import sha256_file
+
+    def damage(folder):
+        manifest = json.loads((folder / "kvexport.json").read_text())
+        change(manifest)
+        (folder / "kvexport.json").write_text(json.dumps(manifest))
+        if update_its_sum:
+            (folder / "kvexport.json.sha256").write_text(f"{sha256_file(folder / 'kvexport.json')}  kvexport.json\n")
+
+    return damage

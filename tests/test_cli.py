@@ -10,7 +10,8 @@ import shutil
 import pytest
 
 from kvexport.cli import main
-from kvexport.exporter.artifact import sha256_file
+
+from .helpers import edit_manifest
 
 
 def run_cli(capsys, *args) -> tuple[int, str, str]:
@@ -304,20 +305,6 @@ def test_run_on_a_folder_that_is_not_an_artifact(tmp_path, capsys):
     assert_one_line_error(code, err, "no kvexport.json")
 
 
-def _edit_manifest(change, update_its_sum: bool = True):
-    """Edit kvexport.json; with ``update_its_sum`` as a tool would that rewrites its sum file too,
-    so the manifest's fields themselves are what is checked."""
-
-    def damage(folder):
-        manifest = json.loads((folder / "kvexport.json").read_text())
-        change(manifest)
-        (folder / "kvexport.json").write_text(json.dumps(manifest))
-        if update_its_sum:
-            (folder / "kvexport.json.sha256").write_text(f"{sha256_file(folder / 'kvexport.json')}  kvexport.json\n")
-
-    return damage
-
-
 def _flip_a_byte(path):
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0xFF
@@ -327,26 +314,26 @@ def _flip_a_byte(path):
 DAMAGED_ARTIFACTS = {
     "no-manifest": (lambda f: (f / "kvexport.json").unlink(), ["has no kvexport.json", "re-run kvexport export"]),
     "manifest-not-json": (lambda f: (f / "kvexport.json").write_text("{"), ["is not valid JSON"]),
-    "foreign-manifest": (_edit_manifest(lambda m: m.update(format="other-tool")), ["is not a kvexport manifest"]),
+    "foreign-manifest": (edit_manifest(lambda m: m.update(format="other-tool")), ["is not a kvexport manifest"]),
     "foreign-version": (
-        _edit_manifest(lambda m: m.update(format_version=5)),
-        ["has format version 5, this kvexport reads 1 or 2 or 3 or 4 for executorch artifacts", "re-export"],
+        edit_manifest(lambda m: m.update(format_version=6)),
+        ["has format version 6, this kvexport reads 1 or 2 or 3 or 4 or 5 for executorch artifacts", "re-export"],
     ),
     "manifest-changed": (
-        _edit_manifest(lambda m: m.update(max_cache_len=m["max_cache_len"] + 1), update_its_sum=False),
+        edit_manifest(lambda m: m.update(max_cache_len=m["max_cache_len"] + 1), update_its_sum=False),
         ["kvexport.json does not match kvexport.json.sha256", "copy the artifact again or re-run kvexport export"],
     ),
     "field-of-wrong-type": (
-        _edit_manifest(lambda m: m.update(max_cache_len="64")),
+        edit_manifest(lambda m: m.update(max_cache_len="64")),
         ["'max_cache_len' should be a positive integer, not \"64\"", "re-run kvexport export"],
     ),
-    "files-of-wrong-type": (_edit_manifest(lambda m: m.update(files=["model.pte"])), ["'files' should be"]),
+    "files-of-wrong-type": (edit_manifest(lambda m: m.update(files=["model.pte"])), ["'files' should be"]),
     "program-not-listed": (
-        _edit_manifest(lambda m: m["files"].pop("model.pte")),
+        edit_manifest(lambda m: m["files"].pop("model.pte")),
         ["does not list its program file model.pte"],
     ),
     "weights-not-listed": (
-        _edit_manifest(lambda m: m["files"].pop("model.ptd")),
+        edit_manifest(lambda m: m["files"].pop("model.ptd")),
         ["does not list its weights file model.ptd"],
     ),
     "listed-file-missing": (lambda f: (f / "tokenizer.json").unlink(), ["is missing tokenizer.json, listed in kvexport.json"]),

@@ -31,10 +31,12 @@ FORMAT = "kvexport-artifact"
 # version 2 took the whole ring, sequence-major, and returned the new rows.
 # 4: a call takes at most interface.max_tokens_per_call tokens (--prefill-chunk), which a `.pte`
 # now enforces (its memory is planned for it); before, an ExecuTorch artifact took max_cache_len.
-FORMAT_VERSION = 4
-# The versions each target still runs: 2 and 3 changed nothing in an ExecuTorch artifact, and 4
+# 5: an ONNX graph's attention kernels take their total lengths as inputs in host memory
+# (total_length, ring_total_length), which onnxruntime-gpu needs; 3 and 4 still run on the CPU.
+FORMAT_VERSION = 5
+# The versions each target still runs: 2, 3 and 5 changed nothing in an ExecuTorch artifact, and 4
 # nothing in an ONNX graph (its interface already had max_tokens_per_call).
-_READABLE_VERSIONS = {"executorch": (1, 2, 3, 4), "onnx": (3, 4)}
+_READABLE_VERSIONS = {"executorch": (1, 2, 3, 4, 5), "onnx": (3, 4, 5)}
 
 
 def sha256_file(path: Path) -> str:

@@ -222,3 +222,39 @@ class ExternalRingLayer(_BufferLayer):
 
     def key_positions(self, positions: torch.Tensor) -> torch.Tensor:
         return positions[:1] - self.ring_start + torch.arange(self.past_k.shape[2], device=positions.device)
+
+
+# The kernel's total_sequence_length (input 6) is a host-memory input on ONNX Runtime's CUDA
+# provider. Computed in the graph (input_pos + T), the value's chain runs on the GPU and is copied
+# back to the host for it, and with onnxruntime-gpu 1.31 the kernel did not get the right value
+# (an H100, 2026-11-26: layer 0's attention output off by ~14 while its inputs, seqlens_k and
+# total matched the CPU provider's; the same node fed total from the host matched bit for bit).
+# So the runtime passes each total as a graph input, in host memory, as it does input_pos.
+TOTAL_LENGTH_INPUTS = {"static": "total_length", "ring": "ring_total_length"}
+
+
+def lengths_as_inputs(path) -> None:
+    """Rewrite the ONNX model at ``path`` (its external data untouched) so that every
+    ``GroupQueryAttention`` node reads its ``total_sequence_length`` from a graph input:
+    ``total_length`` (= input_pos + T) for full-attention nodes, ``ring_total_length``
+    (= ring_start + T) for sliding ones; a graph without such nodes is left as it is."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    from .onnx_graph import prune
+
+    model = onnx.load(str(path), load_external_data=False)
+    graph = model.graph
+    used = set()
+    for node in graph.node:
+        if node.op_type == "GroupQueryAttention" and node.domain == "com.microsoft":
+            kind = "ring" if any(a.name == "local_window_size" for a in node.attribute) else "static"
+            node.input[6] = TOTAL_LENGTH_INPUTS[kind]
+            used.add(kind)
+    if not used:
+        return
+    for kind in ("static", "ring"):
+        if kind in used:
+            graph.input.append(helper.make_tensor_value_info(TOTAL_LENGTH_INPUTS[kind], TensorProto.INT32, []))
+    prune(graph)
+    onnx.save(model, str(path))

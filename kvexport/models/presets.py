@@ -112,7 +112,9 @@ def build_tiny(config, dtype: torch.dtype = torch.float32):
     """A tiny config's model (eval mode, seeded weights) and the character tokenizer."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        # Drawn in float32, then rounded: float16 draws from one seed differ between torch versions
+        # (2.11 and 2.13 gave other float16 weights), and a check on another machine rebuilds the model.
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).to(dtype)
     model.generation_config.eos_token_id = config.eos_token_id
     model.generation_config.bos_token_id = config.bos_token_id
     model.generation_config.pad_token_id = config.pad_token_id

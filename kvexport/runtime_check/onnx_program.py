@@ -30,6 +30,24 @@ from .programs import max_tokens_per_call
 _GPU_HINT = "install onnxruntime-gpu (pip install 'kvexport[gpu]') on a machine with an NVIDIA GPU, or use --device cpu"
 
 
+def _check_runs_on_cuda(manifest: dict) -> None:
+    """What onnxruntime-gpu 1.31 was seen to get wrong (an H100, 2026-11-26), refused before it runs."""
+    if manifest["dtype"] != "float16":
+        # Its CUDA GroupQueryAttention takes float16 (and bfloat16) only: a float32 graph's
+        # attention ran on the CPU provider, with copies across, and every step after the first
+        # read a wrong cache.
+        raise InvalidOptionError(
+            f"--device cuda runs float16 ONNX artifacts; this one is {manifest['dtype']}: "
+            "export it with --dtype float16 for the GPU, or run it with --device cpu"
+        )
+    if manifest["format_version"] < 5:  # its graph computes the kernels' total lengths itself
+        raise InvalidOptionError(
+            f"--device cuda: this ONNX artifact (format version {manifest['format_version']}) computes its "
+            "attention lengths inside the graph, which onnxruntime-gpu gets wrong; re-export it with this "
+            "kvexport, or run it with --device cpu"
+        )
+
+
 class _Buffer:
     """One layer's key or value buffer, zero-filled, where the session runs."""
 
@@ -69,10 +87,13 @@ class OnnxProgram:
 
         if device not in ("cpu", "cuda"):
             raise InvalidOptionError(f"unknown device '{device}'; ONNX artifacts run on cpu or cuda")
-        if device == "cuda" and "CUDAExecutionProvider" not in ort.get_available_providers():
-            raise InvalidOptionError(
-                f"--device cuda: this onnxruntime ({ort.__version__}) has no CUDAExecutionProvider; {_GPU_HINT}"
-            )
+        inputs = {entry["name"] for entry in manifest["interface"]["inputs"]}
+        if device == "cuda":
+            _check_runs_on_cuda(manifest)
+            if "CUDAExecutionProvider" not in ort.get_available_providers():
+                raise InvalidOptionError(
+                    f"--device cuda: this onnxruntime ({ort.__version__}) has no CUDAExecutionProvider; {_GPU_HINT}"
+                )
         self.manifest = manifest
         self._device = device
         self._dtype = np.dtype(manifest["dtype"])
@@ -104,6 +125,9 @@ class OnnxProgram:
         self._tokens = np.zeros((1, self._max_cache_len), dtype=np.int64)
         self._input_pos = np.zeros((1,), dtype=np.int64)
         self._ring_start = np.zeros((1,), dtype=np.int64)
+        # The attention kernels' total lengths (input_pos + T, ring_start + T), in host memory; a graph
+        # of format version 3 or 4 computes them itself (see onnx_attention.TOTAL_LENGTH_INPUTS).
+        self._totals = {name: np.zeros((), dtype=np.int32) for name in ("total_length", "ring_total_length") if name in inputs}
         self._logits = np.zeros((1, manifest["vocab_size"]), dtype=self._dtype)
         self._binding = self._session.io_binding()
         self._binding.bind_output("logits", "cpu", 0, self._dtype, list(self._logits.shape), self._logits.ctypes.data)
@@ -146,6 +170,8 @@ class OnnxProgram:
         # Host inputs are rebound every call: ONNX Runtime may copy them to the device when bound.
         binding.bind_input("tokens", "cpu", 0, np.int64, [1, n], self._tokens.ctypes.data)
         binding.bind_input("input_pos", "cpu", 0, np.int64, [1], self._input_pos.ctypes.data)
+        if "total_length" in self._totals:
+            self._bind_total("total_length", start + n)
         if self._rings:
             if start == 0:
                 self._ring_rows = 0
@@ -157,8 +183,15 @@ class OnnxProgram:
                 self._ring_rows = keep
             self._ring_start[0] = self._ring_rows
             binding.bind_input("ring_start", "cpu", 0, np.int64, [1], self._ring_start.ctypes.data)
+            if "ring_total_length" in self._totals:
+                self._bind_total("ring_total_length", self._ring_rows + n)
         self._session.run_with_iobinding(binding)
         self._ring_rows += n
+
+    def _bind_total(self, name: str, value: int) -> None:
+        total = self._totals[name]
+        total[()] = value
+        self._binding.bind_input(name, "cpu", 0, np.int32, [], total.ctypes.data)
 
     def reset(self) -> None:
         # Nothing to clear: a call at position 0 starts a new sequence (attention ignores older contents).

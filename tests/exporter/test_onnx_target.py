@@ -57,6 +57,8 @@ def test_folder_layout_and_manifest_describe_the_graph(artifact):
     by_name = {e["name"]: e for e in interface["inputs"] + interface["outputs"]}
     assert by_name["tokens"]["shape"] == [1, "T"] and by_name["input_pos"]["shape"] == [1]
     assert (by_name["ring_start"]["dtype"], by_name["ring_start"]["shape"]) == ("int64", [1])
+    for total in ("total_length", "ring_total_length"):  # in host memory, for onnxruntime-gpu
+        assert (by_name[total]["dtype"], by_name[total]["shape"]) == ("int32", [])
     assert (by_name["logits"]["dtype"], by_name["logits"]["shape"]) == ("float32", [1, manifest["vocab_size"]])
     for layer in manifest["layers"]:
         i, heads, dim = layer["index"], layer["kv_heads"], layer["head_dim"]
@@ -86,6 +88,9 @@ def test_every_layer_attends_with_one_group_query_attention_node(artifact):
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
         assert (attrs["num_heads"], attrs["kv_num_heads"]) == (heads, layer["kv_heads"])
         assert list(node.input[3:5]) == [f"past_key_{i}", f"past_value_{i}"]
+        # total_sequence_length straight from a graph input: ONNX Runtime's CUDA kernel reads it
+        # from host memory, and computed on the GPU it arrived wrong there (see lengths_as_inputs).
+        assert node.input[6] == ("total_length" if layer["cache"] == "static" else "ring_total_length")
         assert list(node.output[1:]) == [f"present_key_{i}", f"present_value_{i}"]
         if layer["cache"] == "static":
             assert len(node.input) == 9 and attrs["do_rotary"] == 1  # then its own cos/sin tables

@@ -18,6 +18,7 @@ import torch
 from ...errors import UnsupportedModelError
 from ..export import export_external_cache_decoder
 from ..onnx_attention import ONNX_TRANSLATIONS as ATTENTION_TRANSLATIONS
+from ..onnx_attention import lengths_as_inputs
 from ..onnx_rotary import ONNX_TRANSLATIONS as ROTARY_TRANSLATIONS
 from ..onnx_rotary import fold_rotations_into_attention, rotary_as_kernel
 from ..quantize import Quantization
@@ -89,6 +90,7 @@ def lower(program: torch.export.ExportedProgram, info: dict, out_dir: Path) -> d
     onnx_program.save(path, external_data=True)
     del onnx_program
     fold_rotations_into_attention(path, info["max_cache_len"])
+    lengths_as_inputs(path)
     _check(path)
     graph = onnx.load(str(path), load_external_data=False)
     return {
@@ -223,7 +225,7 @@ def _drop_identity_reshapes(model) -> int:
     return bypassed
 
 
-_ONNX_DTYPES = {1: "float32", 10: "float16", 16: "bfloat16", 7: "int64"}
+_ONNX_DTYPES = {1: "float32", 10: "float16", 16: "bfloat16", 7: "int64", 6: "int32"}
 
 
 def _describe(value, layers_by_index: dict) -> dict:
@@ -236,6 +238,10 @@ def _describe(value, layers_by_index: dict) -> dict:
         entry["meaning"] = "position of tokens[0, 0] = P, the positions already in the cache (0 starts a sequence)"
     elif value.name == "ring_start":
         entry["meaning"] = "row of every sliding layer's buffer that takes tokens[0, 0] (see cache.ring)"
+    elif value.name == "total_length":
+        entry["meaning"] = "input_pos[0] + T, in host memory: the full-attention kernels' total_sequence_length"
+    elif value.name == "ring_total_length":
+        entry["meaning"] = "ring_start[0] + T, in host memory: the sliding kernels' total_sequence_length"
     elif value.name == "logits":
         entry["meaning"] = "logits of the call's last position"
     elif match:
