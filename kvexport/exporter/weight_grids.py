@@ -70,12 +70,21 @@ def _in_row_pieces(quantize, weight_nk: np.ndarray, rows_per_call: int) -> tuple
     return tuple(np.concatenate(arrays) for arrays in zip(*parts))
 
 
-def int8_blocks(weight: np.ndarray, block: int = BLOCK, steps: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+def int8_blocks(weight: np.ndarray, block: int = BLOCK, steps: np.ndarray | None = None,
+                rows_per_call: int = 16384) -> tuple[np.ndarray, np.ndarray]:
     """``weight`` [R, C] as (q [R, C] as uint8 with zero point 128, scale [R, C/block]), symmetric:
     ``scale = max |block| / 127`` (GGUF's Q8_0 rule, so a Q8_0 table comes out unchanged). Given
     ``steps`` (the weight's ``grid_steps`` over runs of ``block``), a block on a grid through 0 of
-    at most 127 steps each way keeps its grid's step (exact for GGUF's Q5_0 and Q6_K too)."""
+    at most 127 steps each way keeps its grid's step (exact for GGUF's Q5_0 and Q6_K too).
+    Taken ``rows_per_call`` rows at a time, as ``int4_blocks`` is (Gemma 3's 8-bit table added
+    ~2 GB to its ONNX export's peak whole)."""
     r, c = weight.shape
+    if r > rows_per_call:
+        step_rows = None if steps is None else steps.reshape(r, -1)
+        return _in_row_pieces(
+            lambda rows, i: int8_blocks(rows, block, None if step_rows is None else step_rows[i : i + len(rows)]),
+            weight, rows_per_call,
+        )
     blocks = weight.reshape(r, c // block, block).astype(np.float32)
     absmax = np.abs(blocks).max(-1)
     scale = absmax / np.float32(127)
