@@ -377,3 +377,20 @@ def test_run_without_a_limit_stops_when_the_cache_is_full(artifact, capsys):
 
     code, _, err = run_cli(capsys, "run", folder, "--prompt", "Hi", "--ignore-eos")
     assert code == 0 and f"stopped: the cache is full ({TEST_CACHE_LEN} positions)" in err
+
+
+def test_a_model_that_overflows_in_float16_is_refused_before_export(tmp_path, capsys):
+    from kvexport.models.presets import build_preset
+
+    # Logits ~1e4 times the preset's pass float16's 65,504, as Gemma 3's residual stream does.
+    model, tokenizer = build_preset("tiny-llama")
+    model.lm_head.weight.data *= 1e4
+    folder = tmp_path / "loud-llama"
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    out = tmp_path / "out"
+    code, _, err = run_cli(capsys, folder, "--target", "onnx", "--dtype", "float16", "-o", out)
+    assert_one_line_error(code, err, "--dtype float16: the model overflows in float16", "export it in float32")
+    assert not out.exists()
+    code, _, err = run_cli(capsys, folder, "--target", "onnx", "-o", out, "--max-cache-len", "16", "--quiet")
+    assert code == 0, err  # float32 takes it

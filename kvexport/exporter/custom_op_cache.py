@@ -76,7 +76,8 @@ class CustomOpRingCache(nn.Module):
             # Gemma 3 270M 8da4w: prefill 1.65x custom_sdpa's, decode the same or a little faster.
             result = (window_attention(query, keys, values, mask, scaling), None)
         else:
-            out = torch.ops.llama.custom_sdpa(_to_seq_major(query), keys, values, 0, mask[0, 0], 0.0, False, scaling)
+            # The kernel takes a float32 mask whatever the activations' dtype (float16 ones fail at run time).
+            out = torch.ops.llama.custom_sdpa(_to_seq_major(query), keys, values, 0, mask[0, 0].float(), 0.0, False, scaling)
             result = (out, None)
         newest, slots = call.ring_writes(self.window)
         torch.ops.llama.update_cache_with_indices(k_new.index_select(1, newest), self.k, 0, slots[None])

@@ -167,6 +167,9 @@ def export_model(options: ExportOptions, progress: Progress | None = None) -> Ex
 
     with progress.step("load", plan.source.name):
         model, tokenizer = sources.load_model(plan.source, sources.DTYPES[options.dtype])
+    if options.dtype != "float32":
+        with progress.step("probe", f"eager {options.dtype} on {_PROBE_PROMPT!r}"):
+            _refuse_if_it_overflows(model, tokenizer, options.dtype)
     info = _manifest_info(plan, model, tokenizer)
     quantization = info.get("quantization")
     if quantization and hasattr(target, "quantize_model"):  # ExecuTorch: the module, before export
@@ -195,6 +198,29 @@ def export_model(options: ExportOptions, progress: Progress | None = None) -> Ex
     program_bytes = sum(manifest["files"][name]["bytes"] for name in program_files)
     progress.info(f"wrote {plan.out} ({program_bytes / 2**20:.1f} MiB program)")
     return ExportResult(plan.out, manifest, dict(progress.seconds), peak_rss_mb())
+
+
+# Gemma 3's residual stream passes float16's 65,504 (layer 8 of 18 in the 270M): transformers itself
+# gives NaN logits in float16, and its float16 .pte generates token 0 throughout, silently. (Its
+# float16 ONNX graph ran right on ONNX Runtime's CPU provider, which computes some float16 ops in
+# float32; the GPU's kernels are float16.) One forward pass of eager in the dtype on a short prompt
+# finds that before anything is written.
+_PROBE_PROMPT = "The capital of France is"
+
+
+def _refuse_if_it_overflows(model, tokenizer, dtype: str) -> None:
+    ids = tokenizer(_PROBE_PROMPT, return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        out = model(input_ids=ids, output_hidden_states=True, use_cache=False)
+    if torch.isfinite(out.logits).all():
+        return
+    layers = len(out.hidden_states) - 1  # [0] is the embedding's output
+    first = next((i for i, h in enumerate(out.hidden_states) if not torch.isfinite(h).all()), None)
+    where = f" (its hidden states overflow at layer {first} of {layers})" if first else ""
+    raise InvalidOptionError(
+        f"--dtype {dtype}: the model overflows in {dtype}: eager transformers in {dtype} gives non-finite logits "
+        f"on {_PROBE_PROMPT!r}{where}; export it in float32 (the default)"
+    )
 
 
 def _quantize_detail(quantization: quantize.Quantization) -> str:

@@ -134,6 +134,10 @@ def _check(row: Row, folder: Path) -> dict:
             f"tokens diverge at new token {divergence['step']} of prompt {divergence['prompt']} ({kind}: eager "
             f"{divergence['eager_token']}, artifact {divergence['artifact_token']}, eager margin {divergence['eager_margin']:.3g})"
         )
+    elif any(p.float32_steps for p in report.prompts):  # half precision: judged net of eager's own rounding
+        beyond = max(p.max_diff_beyond_rounding for p in report.prompts)
+        reason = (f"logits {beyond:.3g} from float32 eager beyond eager {report.dtype}'s own rounding, more than "
+                  f"the tolerance {report.logit_tolerance}")
     else:
         reason = f"max |logit diff| {max_diff:.3g} exceeds the {report.dtype} tolerance {report.logit_tolerance}"
     return {
@@ -144,7 +148,8 @@ def _check(row: Row, folder: Path) -> dict:
         "logit_tolerance": report.logit_tolerance,
         **({"top1_agreement": agreement} if report.mode == "agreement" else {}),
         "check_prompts": [
-            {"prompt_tokens": p.prompt_tokens, "new_tokens": p.new_tokens, "compared_steps": p.compared_steps, "match": p.match}
+            {"prompt_tokens": p.prompt_tokens, "new_tokens": p.new_tokens, "compared_steps": p.compared_steps, "match": p.match,
+             "rounding_ties": p.rounding_ties}
             for p in report.prompts
         ],
     }

@@ -166,3 +166,14 @@ def test_weights_serialized_while_lowering_wait_on_disk(artifact, tmp_path, monk
     for name in ("model.pte", "model.ptd"):
         assert (spilled / name).read_bytes() == (in_memory / name).read_bytes(), name
     assert sorted(p.name for p in spilled.iterdir()) == sorted(p.name for p in in_memory.iterdir())
+
+
+def test_float16_pte_passes_check_where_the_ring_goes_through_custom_sdpa(artifact):
+    """tiny-mistral's sliding layers have several KV heads, so their ring is attended by
+    ``llama::custom_sdpa`` with a mask, which the kernel takes in float32 only: a float16 mask made
+    every float16 .pte of such a model fail at its first call."""
+    from kvexport.runtime_check.check import run_check
+
+    report = run_check(artifact("tiny-mistral", dtype="float16"))
+    assert report.ok and report.dtype == "float16", report
+    assert all(p.compared_steps == p.new_tokens for p in report.prompts)

@@ -235,7 +235,8 @@ def test_float16_export_is_within_the_float16_tolerance(tmp_path, capsys):
     out = tmp_path / "fp16"
     code, out_text, err = run_cli(capsys, "tiny-gemma3", "--target", "onnx", "--dtype", "float16", "-o", out, "--max-cache-len", "64", "--json")
     assert code == 0, err
-    assert set(json.loads(out_text)["seconds"]) == {"load", "export", "lower", "save"}  # the exporter printed nothing on stdout
+    # The exporter printed nothing on stdout; float16 runs eager once first (it refuses a model that overflows).
+    assert set(json.loads(out_text)["seconds"]) == {"load", "probe", "export", "lower", "save"}
     assert json.loads((out / "kvexport.json").read_text())["interface"]["outputs"][0]["dtype"] == "float16"
     code, out_text, err = run_cli(capsys, "check", out, "--max-new-tokens", "12", "--json")
     assert code == 0, err

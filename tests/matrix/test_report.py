@@ -118,6 +118,14 @@ def test_support_table_rewrites_only_the_marked_section(tmp_path):
     assert support_table.rewrite(rewritten, section) == rewritten
 
 
+def test_support_table_has_a_column_per_target_and_dtype_when_the_matrix_has_two_dtypes():
+    rows = [row(0), row(1, target="onnx"), row(2, dtype="float16"),
+            row(3, target="onnx", dtype="float16", status="fail", failure={"stage": "check", "reason": "tokens diverge"})]
+    section = support_table.render(report(rows))
+    assert "| family | model | ExecuTorch float32 | ONNX float32 | ExecuTorch float16 | ONNX float16 |" in section
+    assert "| llama | `tiny-llama` | ✓ | ✓ | ✓ | ✗ fail in check: tokens diverge |" in section
+
+
 def test_support_table_check_fails_when_the_readme_says_otherwise(tmp_path, capsys):
     readme = tmp_path / "README.md"
     readme.write_text(f"intro\n{support_table.START}\n{support_table.END}\n")
