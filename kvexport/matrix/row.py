@@ -105,7 +105,11 @@ def _check(row: Row, folder: Path) -> dict:
     if row.check_new_tokens:
         defaults = default_prompts(read_manifest(folder, verify=False), ArtifactTokenizer(folder))
         prompts = [(text, row.check_new_tokens) for text, _ in defaults]
-    report = run_check(folder, prompts)
+    return check_summary(run_check(folder, prompts))
+
+
+def check_summary(report) -> dict:
+    """A row's check fields from a ``CheckReport``: the verdict, a one-line reason, the figures."""
     divergence = next(
         (
             {
@@ -123,7 +127,11 @@ def _check(row: Row, folder: Path) -> dict:
         None,
     )
     max_diff = max((p.max_logit_diff for p in report.prompts), default=0.0)
-    if report.mode == "agreement":  # quantized: its tokens may differ; how often its top-1 is eager's counts
+    not_finite = next(((i, p.eager_not_finite_at) for i, p in enumerate(report.prompts) if p.eager_not_finite_at is not None), None)
+    if not_finite:
+        reason = f"eager's logits are not finite at new token {not_finite[1]} of prompt {not_finite[0]}: nothing to compare with"
+        divergence = None
+    elif report.mode == "agreement":  # quantized: its tokens may differ; how often its top-1 is eager's counts
         worst = min(range(len(report.prompts)), key=lambda i: report.prompts[i].top1_agreement)
         agreement = report.prompts[worst].top1_agreement
         reason = f"top-1 agreement {agreement:.1%} at prompt {worst} is under {report.min_agreement:.0%}"
@@ -146,7 +154,7 @@ def _check(row: Row, folder: Path) -> dict:
         "first_divergence": divergence,
         "max_logit_diff": max_diff,
         "logit_tolerance": report.logit_tolerance,
-        **({"top1_agreement": agreement} if report.mode == "agreement" else {}),
+        **({"top1_agreement": min(p.top1_agreement for p in report.prompts)} if report.mode == "agreement" else {}),
         "check_prompts": [
             {"prompt_tokens": p.prompt_tokens, "new_tokens": p.new_tokens, "compared_steps": p.compared_steps, "match": p.match,
              "rounding_ties": p.rounding_ties}

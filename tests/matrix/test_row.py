@@ -5,7 +5,7 @@ tokens."""
 from __future__ import annotations
 
 from kvexport.exporter.artifact import read_manifest
-from kvexport.matrix.row import ARTIFACT_DIR, run_row
+from kvexport.matrix.row import ARTIFACT_DIR, check_summary, run_row
 from kvexport.matrix.spec import Row
 
 
@@ -24,3 +24,14 @@ def test_a_quantized_row_is_checked_for_agreement(tmp_path):
         assert result["status"] == "fail"
         assert result["failure"]["stage"] == "check" and "top-1 agreement" in result["failure"]["reason"]
     assert result["decode_tokens_per_s"] > 0
+
+
+def test_a_check_whose_eager_logits_are_not_finite_says_so():
+    from kvexport.runtime_check.check import CheckReport, PromptReport
+
+    prompts = [PromptReport("a", 5, 8, compared_steps=8), PromptReport("b", 9, 8, match=False, eager_not_finite_at=3)]
+    summary = check_summary(CheckReport("f", "onnx", "float32", "cpu", 0.05, prompts))
+    assert summary["check_ok"] is False and summary["first_divergence"] is None
+    assert summary["check_reason"] == "eager's logits are not finite at new token 3 of prompt 1: nothing to compare with"
+    quantized = CheckReport("f", "onnx", "float32", "cpu", 0.05, prompts, mode="agreement", min_agreement=0.95)
+    assert check_summary(quantized)["check_ok"] is False  # prompt 1's agreement over its 0 steps does not count

@@ -128,3 +128,27 @@ def test_the_device_runner_generates_what_run_generates(real, capsys):
     done = run_device([folder, "--prompt", SHORT_PROMPT, "--max-new-tokens", 48, "--ignore-eos", "--json"], **guard)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["new_ids"] == kvexport_run(capsys, folder, SHORT_PROMPT, 48)["new_ids"]
+
+
+def test_gemma3_is_refused_in_float16(tmp_path, capsys):
+    """Its residual stream passes float16's 65,504: eager float16 gives NaN logits, its float16 .pte
+    generated token 0 throughout. Refused after loading, before anything is written."""
+    out = tmp_path / "gemma16"
+    with pytest.raises(SystemExit) as done:
+        main(["export", "gemma3-270m", "--dtype", "float16", "-o", str(out), "--quiet"])
+    err = capsys.readouterr().err
+    assert done.value.code == 2 and "Traceback" not in err, err
+    assert "the model overflows in float16" in err and "at layer 8 of 18" in err, err
+    assert not out.exists()
+
+
+def test_smollm2_in_float16_passes_check(tmp_path, capsys):
+    out = tmp_path / "smollm2-16"
+    with pytest.raises(SystemExit) as done:
+        main(["export", "smollm2-135m", "--target", "onnx", "--dtype", "float16", "-o", str(out), "--quiet"])
+    assert done.value.code == 0
+    with pytest.raises(SystemExit) as done:
+        main(["check", str(out), "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert done.value.code == 0 and report["ok"] and report["dtype"] == "float16", report
+    assert all(p["match"] and p["compared_steps"] == p["new_tokens"] for p in report["prompts"])
