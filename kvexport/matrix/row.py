@@ -133,8 +133,7 @@ def check_summary(report) -> dict:
         divergence = None
     elif report.mode == "agreement":  # quantized: its tokens may differ; how often its top-1 is eager's counts
         worst = min(range(len(report.prompts)), key=lambda i: report.prompts[i].top1_agreement)
-        agreement = report.prompts[worst].top1_agreement
-        reason = f"top-1 agreement {agreement:.1%} at prompt {worst} is under {report.min_agreement:.0%}"
+        reason = f"top-1 agreement {report.prompts[worst].top1_agreement:.1%} at prompt {worst} is under {report.min_agreement:.0%}"
         divergence = None
     elif divergence:
         kind = "near-tie" if divergence["near_tie"] else "mismatch"
