@@ -13,7 +13,7 @@ from typing import Annotated, Optional
 import typer
 
 from .errors import KvexportError
-from .third_party_logs import quiet as _quiet_third_party_logs
+from . import logs
 
 app = typer.Typer(
     add_completion=False,
@@ -86,8 +86,8 @@ def run(
     as_json: JsonFlag = False,
 ):
     """Generate with the artifact (folder or kvexport pack archive) and its tokenizer alone (no transformers model)."""
-    from .exporter.archive import open_artifact
-    from .runtime_check.run import run_command
+    from .artifact.archive import open_artifact
+    from .runtime.run import run_command
 
     with open_artifact(folder) as (folder, manifest):
         run_command(folder, prompt, max_new_tokens, ignore_eos, chat, temperature, top_p, seed, device, as_json, manifest)
@@ -103,7 +103,7 @@ def pack(
     as_json: JsonFlag = False,
 ):
     """Write the artifact folder as one archive for a device; its files are verified first, and again where it runs."""
-    from .exporter.archive import pack as pack_folder
+    from .artifact.archive import pack as pack_folder
 
     archive, sha256 = pack_folder(folder, out, force)
     if as_json:
@@ -126,7 +126,7 @@ def check(
     as_json: JsonFlag = False,
 ):
     """Compare the artifact with eager transformers' greedy generation; exit 0 only if all match."""
-    from .runtime_check.check import check_command
+    from .check.check import check_command
 
     ok = check_command(folder, prompt, max_new_tokens, device, model, as_json)
     raise typer.Exit(0 if ok else 1)
@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> None:
         argv.insert(0, "export")
     if in_own_process and argv[:1] == ["export"] and "--help" not in argv:
         _reexec_with_fixed_hash_seed(argv)
-    _quiet_third_party_logs()
+    logs.quiet()
     import click
 
     previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}

@@ -17,12 +17,12 @@ import argparse
 import sys
 from pathlib import Path
 
-from . import third_party_logs
+from . import logs
 from .errors import InvalidOptionError, KvexportError
-from .exporter.archive import open_artifact
-from .runtime_check.generation import check_fits
-from .runtime_check.run import run_command
-from .runtime_check.tokenizer import ArtifactTokenizer
+from .artifact.archive import open_artifact
+from .runtime.generation import check_fits
+from .runtime.run import run_command
+from .runtime.tokenizer import ArtifactTokenizer
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -63,7 +63,7 @@ def run_with_executorch_runner(folder: Path, manifest: dict, args: argparse.Name
         version = manifest.get("versions", {}).get("executorch")
         raise KvexportError(f"--runner executorch needs executorch ({e.name} is not installed): "
                             f"pip install executorch{'==' + version if version else ''}")
-    from .runtime_check.executorch_program import register_kernels
+    from .runtime.executorch_program import register_kernels
 
     register_kernels()
     weights = str(folder / manifest["weights"]) if manifest.get("weights") else None
@@ -81,7 +81,7 @@ def run_with_executorch_runner(folder: Path, manifest: dict, args: argparse.Name
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    third_party_logs.quiet()
+    logs.quiet()
     try:
         with open_artifact(args.artifact) as (folder, manifest):
             if args.runner == "executorch":

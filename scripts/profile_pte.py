@@ -47,10 +47,10 @@ def trace_decode(folder: Path, prompt_tokens: int, new_tokens: int, threads: int
     """Prefill ``prompt_tokens`` of bench's prompt text, decode ``new_tokens`` greedy tokens, and
     write the event trace of every call to ``trace``."""
     from kvexport.errors import InvalidOptionError
-    from kvexport.exporter.artifact import read_manifest
-    from kvexport.runtime_check import executorch_program
-    from kvexport.runtime_check.generation import check_fits, generate
-    from kvexport.runtime_check.tokenizer import ArtifactTokenizer
+    from kvexport.artifact.manifest import read_manifest
+    from kvexport.runtime import executorch_program
+    from kvexport.runtime.generation import check_fits, generate
+    from kvexport.runtime.tokenizer import ArtifactTokenizer
 
     manifest = read_manifest(folder)
     if manifest["target"] != "executorch":

@@ -88,7 +88,7 @@ def assert_generation_matches(actual, expected, atol: float, what: str) -> None:
 
 def effective_weight(module: torch.nn.Module) -> torch.Tensor:
     """What an 8da4w linear layer (kvexport's quantized module) multiplies its int8-rounded input by."""
-    from kvexport.exporter.quantize import GROUP_SIZE, Int4GridLinear
+    from kvexport.exporter.executorch.quantize import GROUP_SIZE, Int4GridLinear
 
     weight = module.weight.dequantize()
     if isinstance(module, Int4GridLinear):  # its offsets multiply block sums of the input
@@ -118,7 +118,7 @@ def edit_manifest(change, update_its_sum: bool = True):
     """A function of an artifact folder that edits its kvexport.json with ``change(manifest)``; with
     ``update_its_sum``, as a tool would that rewrites the sum file too, so that what is checked is
     the manifest's fields themselves."""
-    from kvexport.exporter.artifact import sha256_file
+    from kvexport.artifact.manifest import sha256_file
 
     def damage(folder):
         manifest = json.loads((folder / "kvexport.json").read_text())

@@ -11,7 +11,7 @@ import pytest
 
 from kvexport.cli import main
 
-from .helpers import edit_manifest
+from tests.helpers import edit_manifest
 
 
 def run_cli(capsys, *args) -> tuple[int, str, str]:
@@ -290,7 +290,8 @@ def test_run_json_fields(artifact, capsys):
     ids=["prompt-longer-than-cache", "prompt-plus-new-tokens-beyond-cache", "empty-prompt", "zero-new-tokens"],
 )
 def test_run_and_check_refuse_what_cannot_fit(artifact, capsys, command, prompt, extra, phrases, monkeypatch):
-    from kvexport.runtime_check import check, run
+    from kvexport.check import check
+    from kvexport.runtime import run
 
     # Refused before anything runs: loading the program would already be too late.
     monkeypatch.setattr(run, "load_program", lambda *a, **k: pytest.fail("loaded the program"))
@@ -360,8 +361,8 @@ def test_run_without_a_limit_stops_when_the_cache_is_full(artifact, capsys):
     eager transformers' greedy token (nothing wraps around)."""
     from kvexport.models.presets import build_preset
 
-    from .conftest import TEST_CACHE_LEN
-    from .helpers import eager_ids
+    from tests.conftest import TEST_CACHE_LEN
+    from tests.helpers import eager_ids
 
     folder = artifact("tiny-gemma3")
     # "Hi": no near-tie on its 62-token greedy path ("Hello" has one, margin 2e-4, at new token 2).

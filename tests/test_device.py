@@ -10,10 +10,10 @@ import sys
 import pytest
 
 from kvexport import device
-from kvexport.exporter.archive import pack
+from kvexport.artifact.archive import pack
 
-from .conftest import NEW_TOKENS, PROMPT
-from .test_cli import assert_one_line_error, run_cli
+from tests.conftest import NEW_TOKENS, PROMPT
+from tests.test_cli import assert_one_line_error, run_cli
 
 # What a device that runs ONNX artifacts has installed besides the standard library (jinja2, and
 # markupsafe under it, for --chat).
@@ -96,7 +96,7 @@ def test_chat_streams_the_reply_and_stops_at_the_end_of_turn(artifact, capsys):
 def test_a_corrupted_artifact_is_refused_before_loading(artifact, tmp_path, capsys, monkeypatch):
     import shutil
 
-    from kvexport.runtime_check import run
+    from kvexport.runtime import run
 
     monkeypatch.setattr(run, "load_program", lambda *a, **k: pytest.fail("a corrupt artifact was loaded"))
     folder = tmp_path / "copy"

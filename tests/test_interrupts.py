@@ -18,7 +18,7 @@ import pytest
 
 import kvexport
 from kvexport.cli import main
-from kvexport.exporter import artifact
+from kvexport.artifact import manifest as artifact
 
 REPO = Path(kvexport.__file__).resolve().parent.parent
 
@@ -96,7 +96,7 @@ def test_a_signal_during_lowering_leaves_the_previous_artifact(tmp_path, signum,
 
 
 def test_a_failure_in_lowering_leaves_the_previous_artifact(tmp_path, monkeypatch, capsys):
-    from kvexport.exporter.targets import executorch
+    from kvexport.exporter.executorch import target as executorch
 
     def failing_lower(program, info, folder):
         (folder / "model.pte").write_bytes(b"half a program")
@@ -119,7 +119,7 @@ def test_a_full_disk_while_lowering_gets_one_line(tmp_path, monkeypatch, capsys)
     """Simulated: the lowering step fails the way a full disk fails a write (ENOSPC)."""
     import errno
 
-    from kvexport.exporter.targets import executorch
+    from kvexport.exporter.executorch import target as executorch
 
     def lower_on_a_full_disk(program, info, folder):
         (folder / "model.pte").write_bytes(b"half a program")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .wrapper import ExportableDecoder, ExternalCacheDecoder
+from .decoder import ExportableDecoder, ExternalCacheDecoder
 
 
 def example_inputs(max_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:

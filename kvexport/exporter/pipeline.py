@@ -12,7 +12,8 @@ from .. import __version__
 from ..errors import InvalidOptionError
 from ..models import architecture, sources
 from ..progress import Progress, peak_rss_mb
-from . import artifact, quantize
+from ..artifact import manifest as artifact
+from .executorch import quantize
 from .targets import get_target
 
 DEFAULT_MAX_CACHE_LEN = 2048

@@ -97,9 +97,9 @@ def _export(row: Row, model: str, folder: Path) -> dict:
 
 
 def _check(row: Row, folder: Path) -> dict:
-    from ..exporter.artifact import read_manifest
-    from ..runtime_check.check import default_prompts, run_check
-    from ..runtime_check.tokenizer import ArtifactTokenizer
+    from ..artifact.manifest import read_manifest
+    from ..check.check import default_prompts, run_check
+    from ..runtime.tokenizer import ArtifactTokenizer
 
     prompts = None
     if row.check_new_tokens:
@@ -163,10 +163,10 @@ def check_summary(report) -> dict:
 
 
 def _decode_speed(row: Row, folder: Path) -> dict:
-    from ..exporter.artifact import read_manifest
-    from ..runtime_check.generation import generate
-    from ..runtime_check.programs import load_program
-    from ..runtime_check.tokenizer import ArtifactTokenizer
+    from ..artifact.manifest import read_manifest
+    from ..runtime.generation import generate
+    from ..runtime.programs import load_program
+    from ..runtime.tokenizer import ArtifactTokenizer
 
     manifest = read_manifest(folder, verify=False)
     prompt_ids = ArtifactTokenizer(folder).encode(RUN_PROMPT)
@@ -180,11 +180,11 @@ def _decode_speed(row: Row, folder: Path) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ..cli import _quiet_third_party_logs
+    from .. import logs
 
     argv = sys.argv[1:] if argv is None else argv
     row_dir = Path(argv[0])
-    _quiet_third_party_logs()
+    logs.quiet()
     row = Row.from_dict(json.loads((row_dir / ROW_FILE).read_text()))
     result = run_row(row, row_dir)
     tmp = row_dir / f".{RESULT_FILE}.tmp"

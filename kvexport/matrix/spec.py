@@ -174,7 +174,7 @@ def _scheme(value, key: str, where: str) -> str | None:
 def _check_row(model: str, target: str, dtype: str, max_cache_len, tiny: dict, where: str,
                quantize: str | None = None, quantize_embedding: str | None = None,
                quantize_lm_head: str | None = None) -> None:
-    from ..exporter import quantize as quantization
+    from ..exporter.executorch import quantize as quantization
     from ..exporter.targets import TARGETS
     from ..models import sources
 

@@ -192,7 +192,7 @@ def _converted_folder(gguf: Path, cache_dir: Path | None) -> Path:
 @functools.lru_cache(maxsize=8)
 def _sha256(path: Path, size: int, mtime_ns: int) -> str:
     """A file's sha256, read once per process while its size and mtime stay (0.4 s for 250 MB)."""
-    from ..exporter.artifact import sha256_file
+    from ..artifact.manifest import sha256_file
 
     return sha256_file(path)
 

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import kvexport
-from kvexport.exporter.artifact import sha256_file
+from kvexport.artifact.manifest import sha256_file
 
 REPO = Path(kvexport.__file__).resolve().parent.parent
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 import torch
 
 from kvexport.exporter.export import export_decoder
-from kvexport.exporter.wrapper import ExportableDecoder
+from kvexport.exporter.decoder import ExportableDecoder
 from kvexport.models.presets import build_preset
 
-from ..conftest import NEW_TOKENS, PROMPT, TEST_CACHE_LEN
-from ..helpers import FP32_LOGIT_ATOL, assert_generation_matches, eager_reference, greedy_with, torch_forward
+from tests.conftest import NEW_TOKENS, PROMPT, TEST_CACHE_LEN
+from tests.helpers import FP32_LOGIT_ATOL, assert_generation_matches, eager_reference, greedy_with, torch_forward
 
 
 def test_exported_program_matches_eager(tiny):

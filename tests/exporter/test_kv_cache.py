@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers.masking_utils import and_masks, causal_mask_function, sliding_window_overlay
 
-from kvexport.exporter.custom_op_cache import CustomOpRingCache, CustomOpStaticCache
+from kvexport.exporter.executorch.custom_op_cache import CustomOpRingCache, CustomOpStaticCache
 from kvexport.exporter.kv_cache import CallState, RingKVCache, StaticKVCache, additive_mask, ring_positions
 
 HEADS, DIM = 2, 4
@@ -136,7 +136,7 @@ def test_ring_writes_are_worked_out_once_per_call_for_all_sliding_layers():
     """Which token each ring slot takes (``newest_in_slot``) depends on the call only: the program
     computes it once, not in each sliding layer (Gemma 3 270M: 8 small integer ops a layer, left
     outside XNNPACK's delegate, 120 a decode step). tiny-gemma3 has three sliding layers."""
-    from kvexport.exporter.targets import executorch
+    from kvexport.exporter.executorch import target as executorch
     from kvexport.models.presets import build_preset
 
     model, _ = build_preset("tiny-gemma3")

@@ -17,15 +17,15 @@ import numpy as np
 import pytest
 import torch
 
-from kvexport.exporter.artifact import read_manifest
-from kvexport.exporter.quantize import GROUP_SIZE, Quantization, quantize_model
+from kvexport.artifact.manifest import read_manifest
+from kvexport.exporter.executorch.quantize import GROUP_SIZE, Quantization, quantize_model
 from kvexport.exporter.weight_grids import int4_blocks
 from kvexport.models.presets import build_preset
-from kvexport.runtime_check.programs import load_program
+from kvexport.runtime.programs import load_program
 
-from ..conftest import NEW_TOKENS, PROMPT
-from ..helpers import assert_on_grid, eager_ids, effective_weight
-from ..test_cli import assert_one_line_error, run_cli
+from tests.conftest import NEW_TOKENS, PROMPT
+from tests.helpers import assert_on_grid, eager_ids, effective_weight
+from tests.test_cli import assert_one_line_error, run_cli
 
 
 def teacher_forced(forward, ids: list[int], prompt_len: int) -> np.ndarray:
@@ -120,7 +120,7 @@ def test_8da4w_keeps_each_weight_on_its_grid():
     stores finer (Q8_0), and the lm_head, are int8 per output channel; a float weight spans each
     block's min..max in 16 levels. ExecuTorch's own recipe (symmetric int4, hqq scales) rounds a
     4-bit GGUF's weights onto a second grid: SmolLM2 agreed with float eager on 69% of tokens."""
-    from kvexport.exporter.quantize import Int4GridLinear
+    from kvexport.exporter.executorch.quantize import Int4GridLinear
 
     model, _ = build_preset("tiny-llama")
     attention = model.model.layers[0].self_attn
@@ -149,7 +149,7 @@ def test_8da4w_keeps_each_weight_on_its_grid():
 def test_an_int4_lm_head_is_rounded_like_a_float_weight_and_its_tied_table_stays_8_bit():
     """``--quantize-lm-head int4``: the lm_head spans each block's min..max in 16 levels (its source
     here is float), while the embedding it is tied to keeps its own 8-bit table."""
-    from kvexport.exporter.quantize import Int4GridLinear
+    from kvexport.exporter.executorch.quantize import Int4GridLinear
 
     model, _ = build_preset("tiny-smollm3")  # tied embeddings
     original = model.lm_head.weight.detach().clone()
@@ -164,7 +164,7 @@ def test_an_int4_lm_head_is_rounded_like_a_float_weight_and_its_tied_table_stays
 def test_int4_grid_linear_computes_the_exact_weight():
     """The layer adds the offsets back in float: off from ``x @ W.T`` only by its int8 activations,
     far less than symmetric int4 would be."""
-    from kvexport.exporter.quantize import Int4GridLinear
+    from kvexport.exporter.executorch.quantize import Int4GridLinear
 
     rng = np.random.default_rng(7)
     weight = q4_1_weight(rng, 64, 128)
@@ -180,7 +180,7 @@ def test_int4_grid_linear_computes_the_exact_weight():
 def test_a_block_of_one_value_gets_a_positive_scale_and_stays_exact():
     """XNNPACK refuses a zero scale (an embedding's all-zero padding row read as a tied int4
     lm_head made the ``.pte`` fail to load); the offset makes up for the scale it gets instead."""
-    from kvexport.exporter.quantize import Int4GridLinear
+    from kvexport.exporter.executorch.quantize import Int4GridLinear
 
     weight = q4_1_weight(np.random.default_rng(8), 4, 64)
     weight[1] = 0.0
@@ -309,7 +309,7 @@ def test_an_int4_lm_head_on_onnx_reads_zero_points_and_the_lookup_keeps_its_8_bi
 def test_an_int4_onnx_lm_head_reaches_each_blocks_min_and_max():
     """Each block's levels reach its min and max (no clipping, every weight within half a step),
     packed as MatMulNBits reads them: two levels and two zero points a byte, low nibble first."""
-    from kvexport.exporter.onnx_quantize import _int4_with_zero_points
+    from kvexport.exporter.onnx.quantize import _int4_with_zero_points
 
     rng = np.random.default_rng(0)
     weight = rng.standard_normal((96, 70)).astype(np.float32)  # [K, N]: 3 blocks, an odd count
@@ -363,8 +363,8 @@ def test_attention_reads_the_stacked_projection_packed_and_computes_the_same(art
 
     import onnx
 
-    from kvexport.exporter import onnx_quantize
-    from kvexport.runtime_check.onnx_program import OnnxProgram
+    from kvexport.exporter.onnx import quantize as onnx_quantize
+    from kvexport.runtime.onnx_program import OnnxProgram
 
     source = artifact("tiny-llama", "onnx")
     folders = {}
@@ -417,7 +417,7 @@ def test_check_reports_agreement_on_a_quantized_artifact(artifact, capsys):
 
 
 def test_teacher_forcing_on_a_float_artifact_agrees_fully(artifact):
-    from kvexport.runtime_check.check import check_prompt
+    from kvexport.check.check import check_prompt
 
     model, tokenizer = build_preset("tiny-gemma3")
     ids = tokenizer(PROMPT).input_ids
@@ -427,7 +427,7 @@ def test_teacher_forcing_on_a_float_artifact_agrees_fully(artifact):
 
 
 def test_teacher_forcing_never_feeds_nor_counts_a_suppressed_token(artifact):
-    from kvexport.runtime_check.check import check_prompt
+    from kvexport.check.check import check_prompt
 
     model, tokenizer = build_preset("tiny-gemma3")
     ids = tokenizer(PROMPT).input_ids
@@ -442,7 +442,7 @@ def test_teacher_forcing_never_feeds_nor_counts_a_suppressed_token(artifact):
 
 
 def test_teacher_forcing_goes_on_past_a_divergence(artifact):
-    from kvexport.runtime_check.check import check_prompt
+    from kvexport.check.check import check_prompt
 
     model, tokenizer = build_preset("tiny-llama")  # another model's artifact: it diverges at once
     ids = tokenizer(PROMPT).input_ids
@@ -670,7 +670,7 @@ def test_a_weight_finer_than_4_bits_goes_8_bit_exactly(tmp_path, run, half_level
 def test_the_lm_head_and_embedding_blocks_are_the_largest_of_128_64_32_dividing_k():
     """Gemma 3 (K 640) gets blocks of 128, SmolLM2 (K 576) of 64: MatMulNBits runs Gemma 3's
     262,144 x 640 head ~20% faster in blocks of 128 than of 32."""
-    from kvexport.exporter.onnx_quantize import table_block
+    from kvexport.exporter.onnx.quantize import table_block
 
     assert [table_block(k) for k in (96, 576, 640, 2048)] == [32, 64, 128, 128]
 
@@ -722,7 +722,7 @@ def quantize_and_run(path, feeds: dict):
     import onnx
     import onnxruntime as ort
 
-    from kvexport.exporter.onnx_quantize import quantize_onnx
+    from kvexport.exporter.onnx.quantize import quantize_onnx
 
     ops = quantize_onnx(path, "model.onnx.data")
     onnx.checker.check_model(str(path), full_check=True)

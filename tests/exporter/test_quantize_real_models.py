@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from kvexport.cli import main
-from kvexport.exporter.quantize import Quantization, quantize_model
+from kvexport.exporter.executorch.quantize import Quantization, quantize_model
 from kvexport.models import sources
 
-from ..helpers import assert_on_grid
+from tests.helpers import assert_on_grid
 
 pytestmark = pytest.mark.slow
 
@@ -45,7 +45,7 @@ def gguf_types(name: str) -> collections.Counter:
 def test_8da4w_keeps_every_4_bit_gguf_grid(real):
     """Every projection the GGUF stores in 4 bits is int4 with its own grid (its offsets int8, to
     half a step); every finer one (Q5_0, Q6_K, Q8_0) is int8."""
-    from kvexport.exporter.quantize import Int4GridLinear
+    from kvexport.exporter.executorch.quantize import Int4GridLinear
 
     name, model, _, quantized = real
     float_weights = {n: m.weight for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
@@ -64,8 +64,8 @@ def test_8da4w_agrees_with_float_eager(real):
     steps, EOS never fed nor counted, as `kvexport check` measures it (the `.pte`s, 2026-11-26:
     SmolLM2 100%, Gemma 3 96.9%; with float32 offsets, 2026-11-25: SmolLM2's module 98.8%, its
     `.pte` 99.6%; ExecuTorch's own recipe: ~70%)."""
-    from kvexport.runtime_check.check import MIN_QUANTIZED_AGREEMENT
-    from kvexport.runtime_check.eager import greedy_generate
+    from kvexport.check.check import MIN_QUANTIZED_AGREEMENT
+    from kvexport.check.eager import greedy_generate
 
     _, model, tokenizer, quantized = real
     prompt = tokenizer("The capital of France is").input_ids  # `kvexport check`'s short prompt

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from ..test_cli import run_cli
+from tests.test_cli import run_cli
 
 MATRIX = """
 [defaults]

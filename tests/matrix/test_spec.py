@@ -9,7 +9,7 @@ import pytest
 from kvexport.errors import InvalidOptionError
 from kvexport.matrix.spec import load_matrix, parse_shard, shard_rows
 
-from ..test_cli import assert_one_line_error, run_cli
+from tests.test_cli import assert_one_line_error, run_cli
 
 TINY_MATRIX = Path(__file__).resolve().parents[2] / "matrices" / "tiny.toml"
 
@@ -168,7 +168,7 @@ def test_usage_mistakes_get_usage_not_a_traceback(capsys):
 
 
 def test_a_row_takes_every_quantization_option_export_takes():
-    from kvexport.exporter.quantize import OPTIONS
+    from kvexport.exporter.executorch.quantize import OPTIONS
     from kvexport.matrix.spec import QUANTIZATION
 
     assert QUANTIZATION == OPTIONS

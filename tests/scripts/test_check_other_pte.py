@@ -6,9 +6,9 @@ import shutil
 
 import pytest
 
-from kvexport.runtime_check.check import run_check
+from kvexport.check.check import run_check
 
-from ..helpers import load_script
+from tests.helpers import load_script
 
 
 def test_a_pte_measured_as_another_exporters_agrees_as_kvexport_check_finds(artifact, tmp_path):

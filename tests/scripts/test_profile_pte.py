@@ -9,7 +9,7 @@ import pytest
 
 from kvexport.models.presets import build_preset
 
-from ..helpers import load_script
+from tests.helpers import load_script
 
 
 def test_profile_rows_add_up_and_name_each_layers_attention(artifact, tmp_path, capsys):

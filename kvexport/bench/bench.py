@@ -1,0 +1,638 @@
+#!/usr/bin/env python3
+"""Benchmark eager transformers, kvexport artifacts, ExecuTorch's own runner and llama.cpp in one run.
+
+    python scripts/bench.py MODEL ARTIFACT [ARTIFACT ...] [--prompt-tokens 128] [--new-tokens 128]
+        [--repeats 3] [--threads 2] [--json OUT.json] [--markdown OUT.md] [--paths eager,run,textllm,llama]
+        [--llama-python PYTHON] [--pte OTHER.pte ...]
+
+Paths, each measured in a fresh subprocess per repeat (so peak RSS is that path's alone and no path
+warms another's caches), the repeats interleaved round-robin across paths (so a burst of load on a
+shared machine spreads over all of them):
+
+- ``eager``: transformers' ``generate`` (greedy, its DynamicCache) on MODEL, as ``kvexport check``
+  runs it (``kvexport.check.eager.greedy_generate``);
+- ``run``: each ARTIFACT (any target or dtype) through kvexport's own loop, what ``kvexport run``
+  does (``load_program`` + ``generation.generate``);
+- ``textllm``: each ``.pte`` ARTIFACT through ExecuTorch's C++ ``TextLLMRunner`` (its pybinding), its
+  timing from the ``Stats`` it hands to ``stats_callback``; so is each ``--pte`` file, another
+  exporter's program of the same model (optimum-executorch's, say), with the first ARTIFACT's
+  tokenizer and BOS (a ``.ptd`` of the same name beside it is its data file);
+- ``llama``: llama.cpp (``llama-cpp-python``) on MODEL's GGUF file, when ``llama_cpp`` imports in
+  ``--llama-python`` (default: this interpreter); otherwise reported as not installed.
+
+Every path gets the same prompt token ids (a fixed English text cut to exactly ``--prompt-tokens``
+tokens by the artifact's tokenizer) and generates ``--new-tokens`` greedy tokens, EOS ignored (the
+TextLLMRunner path cannot ignore EOS; it reports how many it generated). Each subprocess first does
+one short warm-up generation, then the measured one. Metrics, all from the measured generation:
+
+- TTFT: from the call with the prompt to the first new token (prefill + first pick);
+- prefill tokens/s: prompt tokens / prefill time;
+- decode tokens/s: (new tokens - 1) / time from the first new token to the last (each of those
+  tokens costs one forward call of one token);
+- peak RSS: the subprocess's VmHWM (Linux), loading included.
+
+The table also gives each path's decode tokens/s as a multiple of eager's and of llama.cpp's
+(medians of the same run), and kvexport run's against TextLLMRunner's on the same ``.pte``: the
+ratio of their medians, and the median of each round's own ratio (a round runs every path once,
+so the two run back to back).
+
+Other load: before every run the script samples ``/proc/stat`` for half a second while nothing of
+its own runs; the header gives the median and largest share of the CPUs busy then, and warns when it
+passed 10%. The load average it also prints lags by minutes and counts the previous run. Neither
+sees a virtual machine's host: on this project's 2-CPU VM two runs with no other process differed
+by up to a quarter per path, so a ratio near 1 needs more than one run.
+
+Threads: ``torch.set_num_threads(N)`` (eager, and torch ops anywhere); ExecuTorch's threadpool
+(XNNPACK and the LLM custom ops, one pool per process shared by kvexport's runner and
+TextLLMRunner) is reset to N with ``executorch.extension.pybindings.portable_lib._unsafe_reset_threadpool``;
+ONNX Runtime gets ``intra_op_num_threads=N`` (inter-op 1); llama.cpp ``n_threads = n_threads_batch = N``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+if (REPO / "kvexport").is_dir() and str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))  # this checkout's kvexport, not another installed one
+
+PATHS = ("eager", "run", "textllm", "llama")
+WARMUP_NEW_TOKENS = 4
+_FILLER = (
+    "The history of computing is a story of people who wanted machines to do arithmetic faster than any "
+    "clerk could. Early mechanical calculators added and multiplied with gears; later, electrical relays "
+    "and vacuum tubes replaced the gears, and the transistor replaced the tubes. Each step made machines "
+    "smaller, cheaper and more reliable, and each one changed what people expected a computer to do. "
+)
+METRICS = (  # key, column title, digits
+    ("ttft_ms", "TTFT ms", 0),
+    ("prefill_tokens_per_s", "prefill tok/s", 0),
+    ("decode_tokens_per_s", "decode tok/s", 1),
+    ("peak_rss_mb", "peak RSS MB", 0),
+)
+
+
+# ---------------------------------------------------------------- workers (one subprocess each)
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident memory: VmHWM (per address space, so not inherited across exec).
+    kvexport.progress has the same function; this copy stays because the llama.cpp worker runs in
+    another interpreter (--llama-python), where kvexport and rich need not be installed."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _set_torch_threads(threads: int) -> None:
+    import torch
+
+    torch.set_num_threads(threads)
+
+
+def _set_executorch_threads(threads: int) -> None:
+    from executorch.extension.pybindings.portable_lib import _threadpool_get_thread_count, _unsafe_reset_threadpool
+
+    _unsafe_reset_threadpool(threads)
+    if _threadpool_get_thread_count() != threads:
+        raise RuntimeError(f"ExecuTorch's threadpool has {_threadpool_get_thread_count()} threads, not {threads}")
+
+
+def _timed(prompt_ids: list[int], new_tokens: int, t0: float, first: float, end: float, n_new: int) -> dict:
+    return {
+        "prompt_tokens": len(prompt_ids),
+        "new_tokens": n_new,
+        "ttft_s": first - t0,
+        "decode_s": end - first,
+        "decode_steps": n_new - 1,
+    }
+
+
+def work_eager(spec: dict) -> dict:
+    from kvexport.models import sources
+    from kvexport.check.eager import greedy_generate
+
+    _set_torch_threads(spec["threads"])
+    t = time.perf_counter()
+    model, _ = sources.load_model(sources.resolve(spec["model"]))
+    load_s = time.perf_counter() - t
+    ids, n = spec["prompt_ids"], spec["new_tokens"]
+    greedy_generate(model, ids, WARMUP_NEW_TOKENS)
+    stamps: list[float] = []
+    t0 = time.perf_counter()
+    new_ids = greedy_generate(model, ids, n, on_logits=lambda step, _: stamps.append(time.perf_counter()))
+    end = time.perf_counter()
+    return {**_timed(ids, n, t0, stamps[0], end, len(new_ids)), "prefill_s": stamps[0] - t0, "load_s": load_s,
+            "new_ids": new_ids}
+
+
+def work_run(spec: dict) -> dict:
+    from kvexport.artifact.manifest import read_manifest
+    from kvexport.runtime.generation import generate
+    from kvexport.runtime.programs import load_program
+
+    folder = Path(spec["artifact"])
+    manifest = read_manifest(folder)
+    threads = spec["threads"]
+    t = time.perf_counter()
+    if manifest["target"] == "onnx":
+        from kvexport.runtime.onnx_program import OnnxProgram
+
+        program = OnnxProgram(folder, manifest, "cpu", threads=threads)
+    else:
+        _set_torch_threads(threads)
+        _set_executorch_threads(threads)
+        program = load_program(folder, manifest)
+    load_s = time.perf_counter() - t
+    ids, n = spec["prompt_ids"], spec["new_tokens"]
+    generate(program, ids, WARMUP_NEW_TOKENS)
+    program.reset()
+    stamps: list[float] = []
+    t0 = time.perf_counter()
+    result = generate(program, ids, n, on_token=lambda _: stamps.append(time.perf_counter()))
+    end = time.perf_counter()
+    return {**_timed(ids, n, t0, stamps[0], end, len(result.new_ids)), "prefill_s": result.prefill_seconds,
+            "load_s": load_s, "new_ids": result.new_ids}
+
+
+def work_textllm(spec: dict) -> dict:
+    from kvexport.artifact.manifest import read_manifest
+    from kvexport.runtime.executorch_program import register_kernels
+
+    folder = Path(spec["artifact"])  # with --pte, the kvexport artifact whose tokenizer it borrows
+    manifest = read_manifest(folder)
+    _set_torch_threads(spec["threads"])
+    _set_executorch_threads(spec["threads"])
+    register_kernels()
+    from executorch.extension.llm.runner import GenerationConfig, TextLLMRunner
+
+    if spec.get("pte"):
+        program, data = Path(spec["pte"]), Path(spec["pte"]).with_suffix(".ptd")
+        weights = str(data) if data.is_file() else None
+    else:
+        program = folder / manifest["program"]
+        weights = str(folder / manifest["weights"]) if manifest.get("weights") else None
+    bos = 1 if manifest.get("tokenizer_adds_bos") else 0  # its tokenizer adds none: the runner prepends them
+    t = time.perf_counter()
+    runner = TextLLMRunner(str(program), str(folder / "tokenizer.json"), weights)
+    load_s = time.perf_counter() - t  # plus the load inside the first generate, from its stats below
+
+    def config(n: int, warming: bool):
+        return GenerationConfig(max_new_tokens=n, temperature=0.0, echo=False, num_bos=bos, num_eos=0, warming=warming)
+
+    # It prints each token on stdout itself: keep stdout for this worker's result only.
+    saved = os.dup(1)
+    os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
+    try:
+        stats: list = []
+        runner.generate(spec["prompt_text"], config(WARMUP_NEW_TOKENS, True), stats_callback=stats.append)
+        if stats:
+            load_s += (stats[-1].model_load_end_ms - stats[-1].model_load_start_ms) / stats[-1].SCALING_FACTOR_UNITS_PER_SECOND
+        runner.reset()
+        pieces: list[str] = []
+        runner.generate(spec["prompt_text"], config(spec["new_tokens"], False), token_callback=pieces.append,
+                        stats_callback=stats.append)
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+    s = stats[-1]
+    ms = s.SCALING_FACTOR_UNITS_PER_SECOND
+    # Its own accounting, in whole milliseconds (a tiny model's prefill can take 0 ms: no rate then).
+    # The prefill's token is not in num_generated_tokens; each counted one is a decode step.
+    return {
+        "prompt_tokens": s.num_prompt_tokens,
+        "new_tokens": s.num_generated_tokens + 1,
+        "ttft_s": (s.first_token_ms - s.inference_start_ms) / ms,
+        "prefill_s": (s.prompt_eval_end_ms - s.inference_start_ms) / ms,
+        "decode_s": (s.inference_end_ms - s.prompt_eval_end_ms) / ms,
+        "decode_steps": s.num_generated_tokens,
+        "load_s": load_s,
+        "text": "".join(pieces),
+    }
+
+
+def work_llama(spec: dict) -> dict:
+    """llama.cpp on the GGUF; runs in --llama-python, which need not have kvexport's dependencies."""
+    import numpy as np
+    from llama_cpp import Llama, __version__
+
+    ids, n, threads = spec["prompt_ids"], spec["new_tokens"], spec["threads"]
+    t = time.perf_counter()
+    llm = Llama(model_path=spec["gguf"], n_ctx=len(ids) + n + 16, n_batch=len(ids), n_ubatch=len(ids),
+                n_threads=threads, n_threads_batch=threads, logits_all=False, verbose=False)
+    load_s = time.perf_counter() - t
+    vocab = llm.n_vocab()
+
+    def generate(count: int, stamps: list[float]) -> list[int]:
+        llm.reset()
+        llm.eval(ids)
+        out: list[int] = []
+        while True:
+            # Without logits_all, llama-cpp-python 0.3 no longer copies logits into llm.scores:
+            # read the last evaluated token's row from the context.
+            logits = np.ctypeslib.as_array(llm._ctx.get_logits_ith(-1), shape=(vocab,))
+            out.append(int(np.argmax(logits)))
+            stamps.append(time.perf_counter())
+            if len(out) == count:
+                return out
+            llm.eval([out[-1]])
+
+    generate(WARMUP_NEW_TOKENS, [])
+    stamps: list[float] = []
+    t0 = time.perf_counter()
+    new_ids = generate(n, stamps)
+    end = time.perf_counter()
+    return {**_timed(ids, n, t0, stamps[0], end, len(new_ids)), "prefill_s": stamps[0] - t0, "load_s": load_s,
+            "new_ids": new_ids, "llama_cpp_version": __version__}
+
+
+WORKERS = {"eager": work_eager, "run": work_run, "textllm": work_textllm, "llama": work_llama}
+
+
+def worker_main(spec_path: str) -> int:
+    spec = json.loads(Path(spec_path).read_text())
+    result = WORKERS[spec["path"]](spec)
+    result["peak_rss_mb"] = peak_rss_mb()
+    Path(spec["result"]).write_text(json.dumps(result))
+    return 0
+
+
+# ---------------------------------------------------------------- orchestration
+
+
+def exact_prompt(tokenizer, n: int) -> tuple[str, list[int]]:
+    """A text whose encoding (special tokens included) has exactly ``n`` tokens, and those ids."""
+    words = (_FILLER * (2 + n // 20)).split()
+    text = ""
+    for word in words:
+        longer = f"{text} {word}" if text else word
+        size = len(tokenizer.encode(longer))
+        if size == n:
+            return longer, tokenizer.encode(longer)
+        if size > n:  # this word overshoots: a part of it may not
+            for k in range(len(word) - 1, -1 if text else 0, -1):  # k = 0: a trailing space
+                part = f"{text} {word[:k]}" if text else word[:k]
+                if len(tokenizer.encode(part)) == n:
+                    return part, tokenizer.encode(part)
+            continue
+        text = longer
+    raise SystemExit(f"bench: cannot build a prompt of exactly {n} tokens with this tokenizer")
+
+
+def gguf_of(model: str) -> str | None:
+    from kvexport.models import sources
+
+    try:
+        source = sources.resolve(model)
+    except Exception:
+        return None
+    return str(source.path) if source.kind in ("alias", "gguf") and source.path else None
+
+
+def llama_available(python: str) -> str | None:
+    """llama_cpp's version in ``python``, or None."""
+    probe = subprocess.run([python, "-c", "import llama_cpp; print(llama_cpp.__version__)"],
+                           capture_output=True, text=True)
+    return probe.stdout.strip() if probe.returncode == 0 else None
+
+
+def describe(manifest: dict) -> str:
+    quant = manifest.get("quantization") or manifest.get("export_options", {}).get("quantize")
+    kind = quant if isinstance(quant, str) else (quant.get("scheme") if isinstance(quant, dict) else None)
+    return f"{manifest['target']} {kind or manifest['dtype']}, cache {manifest['max_cache_len']}"
+
+
+def plan_jobs(args, manifests: dict[str, dict], gguf: str | None, llama_version: str | None) -> list[dict]:
+    jobs = []
+    wanted = args.paths
+    if "eager" in wanted:
+        jobs.append({"path": "eager", "label": f"eager transformers ({args.model}, float32)", "python": sys.executable})
+    for folder, manifest in manifests.items():
+        name = Path(folder).name
+        if "run" in wanted:
+            jobs.append({"path": "run", "label": f"kvexport run · {name} ({describe(manifest)})", "artifact": folder,
+                         "python": sys.executable})
+        if "textllm" in wanted and manifest["target"] == "executorch":
+            jobs.append({"path": "textllm", "label": f"ExecuTorch TextLLMRunner · {name} ({describe(manifest)})",
+                         "artifact": folder, "python": sys.executable})
+    if "textllm" in wanted:
+        tokenizer_of = next(iter(manifests))
+        for pte in args.pte:
+            jobs.append({"path": "textllm", "label": f"ExecuTorch TextLLMRunner · {pte.parent.name}/{pte.name}",
+                         "artifact": tokenizer_of, "pte": str(pte.resolve()), "python": sys.executable})
+    if "llama" in wanted:
+        label = f"llama.cpp · {Path(gguf).name if gguf else args.model}"
+        job = {"path": "llama", "label": label, "gguf": gguf, "python": args.llama_python}
+        if gguf is None:
+            job["skipped"] = f"{args.model} is no GGUF file or alias of one"
+        elif llama_version is None:
+            job["skipped"] = f"not installed (no llama_cpp in {args.llama_python})"
+        jobs.append(job)
+    return jobs
+
+
+# A share of the machine's CPUs busy between runs above this means another process shared it.
+BUSY_WARNING = 0.10
+
+
+def cpu_times() -> tuple[int, int] | None:
+    """(busy, total) jiffies over all CPUs since boot, from /proc/stat's first line (Linux)."""
+    try:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return sum(fields[:8]) - idle, sum(fields[:8])  # guest time is already in user
+
+
+def background_busy(seconds: float = 0.5) -> float | None:
+    """Share of the machine's CPU time spent busy over ``seconds`` while no path runs: another
+    process's load, which slows whichever path it overlaps (the load average lags by minutes and
+    counts the previous run)."""
+    before = cpu_times()
+    time.sleep(seconds)
+    after = cpu_times()
+    if before is None or after is None or after[1] <= before[1]:
+        return None
+    return (after[0] - before[0]) / (after[1] - before[1])
+
+
+def run_job(job: dict, common: dict, workdir: Path) -> dict:
+    spec_path, result_path = workdir / "spec.json", workdir / "result.json"
+    result_path.unlink(missing_ok=True)
+    spec = {**common, **{k: v for k, v in job.items() if k not in ("label", "python")}, "result": str(result_path)}
+    spec_path.write_text(json.dumps(spec))
+    t = time.perf_counter()
+    proc = subprocess.run([job["python"], str(Path(__file__).resolve()), "--worker", str(spec_path)],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=str(REPO))
+    if proc.returncode != 0 or not result_path.is_file():
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+        return {"error": f"exit {proc.returncode}: " + " | ".join(tail)}
+    result = json.loads(result_path.read_text())
+    result["wall_s"] = time.perf_counter() - t
+    result["prefill_tokens_per_s"] = result["prompt_tokens"] / result["prefill_s"] if result["prefill_s"] else None
+    result["decode_tokens_per_s"] = result["decode_steps"] / result["decode_s"] if result["decode_s"] else None
+    result["ttft_ms"] = result["ttft_s"] * 1000
+    return result
+
+
+def summarize(values: list[float]) -> dict | None:
+    values = [v for v in values if v is not None]
+    if not values:
+        return None
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def finish(jobs: list[dict], args) -> None:
+    """Per job: the metrics' median and spread, and what it generated compared with eager / kvexport run."""
+    eager = next((j for j in jobs if j["path"] == "eager" and j.get("runs")), None)
+    runs_by_artifact = {j["artifact"]: j for j in jobs if j["path"] == "run" and j.get("runs")}
+    for job in jobs:
+        ok = [r for r in job.get("runs", []) if "error" not in r]
+        job["summary"] = {key: summarize([r.get(key) for r in ok]) for key, *_ in METRICS}
+        job["summary"]["load_s"] = summarize([r.get("load_s") for r in ok])
+        if not ok:
+            continue
+        first = ok[0]
+        eager_ok = [r for r in (eager or {}).get("runs", []) if "error" not in r]
+        if "new_ids" in first and eager_ok:
+            job["same_tokens_as_eager"] = common_prefix(first["new_ids"], eager_ok[0]["new_ids"])
+        if job["path"] == "textllm" and not job.get("pte") and job["artifact"] in runs_by_artifact:
+            mine = [r for r in runs_by_artifact[job["artifact"]]["runs"] if "error" not in r]
+            if mine:
+                from kvexport.runtime.tokenizer import ArtifactTokenizer
+
+                # TextLLMRunner prints special tokens too, so compare with them kept.
+                tok = ArtifactTokenizer(Path(job["artifact"]))._tok
+                text = tok.decode(mine[0]["new_ids"][: first["new_tokens"]], skip_special_tokens=False)
+                job["same_text_as_run"] = first["text"].strip() == text.strip()
+
+
+def ratios(jobs: list[dict]) -> dict:
+    """decode tok/s medians: every path against eager and against llama.cpp, TextLLMRunner against
+    kvexport run on the same .pte."""
+    def med(job, key="decode_tokens_per_s"):
+        s = job.get("summary", {}).get(key)
+        return s["median"] if s else None
+
+    out: dict = {"decode_vs_eager": {}, "decode_vs_llama": {}, "run_vs_textllm": {}, "run_vs_textllm_by_round": {}}
+    for key, path in (("decode_vs_eager", "eager"), ("decode_vs_llama", "llama")):
+        base = next((j for j in jobs if j["path"] == path), None)
+        if base and med(base):
+            for job in jobs:
+                if job is not base and med(job):
+                    out[key][job["label"]] = med(job) / med(base)
+    for job in jobs:
+        if job["path"] == "textllm" and not job.get("pte") and med(job):
+            run = next((j for j in jobs if j["path"] == "run" and j.get("artifact") == job["artifact"]), None)
+            if run and med(run):
+                out["run_vs_textllm"][job["artifact"]] = med(run) / med(job)
+                paired = _by_round(run, job)
+                if paired:
+                    out["run_vs_textllm_by_round"][job["artifact"]] = paired
+    return out
+
+
+def _by_round(run: dict, textllm: dict) -> float | None:
+    """The median of each round's own ratio, run / TextLLMRunner decode tok/s: a round runs the two
+    back to back, so a spell of the host's slower speed, which can catch one path's runs more than
+    the other's, mostly cancels (the ratio of medians above does not pair them)."""
+    pairs = [(a.get("decode_tokens_per_s"), b.get("decode_tokens_per_s"))
+             for a, b in zip(run.get("runs", []), textllm.get("runs", []))]
+    ratios = [a / b for a, b in pairs if a and b]
+    return statistics.median(ratios) if ratios else None
+
+
+def cell(summary: dict | None, digits: int) -> str:
+    if not summary:
+        return "–"
+    fmt = f"{{:.{digits}f}}"
+    if summary["n"] == 1:
+        return fmt.format(summary["median"])
+    return f"{fmt.format(summary['median'])} ({fmt.format(summary['min'])}–{fmt.format(summary['max'])})"
+
+
+def markdown(report: dict) -> str:
+    m = report["machine"]
+    p = report["protocol"]
+    features = " ".join(m.get("cpu_features", []))
+    machine = f"{m['cpu']} ({m['cpus']} CPUs{'; ' + features if features else ''})"
+    lines = [
+        f"{report['date']}, {machine}, load average {m['load_before']} before / "
+        f"{m['load_after']} after; {p['threads']} threads, {p['prompt_tokens']}-token prompt, "
+        f"{p['new_tokens']} new tokens, {p['repeats']} runs per path (median (min–max)).",
+        *busy_lines(m.get("background_busy")),
+        "",
+        "| path | " + " | ".join(title for _, title, _ in METRICS)
+        + " | decode × eager | decode × llama.cpp | tokens = eager |",
+        "|---|" + "---:|" * (len(METRICS) + 3),
+    ]
+    for job in report["paths"]:
+        if job.get("skipped"):
+            lines.append(f"| {job['label']} | " + " | ".join(["–"] * (len(METRICS) + 3)) + f" |  ← {job['skipped']}")
+            continue
+        errors = [r["error"] for r in job.get("runs", []) if "error" in r]
+        cells = [cell(job["summary"].get(key), digits) for key, _, digits in METRICS]
+        for key in ("decode_vs_eager", "decode_vs_llama"):
+            ratio = report["ratios"][key].get(job["label"])
+            cells.append(f"{ratio:.2f}×" if ratio else "–")
+        same = job.get("same_tokens_as_eager")
+        if same is not None:
+            same = f"{same}/{p['new_tokens']}"
+        elif job.get("same_text_as_run") is not None:
+            same = "text = run" if job["same_text_as_run"] else "text ≠ run"
+        row = f"| {job['label']} | " + " | ".join(cells) + f" | {same or '–'} |"
+        if errors:
+            row += f"  ← {len(errors)} failed: {errors[0][:200]}"
+        lines.append(row)
+    by_round = report["ratios"].get("run_vs_textllm_by_round", {})
+    for artifact, r in report["ratios"]["run_vs_textllm"].items():
+        paired = f" (median of the rounds' own ratios: {by_round[artifact]:.3f})" if artifact in by_round else ""
+        lines.append(f"\nkvexport run / TextLLMRunner decode tok/s on {Path(artifact).name}: {r:.3f}{paired}")
+    return "\n".join(lines) + "\n"
+
+
+def busy_lines(busy: dict | None) -> list[str]:
+    """The header's line on other load, sampled for half a second before every run."""
+    if not busy:
+        return []
+    line = (f"CPUs busy between runs (other processes): median {busy['median']:.0%}, "
+            f"max {busy['max']:.0%}.")
+    if busy["max"] > BUSY_WARNING:
+        line += (" **Warning: the machine was not idle; another process shared the CPUs during some runs, "
+                 "so these figures are not comparable with an idle run.**")
+    return ["", line]
+
+
+# Instruction sets that decide which int8 / float kernels XNNPACK, ONNX Runtime and llama.cpp pick:
+# this project's 2-CPU development machine decoded SmolLM2's 8da4w .pte at 81 tok/s with AVX2 alone and
+# at 122 once it had avx512_vnni (2026-11-24).
+CPU_FEATURES = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_int8", "asimddp", "i8mm", "sve")
+
+
+def cpu_info() -> tuple[str, list[str]]:
+    """The CPU's model name and which of ``CPU_FEATURES`` it has (Linux; elsewhere the name only)."""
+    name, flags = "", set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and not name:
+                name = value.strip()
+            elif key.strip() in ("flags", "Features") and not flags:
+                flags = set(value.split())
+    except OSError:
+        pass
+    return name or platform.processor() or platform.machine(), [f for f in CPU_FEATURES if f in flags]
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(prog="scripts/bench.py", description=__doc__.split("\n\n")[0])
+    parser.add_argument("model", help="the model the artifacts come from (alias, preset, folder, .gguf): eager and llama.cpp run it")
+    parser.add_argument("artifacts", nargs="+", type=Path, help="kvexport artifact folders (any target, dtype)")
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--paths", default=",".join(PATHS), help=f"comma-separated subset of {','.join(PATHS)}")
+    parser.add_argument("--llama-python", default=sys.executable, help="interpreter that has llama_cpp [default: this one]")
+    parser.add_argument("--pte", type=Path, action="append", default=[],
+                        help="another exporter's .pte of MODEL, run through TextLLMRunner (repeatable)")
+    parser.add_argument("--json", type=Path, help="write the full report here")
+    parser.add_argument("--markdown", type=Path, help="write the table here too")
+    args = parser.parse_args(argv)
+    args.paths = [p.strip() for p in args.paths.split(",") if p.strip()]
+    unknown = set(args.paths) - set(PATHS)
+    if unknown:
+        parser.error(f"unknown --paths {', '.join(sorted(unknown))}; choose from {', '.join(PATHS)}")
+    if min(args.prompt_tokens, args.new_tokens, args.repeats, args.threads) < 1:
+        parser.error("--prompt-tokens, --new-tokens, --repeats and --threads must be at least 1")
+    if not args.artifacts:
+        parser.error("give at least one artifact folder (its tokenizer makes the prompt)")
+    for pte in args.pte:
+        if not pte.is_file():
+            parser.error(f"--pte {pte}: no such file")
+    return args
+
+
+def main(argv=None) -> int:
+    if argv is None and len(sys.argv) == 3 and sys.argv[1] == "--worker":
+        return worker_main(sys.argv[2])
+    args = parse_args(argv)
+    from kvexport.artifact.manifest import read_manifest
+    from kvexport.runtime.generation import check_fits
+    from kvexport.runtime.tokenizer import ArtifactTokenizer
+
+    manifests = {str(Path(a).resolve()): read_manifest(Path(a)) for a in args.artifacts}
+    for manifest in manifests.values():
+        check_fits(args.prompt_tokens, args.new_tokens, manifest["max_cache_len"])
+    tokenizer = ArtifactTokenizer(Path(next(iter(manifests))))  # the model's: every artifact has the same
+    prompt_text, prompt_ids = exact_prompt(tokenizer, args.prompt_tokens)
+    gguf = gguf_of(args.model) if "llama" in args.paths else None
+    llama_version = llama_available(args.llama_python) if gguf else None
+    jobs = plan_jobs(args, manifests, gguf, llama_version)
+    common = {"model": args.model, "prompt_ids": prompt_ids, "prompt_text": prompt_text,
+              "new_tokens": args.new_tokens, "threads": args.threads}
+    load_before = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    started = time.strftime("%Y-%m-%d %H:%M %Z")
+    with tempfile.TemporaryDirectory(prefix="kvexport-bench-") as tmp:
+        for repeat in range(args.repeats):
+            for job in jobs:
+                if job.get("skipped"):
+                    continue
+                busy = background_busy()
+                result = {**run_job(job, common, Path(tmp)), "background_busy": busy}
+                job.setdefault("runs", []).append(result)
+                shown = "error: " + result["error"] if "error" in result else ", ".join(
+                    f"{title} {'–' if result.get(key) is None else f'{result[key]:.{digits}f}'}"
+                    for key, title, digits in METRICS)
+                print(f"[{repeat + 1}/{args.repeats}] {job['label']}: {shown}", file=sys.stderr, flush=True)
+    finish(jobs, args)
+    cpu, features = cpu_info()
+    busy = summarize([r.get("background_busy") for job in jobs for r in job.get("runs", [])])
+    report = {
+        "date": started,
+        "machine": {"cpu": cpu, "cpu_features": features, "cpus": os.cpu_count(), "load_before": load_before,
+                    "load_after": " ".join(f"{x:.2f}" for x in os.getloadavg()), "background_busy": busy,
+                    "python": platform.python_version()},
+        "protocol": {"prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens, "repeats": args.repeats,
+                     "threads": args.threads, "warmup_new_tokens": WARMUP_NEW_TOKENS, "prompt_text": prompt_text},
+        "model": args.model,
+        "llama_cpp": llama_version,
+        "paths": [{k: v for k, v in job.items() if k != "python"} for job in jobs],
+    }
+    report["ratios"] = ratios(jobs)
+    table = markdown(report)
+    print(table)
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1))
+    if args.markdown:
+        args.markdown.write_text(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

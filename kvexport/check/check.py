@@ -1,0 +1,409 @@
+"""``kvexport check``: the artifact against eager transformers, token by token and logit by logit.
+
+Eager ``generate`` drives; at each of its steps the artifact takes the same step on its own
+greedy path, and the two logit vectors are compared. The first step where the two greedy choices
+differ is the divergence; eager's margin there (its top logit minus its logit for the artifact's
+choice) tells a near-tie from a bug. Both sides then stop.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import InvalidOptionError
+from ..runtime.generation import check_fits
+from ..runtime.programs import load_program
+from ..runtime.tokenizer import ArtifactTokenizer
+
+# A quantized artifact is held to top-1 agreement with float eager over teacher-forced steps. Those
+# steps never feed an end-of-sequence token: every runner stops there, and what a model writes
+# after one it chose is off its training distribution and dense with near-ties (fed SmolLM2's
+# EOS at step 29, its 8da4w `.pte` disagreed at 11 later steps, 1 earlier), which measures nothing
+# a user's generation sees. The EOS logit still counts in the max |logit difference|.
+MIN_QUANTIZED_AGREEMENT = 0.95
+QUANTIZED_STEPS = 256
+
+# Max |logit difference| accepted on steps where the tokens agree, by artifact dtype. A correct fp32
+# Gemma 3 export differs from eager by ~0.02 (fp32 reordering over 18 layers and a 262k vocabulary);
+# one that drops the sliding window differs by ~25 past it, so 0.05 still tells them apart.
+LOGIT_TOLERANCE = {"float32": 5e-2, "float16": 0.5, "bfloat16": 2.0}
+
+# Eager float16 is itself off float32 eager, by up to ~1.5-2.3 on the tiny presets' logits: an artifact can
+# be closer to float32 eager than eager float16 is and still be more than 0.5 from eager float16, and
+# where two logits are that close, rounding decides which one is the greedy token. So for a
+# half-precision artifact, a step whose logits are beyond the tolerance or whose token differs is
+# measured against float32 eager (transformers, the same tokens): it passes if the artifact is within
+# the tolerance of float32 eager beyond eager's own error there, and a token difference counts as a
+# rounding tie if float32 eager's margin between the two tokens is within the same bound. After a
+# rounding tie eager's token is fed to both. An export that drops the window is off by ~25, far beyond.
+
+_SHORT_PROMPT = "The capital of France is"
+_LONG_PARAGRAPH = (
+    "Sliding-window attention keeps only the most recent tokens of each layer in view. "
+    "A model that mixes such layers with full attention must still attend correctly once "
+    "the text grows longer than the window, which is where many exporters go wrong. "
+)
+
+
+@dataclass
+class PromptReport:
+    prompt: str
+    prompt_tokens: int
+    new_tokens: int
+    match: bool = True
+    compared_steps: int = 0
+    first_divergence: int | None = None
+    eager_token: int | None = None
+    artifact_token: int | None = None
+    eager_margin: float | None = None  # eager logit of its choice minus its logit of the artifact's choice
+    near_tie: bool | None = None
+    max_logit_diff: float = 0.0
+    logits_ok: bool = True  # every compared step within the tolerance, or (half precision) within eager's own rounding
+    # Half precision: steps measured against float32 eager, the most any of them was beyond eager's own
+    # error there (|artifact - fp32| - |eager - fp32|), and the steps where a rounding tie was taken.
+    float32_steps: int = 0
+    max_diff_beyond_rounding: float = 0.0
+    rounding_ties: list[int] = field(default_factory=list)
+    # The step where eager's logits were not finite (nothing to compare with), and for a float16
+    # artifact, the step where eager float16's were (Gemma 3's residual stream passes 65,504), after
+    # which the prompt was compared with float32 eager instead.
+    eager_not_finite_at: int | None = None
+    float16_eager_overflow_at: int | None = None
+    suppressed_tokens: list[int] = field(default_factory=list)  # never fed, never counted as a top-1 choice
+    agreed_steps: int = 0
+    top1_agreement: float = 1.0  # steps where the artifact's top token is eager's, over compared steps
+    # Teacher-forced: eager's margin (as eager_margin) at every step where the top tokens differ. Small
+    # margins next to max_logit_diff mean near-ties, which any rounding may flip.
+    disagreement_margins: list[float] = field(default_factory=list)
+    logit_diff_per_step: list[float] = field(default_factory=list)
+    eager_ids: list[int] = field(default_factory=list)
+    artifact_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class CheckReport:
+    folder: str
+    target: str
+    dtype: str
+    device: str
+    logit_tolerance: float
+    prompts: list[PromptReport]
+    # "exact": identical tokens, logits within tolerance. "agreement" (quantized artifacts): eager's
+    # tokens fed to both, top-1 agreement of at least min_agreement at every prompt.
+    mode: str = "exact"
+    min_agreement: float = 1.0
+
+    @property
+    def ok(self) -> bool:
+        if self.mode == "agreement":
+            return all(p.eager_not_finite_at is None and p.top1_agreement >= self.min_agreement for p in self.prompts)
+        return all(p.match and p.logits_ok for p in self.prompts)
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "ok": self.ok}
+
+
+def smallest_window(manifest: dict) -> int | None:
+    windows = [layer["window"] for layer in manifest["layers"] if layer["cache"] == "ring"]
+    return min(windows) if windows else None
+
+
+def default_prompts(manifest: dict, tokenizer: ArtifactTokenizer, new_tokens: int | None = None) -> list[tuple[str, int]]:
+    """(prompt, new tokens): a short prompt whose generation runs past the window, and a prompt
+    longer than the window (or half the cache, for models without one). ``new_tokens`` sets the
+    short prompt's generation length instead (it is still capped by the cache)."""
+    max_len = manifest["max_cache_len"]
+    window = smallest_window(manifest)
+    short_len = len(tokenizer.encode(_SHORT_PROMPT))
+    wanted = new_tokens or ((window + 64) if window else 64)
+    prompts = [(_SHORT_PROMPT, max(1, min(wanted, max_len - short_len + 1)))]
+    target_len = min((window + window // 2) if window else max_len // 2, max_len - 32)
+    words = (_LONG_PARAGRAPH * (1 + target_len // 8)).split()
+    long_text = ""
+    for word in words:  # grow word by word until the prompt has target_len tokens
+        if len(tokenizer.encode(long_text)) >= target_len:
+            break
+        long_text = f"{long_text} {word}" if long_text else word
+    if long_text and len(tokenizer.encode(long_text)) <= max_len - 1:
+        n = len(tokenizer.encode(long_text))
+        prompts.append((long_text, max(1, min(32, max_len - n + 1))))
+    return prompts
+
+
+def load_reference(manifest: dict, model_name: str | None, device: str, dtype: str | None = None):
+    """The eager transformers model the artifact was exported from (or ``model_name``), in the
+    artifact's dtype or ``dtype``."""
+    import torch
+
+    from ..models import sources
+
+    if device == "cuda" and not torch.cuda.is_available():
+        raise InvalidOptionError("--device cuda: no CUDA GPU is available here (torch.cuda.is_available() is False)")
+    source = sources.resolve(model_name or _recorded_source(manifest))
+    model, _ = sources.load_model(source, sources.DTYPES[dtype or manifest["dtype"]])
+    return model.to(device)
+
+
+class Float32Logits:
+    """Float32 eager's last logits for a token sequence, the model loaded on first use: the yardstick
+    for a half-precision artifact's doubtful steps (no cache: there are few such steps)."""
+
+    def __init__(self, load):
+        self._load = load
+        self._model = None
+
+    @property
+    def model(self):
+        if self._model is None:
+            self._model = self._load()
+        return self._model
+
+    def __call__(self, ids: list[int]) -> np.ndarray:
+        import torch
+
+        device = next(self.model.parameters()).device
+        with torch.no_grad():
+            out = self.model(input_ids=torch.tensor([ids], device=device), use_cache=False, logits_to_keep=1)
+        return out.logits[0, -1].float().cpu().numpy()
+
+
+def _recorded_source(manifest: dict) -> str:
+    recorded = manifest["source"]
+    if recorded["kind"] in ("folder", "gguf") and recorded.get("path") and Path(recorded["path"]).exists():
+        return recorded["path"]
+    return recorded["name"]
+
+
+def check_prompt(
+    program,
+    model,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    tolerance: float,
+    teacher_forcing: bool = False,
+    suppress: list[int] | None = None,
+    float32_logits=None,
+) -> PromptReport:
+    """Step the artifact beside eager ``generate``.
+
+    Free-running (the default), the artifact feeds back its own choices and the comparison stops at
+    the first divergence. With ``teacher_forcing`` (quantized artifacts, which are not expected to
+    be exact), the artifact is fed eager's tokens at every step, and every step counts towards the
+    top-1 agreement. Neither side's top-1 choice is ever one of ``suppress`` (eager never generates
+    one); their logits are still compared. ``float32_logits`` (ids -> logits), given for a
+    half-precision artifact, judges the steps beyond the tolerance or with another token against
+    float32 eager (see the comment at ``LOGIT_TOLERANCE``).
+    """
+    from .eager import greedy_generate
+
+    check_fits(len(prompt_ids), max_new_tokens, program.manifest["max_cache_len"])
+    report = PromptReport(prompt="", prompt_tokens=len(prompt_ids), new_tokens=max_new_tokens,
+                          suppressed_tokens=list(suppress or []))
+
+    def top(logits: np.ndarray) -> int:
+        if not report.suppressed_tokens:
+            return int(np.argmax(logits))
+        allowed = logits.copy()
+        allowed[report.suppressed_tokens] = -np.inf
+        return int(np.argmax(allowed))
+
+    fed = list(prompt_ids)  # what both sides have seen when the step's logits come
+
+    def on_eager_logits(step: int, eager: np.ndarray) -> None:
+        if (not report.match and not teacher_forcing) or report.eager_not_finite_at is not None:
+            return
+        if not np.isfinite(eager).all():  # no reference left to compare with
+            report.eager_not_finite_at, report.match = step, False
+            return
+        logits = program.forward(list(prompt_ids), 0) if step == 0 else program.forward(fed[-1:], len(fed) - 1)
+        diff = float(np.max(np.abs(logits - eager)))
+        report.logit_diff_per_step.append(diff)
+        report.compared_steps += 1
+        mine, theirs = top(logits), top(eager)
+        report.artifact_ids.append(mine)
+        report.agreed_steps += mine == theirs
+        within, tie = diff <= tolerance, False
+        if float32_logits is not None and (not within or mine != theirs):
+            exact = float32_logits(fed)
+            own = float(np.max(np.abs(eager - exact)))  # eager's own rounding error at this step
+            beyond = float(np.max(np.abs(logits - exact))) - own
+            report.float32_steps += 1
+            report.max_diff_beyond_rounding = max(report.max_diff_beyond_rounding, beyond)
+            within = within or beyond <= tolerance
+            tie = mine != theirs and float(exact[theirs] - exact[mine]) <= tolerance + own
+            if tie:
+                report.rounding_ties.append(step)
+        fed.append(theirs if teacher_forcing or tie else mine)
+        if mine != theirs and teacher_forcing:
+            report.disagreement_margins.append(float(eager[theirs] - eager[mine]))
+        if mine != theirs and report.match and not tie:
+            report.match = False
+            report.first_divergence = step
+            report.eager_token, report.artifact_token = theirs, mine
+            report.eager_margin = float(eager[theirs] - eager[mine])
+            report.near_tie = report.eager_margin <= 2 * tolerance
+        if report.match or teacher_forcing:
+            report.max_logit_diff = max(report.max_logit_diff, diff)
+            report.logits_ok = report.logits_ok and within
+
+    stop = (lambda: report.eager_not_finite_at is not None) if teacher_forcing else (lambda: not report.match)
+    report.eager_ids = greedy_generate(model, prompt_ids, max_new_tokens, on_eager_logits, stop=stop,
+                                       suppress=report.suppressed_tokens)
+    report.top1_agreement = report.agreed_steps / max(report.compared_steps, 1)
+    return report
+
+
+def check_half_precision_prompt(program, model, float32_logits: Float32Logits, prompt_ids: list[int],
+                                max_new_tokens: int, tolerance: float) -> PromptReport:
+    """A float16 artifact's prompt: against eager float16 (``model``), float32 eager judging the
+    doubtful steps; against float32 eager alone where eager float16 overflows. That is the model
+    eager float16 stands for, and its own rounding being ~0, a token difference there is a rounding
+    tie if float32 eager's margin is within the tolerance."""
+    report = check_prompt(program, model, prompt_ids, max_new_tokens, tolerance, float32_logits=float32_logits)
+    if report.eager_not_finite_at is not None:
+        overflow = report.eager_not_finite_at
+        report = check_prompt(program, float32_logits.model, prompt_ids, max_new_tokens, tolerance, float32_logits=float32_logits)
+        report.float16_eager_overflow_at = overflow
+    return report
+
+
+def run_check(
+    folder: Path,
+    prompts: list[tuple[str, int]] | None = None,
+    device: str = "cpu",
+    model_name: str | None = None,
+    on_prompt=None,
+) -> CheckReport:
+    from ..artifact.manifest import read_manifest
+
+    manifest = read_manifest(folder)
+    tokenizer = ArtifactTokenizer(folder)
+    quantized = bool(manifest.get("quantization"))
+    prompts = prompts or default_prompts(manifest, tokenizer, QUANTIZED_STEPS if quantized else None)
+    encoded = [(text, tokenizer.encode(text), n) for text, n in prompts]
+    for _, ids, n in encoded:  # refuse before loading anything heavy
+        check_fits(len(ids), n, manifest["max_cache_len"])
+    # ExecuTorch runs on the CPU whatever --device says; --device places the eager reference (and ONNX).
+    program = load_program(folder, manifest, device if manifest["target"] == "onnx" else "cpu")
+    model = load_reference(manifest, model_name, device)
+    tolerance = LOGIT_TOLERANCE[manifest["dtype"]]
+    half = manifest["dtype"] != "float32" and not quantized
+    float32_logits = Float32Logits(lambda: load_reference(manifest, model_name, device, "float32")) if half else None
+    reports = []
+    for text, ids, n in encoded:
+        if half:
+            report = check_half_precision_prompt(program, model, float32_logits, ids, n, tolerance)
+        else:
+            report = check_prompt(program, model, ids, n, tolerance, teacher_forcing=quantized,
+                                  suppress=manifest.get("eos_token_ids") if quantized else None)
+        report.prompt = text
+        reports.append(report)
+        if on_prompt:
+            on_prompt(report)
+    mode, min_agreement = ("agreement", MIN_QUANTIZED_AGREEMENT) if quantized else ("exact", 1.0)
+    return CheckReport(str(folder), manifest["target"], manifest["dtype"], device, tolerance, reports, mode, min_agreement)
+
+
+def _scheme(quantization: dict) -> str:
+    embedding = quantization.get("embedding", {}).get("weights")
+    scheme = quantization.get("scheme") or "float linear layers"
+    if quantization.get("lm_head", {}).get("weights") == "int4":
+        scheme += ", int4 lm_head"
+    return f"{scheme}, {embedding} embedding" if embedding and quantization.get("scheme") != "int4" else scheme
+
+
+def _summary_line(report: PromptReport, tolerance: float, min_agreement: float | None = None) -> str:
+    head = f"{report.prompt[:40]!r}{'...' if len(report.prompt) > 40 else ''} ({report.prompt_tokens} prompt tokens)"
+    if report.float16_eager_overflow_at is not None:
+        head += f", against float32 eager (eager float16's logits overflowed at new token {report.float16_eager_overflow_at})"
+    if report.eager_not_finite_at is not None:
+        return f"✗ {head}: eager's logits are not finite at new token {report.eager_not_finite_at}; nothing to compare with"
+    if min_agreement is not None:
+        ok = report.top1_agreement >= min_agreement
+        line = (
+            f"{'✓' if ok else '✗'} {head}: top-1 agreement {report.top1_agreement:.1%} over {report.compared_steps} "
+            f"teacher-forced steps (needs {min_agreement:.0%}), max |logit diff| {report.max_logit_diff:.3g}"
+        )
+        if report.disagreement_margins:
+            margins = report.disagreement_margins
+            steps = f"{len(margins)} disagreement{'s' if len(margins) > 1 else ''}"
+            line += f"; eager's own margin at the {steps}: median {statistics.median(margins):.3g}, max {max(margins):.3g}"
+        return line
+    if report.match:
+        ties = report.rounding_ties
+        tokens = f"{report.new_tokens}/{report.new_tokens} tokens identical"
+        if ties:
+            tokens = (f"{report.new_tokens - len(ties)}/{report.new_tokens} tokens identical, {len(ties)} rounding "
+                      f"tie{'s' if len(ties) > 1 else ''} (new token {', '.join(map(str, ties))}) fed eager's")
+        if report.max_logit_diff <= tolerance:
+            status = "ok"
+        elif report.logits_ok:
+            status = (f"ok: within {tolerance} of float32 eager beyond eager's own rounding at the "
+                      f"{report.float32_steps} step{'s' if report.float32_steps > 1 else ''} measured")
+        elif report.float32_steps:
+            status = (f"{report.max_diff_beyond_rounding:.3g} from float32 eager beyond eager's own rounding, "
+                      f"more than {tolerance}")
+        else:
+            status = f"logits off by more than {tolerance}"
+        return (
+            f"{'✓' if report.logits_ok else '✗'} {head}: {tokens}, "
+            f"max |logit diff| {report.max_logit_diff:.2e} ({status})"
+        )
+    kind = "near-tie" if report.near_tie else "mismatch"
+    return (
+        f"✗ {head}: tokens diverge at new token {report.first_divergence} ({kind}): eager {report.eager_token}, "
+        f"artifact {report.artifact_token}, eager margin {report.eager_margin:.3g}; "
+        f"max |logit diff| before it {report.max_logit_diff:.2e}"
+    )
+
+
+def check_command(folder, prompts, max_new_tokens, device, model_name, as_json) -> bool:
+    from ..artifact.manifest import read_manifest
+
+    folder = Path(folder)
+    manifest = read_manifest(folder)
+    # Checked on the text: "" encodes to a lone BOS for many tokenizers, which is no prompt at all.
+    if prompts and not all(prompts):
+        raise InvalidOptionError("a --prompt is empty; give some text")
+    tokenizer = ArtifactTokenizer(folder)
+    quantized = manifest.get("quantization")
+    defaults = default_prompts(manifest, tokenizer, QUANTIZED_STEPS if quantized else None)
+    if prompts:
+        n = defaults[0][1] if max_new_tokens is None else max_new_tokens
+        chosen = [(p, n) for p in prompts]
+    elif max_new_tokens is not None:
+        chosen = [(p, max_new_tokens) for p, _ in defaults]
+    else:
+        chosen = None
+    for text, n in chosen or []:  # before the header line: a request that cannot fit prints one line only
+        check_fits(len(tokenizer.encode(text)), n, manifest["max_cache_len"])
+    tolerance = LOGIT_TOLERANCE[manifest["dtype"]]
+    min_agreement = MIN_QUANTIZED_AGREEMENT if quantized else None
+    if not as_json:
+        rule = (
+            f"quantized ({_scheme(quantized)}, not token-exact): eager's tokens fed to both, "
+            f"top-1 agreement with float eager must be >= {MIN_QUANTIZED_AGREEMENT:.0%} (EOS never fed)"
+            if quantized
+            else f"tokens must be identical, logits within {tolerance} ({manifest['dtype']} tolerance)"
+            + ("; a step beyond it or with another token is judged against float32 eager, net of eager's own rounding"
+               if manifest["dtype"] != "float32" else "")
+        )
+        print(f"checking {folder} ({manifest['target']}, {manifest['dtype']}) against eager transformers on {device}; {rule}", file=sys.stderr)
+    report = run_check(
+        folder,
+        chosen,
+        device,
+        model_name,
+        on_prompt=None if as_json else lambda r: print(_summary_line(r, tolerance, min_agreement)),
+    )
+    if as_json:
+        print(json.dumps(report.to_dict()))
+    else:
+        print("PASS" if report.ok else "FAIL")
+    return report.ok

@@ -1,0 +1,337 @@
+"""Weight quantization (``--quantize``, ``--quantize-embedding``, ``--quantize-lm-head``).
+
+ExecuTorch (``8da4w``): the module is quantized in place before export. Linear layers
+(``quantize_linears``): int8 activations per token and int4 weights in groups of 32 that keep the
+grid a quantized source put them on (``weight_grids``), int8 per channel where the source is finer
+than 4 bits and for the lm_head (int4 on request); torchao's tensors, which XNNPACK runs as fused
+kernels.
+Embeddings: ExecuTorch's own torchao recipe (``executorch.extension.llm.export.quantize``).
+
+torchao leaves a quantized embedding as ``dequantize_affine`` followed by ``embedding``, which
+ExecuTorch's own fusion into its quantized embedding kernels no longer matches (the block size
+arrives as a literal, its pattern expects a placeholder), so the lookup would dequantize the whole
+table every call. ``fuse_quantized_embeddings`` does that fusion on the edge program instead.
+
+ONNX (``int4``): the saved graph's weights, rewritten after export (``onnx_quantize``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ...errors import InvalidOptionError
+from ..weight_grids import BLOCK
+
+# The export options that choose a quantization (ExportOptions' fields, and matrix rows' keys).
+OPTIONS = ("quantize", "quantize_embedding", "quantize_lm_head")
+# --quantize: the scheme, and the one target that runs it.
+SCHEMES = {"8da4w": "executorch", "int4": "onnx"}
+# --quantize-embedding (ExecuTorch): kvexport's name -> ExecuTorch's quantize_model_ config.
+EMBEDDING_SCHEMES = {"int8": "8w", "int4": "4w"}
+# --quantize-lm-head (with 8da4w or int4): int8 (the default: its rounding lands straight on the
+# logits), or int4 (smaller and faster, less exact).
+LM_HEAD_SCHEMES = ("int8", "int4")
+GROUP_SIZE = BLOCK  # weights per scale, for 4-bit linear weights and int4 embeddings (ExecuTorch)
+# The scale of a block whose weights are all one value (any positive scale holds it exactly).
+_FLAT_BLOCK_SCALE = np.float32(2**-24)
+# torchao's quant range for each embedding scheme, and the ExecuTorch kernel that reads it.
+_EMBEDDING_KERNELS = {(-128, 127): ("embedding_byte", 8), (-8, 7): ("embedding_4bit", 4)}
+
+
+@dataclass(frozen=True)
+class Quantization:
+    """What ``--quantize``, ``--quantize-embedding`` and ``--quantize-lm-head`` ask for (None: not
+    asked), carried as one value from the command line to the target that applies it."""
+
+    scheme: str | None = None  # --quantize: "8da4w" (executorch) or "int4" (onnx)
+    embedding: str | None = None  # --quantize-embedding: "int8" or "int4" (executorch)
+    lm_head: str | None = None  # --quantize-lm-head: "int8" (the default) or "int4", with scheme
+
+    def __bool__(self) -> bool:  # whether anything is quantized (an lm_head scheme alone is refused)
+        return bool(self.scheme or self.embedding)
+
+    def check(self, target: str, dtype: str) -> None:
+        """Refuse, before anything loads, a scheme that does not exist or that the target does not run."""
+        scheme, embedding, lm_head = self.scheme, self.embedding, self.lm_head
+        if scheme is not None and scheme not in SCHEMES:
+            choices = ", ".join(f"{s} (--target {t})" for s, t in SCHEMES.items())
+            raise InvalidOptionError(f"unknown --quantize '{scheme}'; choose one of: {choices}")
+        if scheme is not None and SCHEMES[scheme] != target:
+            right = next(s for s, t in SCHEMES.items() if t == target)
+            raise InvalidOptionError(
+                f"--quantize {scheme} is for --target {SCHEMES[scheme]}; for --target {target} use --quantize {right}"
+            )
+        if embedding is not None:
+            if target != "executorch":
+                raise InvalidOptionError(
+                    f"--quantize-embedding is for --target executorch; for --target {target} leave it out "
+                    "(--quantize int4 quantizes the embedding too)"
+                )
+            if embedding not in EMBEDDING_SCHEMES:
+                raise InvalidOptionError(
+                    f"unknown --quantize-embedding '{embedding}'; choose one of: {', '.join(EMBEDDING_SCHEMES)}"
+                )
+        if lm_head is not None:
+            if lm_head not in LM_HEAD_SCHEMES:
+                raise InvalidOptionError(f"unknown --quantize-lm-head '{lm_head}'; choose one of: {', '.join(LM_HEAD_SCHEMES)}")
+            if scheme is None:
+                right = next(s for s, t in SCHEMES.items() if t == target)
+                raise InvalidOptionError(
+                    f"--quantize-lm-head goes with --quantize {right} (--target {target}); add it, or leave --quantize-lm-head out"
+                )
+        if (scheme or embedding) and dtype != "float32":
+            raise InvalidOptionError(f"--quantize takes --dtype float32 (the default), not {dtype}; leave --dtype out")
+
+    def describe(self, hidden_size: int) -> dict | None:
+        """What ``kvexport.json`` records under ``quantization`` (None: not quantized). ``hidden_size``
+        is the lm_head's and embedding table's K, which sets their ONNX block."""
+        if not self:
+            return None
+        scheme, embedding, lm_head = self.scheme, self.embedding, self.lm_head
+        if scheme == "int4":
+            from ..onnx.quantize import ACCURACY_LEVEL, BLOCK, FINE_BLOCK, table_block
+
+            return {
+                "scheme": "int4",
+                "by": "kvexport.exporter.onnx.quantize",
+                "linear": {"weights": "int4", "symmetric": False, "block_size": BLOCK, "accuracy_level": ACCURACY_LEVEL,
+                           "op": "com.microsoft::MatMulNBits + per-block offset"},
+                # A weight the source stores finer than 4 bits (GGUF Q5_0, Q6_K, Q8_0) is not rounded to 4.
+                "linear_finer_than_4_bits": {"weights": "int8", "symmetric": True,
+                                             "block_size": f"{BLOCK}, or {FINE_BLOCK} where the source steps runs of {FINE_BLOCK} (Q6_K)",
+                                             "accuracy_level": ACCURACY_LEVEL, "op": "com.microsoft::MatMulNBits"},
+                "lm_head": (
+                    {"weights": "int4", "symmetric": False, "block_size": BLOCK, "zero_points": "4-bit, one a block",
+                     "accuracy_level": ACCURACY_LEVEL, "op": "com.microsoft::MatMulNBits",
+                     "note": "--quantize-lm-head int4: each block's zero point the one whose smallest step reaches its min and max"}
+                    if lm_head == "int4"
+                    else {"weights": "int8", "symmetric": True, "block_size": table_block(hidden_size),
+                          "op": "com.microsoft::MatMulNBits"}
+                ),
+                "embedding": {"weights": "int8", "symmetric": True, "block_size": table_block(hidden_size),
+                              "op": "com.microsoft::GatherBlockQuantized"},
+            }
+        described: dict = {"scheme": scheme, "by": "kvexport.exporter.executorch.quantize (torchao tensors)"}
+        if scheme:
+            activations = "int8, dynamic per token"
+            described["linear"] = {"weights": "int4", "group_size": GROUP_SIZE, "activations": activations,
+                                   "op": "XNNPACK int8 x int4 + per-block offsets (int8, one scale per row)"}
+            # A weight the source stores finer than 4 bits (GGUF Q5_0, Q6_K, Q8_0) is not rounded to 4.
+            described["linear_finer_than_4_bits"] = {"weights": "int8", "group_size": "row", "activations": activations}
+            described["lm_head"] = (
+                {**described["linear"], "note": "--quantize-lm-head int4: a block on no 4-bit grid spans its min..max in 16 levels"}
+                if lm_head == "int4"
+                else {"weights": "int8", "group_size": "row", "activations": activations}
+            )
+        if embedding:
+            described["embedding"] = {
+                "weights": embedding,
+                "group_size": GROUP_SIZE if embedding == "int4" else "row",
+                "op": f"quantized_decomposed::{'embedding_4bit' if embedding == 'int4' else 'embedding_byte'}",
+            }
+        return described
+
+
+def quantize_model(model: torch.nn.Module, quantization: Quantization) -> list[str]:
+    """Quantize ``model``'s embeddings (torchao, ExecuTorch's recipe) and linear layers (``8da4w``,
+    ``quantize_linears``; the lm_head as ``quantization.lm_head`` asks, default int8) in place,
+    before export; return the names of the layers left in float (a width that is no multiple of
+    the group size)."""
+    import contextlib
+    import io
+
+    from executorch.extension.llm.export.quantize import quantize_model_
+
+    skipped: list[str] = []
+    embedding = quantization.embedding
+    if embedding:
+        # quantize_model_ prints what it does, and each layer it skips, on stdout (which --json owns).
+        with contextlib.redirect_stdout(io.StringIO()) as said:
+            quantize_model_(
+                model,
+                qembedding_config=EMBEDDING_SCHEMES[embedding],
+                # int8: one scale per row (the embedding_byte kernel's fastest form); int4: groups of 32.
+                qembedding_group_size=GROUP_SIZE if embedding == "int4" else 0,
+                skip_incompatible_shapes=True,
+            )
+        for line in said.getvalue().splitlines():
+            if line.strip().startswith("Skipping "):
+                skipped.append(line.strip().split()[1].rstrip(":"))
+    if quantization.scheme:
+        skipped += quantize_linears(model, quantization.lm_head or "int8")
+    return skipped
+
+
+def quantize_linears(model: torch.nn.Module, lm_head: str = "int8") -> list[str]:
+    """``8da4w``: every linear layer with int8 activations (per token, on the fly) and weights that
+    keep the grid they lie on (``weight_grids``); return the names of the layers left in float.
+
+    - a weight on a 4-bit grid, or a float weight: int4 in groups of 32, ``Int4GridLinear``;
+    - a weight the source stores finer than 4 bits (GGUF Q5_0, Q6_K, Q8_0), and the lm_head (its
+      error lands straight on the logits): int8, one scale per output channel (XNNPACK's
+      int8 x int8 kernel);
+    - with ``lm_head="int4"``, the lm_head too is int4 whatever its source: the largest matrix of a
+      small model at half the bytes, each block the source stores finer rounded to its min..max.
+    """
+    from ..weight_grids import finer_than_4_bits, grid_steps, int4_blocks
+
+    head = model.get_output_embeddings()
+    skipped = []
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, torch.nn.Linear):
+            continue
+        if module.in_features % GROUP_SIZE:
+            skipped.append(name)
+            continue
+        weight = module.weight.detach().float().numpy()
+        is_head = module is head
+        steps = None if is_head else grid_steps(weight, GROUP_SIZE)
+        int8 = lm_head == "int8" if is_head else finer_than_4_bits(weight, coarse=steps)
+        if int8:
+            module.weight = torch.nn.Parameter(_int8_per_channel(module.weight.detach()), requires_grad=False)
+            continue
+        q, scale, offset = int4_blocks(weight, steps)
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), child, Int4GridLinear.from_blocks(q, scale, offset, module.bias))
+    return skipped
+
+
+def _activations_per_token():
+    from torchao.quantization.quantize_.workflows.intx.intx_unpacked_to_int8_tensor import (
+        IntxUnpackedToInt8TensorActivationQuantization,
+    )
+
+    return IntxUnpackedToInt8TensorActivationQuantization.INT8_ASYM_PER_TOKEN
+
+
+def _int8_per_channel(weight: torch.Tensor) -> torch.Tensor:
+    """torchao's 8da8w weight, one scale per output channel: the row's largest magnitude / 127
+    (symmetric, GGUF's Q8_0 rule; torchao's own divides by 127.5)."""
+    from torchao.quantization import IntxUnpackedToInt8Tensor
+
+    weight = weight.float()
+    scale = (weight.abs().amax(-1, keepdim=True) / 127).clamp(min=torch.finfo(torch.float32).tiny)
+    return IntxUnpackedToInt8Tensor.from_hp(
+        weight, (1, weight.shape[1]), torch.int8, intx_choose_qparams_algorithm=None,
+        custom_scale=scale, custom_zero_point=torch.zeros_like(scale, dtype=torch.int8),
+        activation_quantization=_activations_per_token(),
+    )
+
+
+class Int4GridLinear(torch.nn.Module):
+    """A linear layer whose weight is ``scale * (q - 8) + offset`` per block of 32 along its input
+    (``weight_grids.int4_blocks``: a 4-bit GGUF's weight, up to the roundings below).
+
+    XNNPACK's int8 x int4 kernel reads symmetric blocks only (zero point 8): the weight is stored as
+    torchao's 8da4w tensor ``scale * (q - 8)`` (XNNPACK keeps each scale as bfloat16) and the offsets
+    are added back from the input's block sums: ``sums(x) @ offset.T``, a matmul 32x smaller, run as
+    XNNPACK's int8 x int8 kernel with the offsets int8, one scale per output channel (a float32 matrix
+    there added a quarter of the int4 weights' bytes and ~4% to SmolLM2's decode step; agreement
+    with float eager held). Symmetric int4 on its own (ExecuTorch's recipe) rounds a 4-bit GGUF's
+    weights onto a second grid: SmolLM2's top-1 agreement with float eager was 69% that way.
+    """
+
+    def __init__(self, weight: torch.Tensor, offset: torch.Tensor, bias: torch.Tensor | None):
+        """``weight``: torchao's int4 tensor ``scale * (q - 8)``; ``offset``: ``[out, in / 32]``,
+        multiplying the input's block sums, as torchao's int8 tensor (``_int8_per_channel``) or float."""
+        super().__init__()
+        self.weight = torch.nn.Parameter(weight, requires_grad=False)
+        self.offset = torch.nn.Parameter(offset, requires_grad=False)
+        self.bias = bias
+        # Block sums as a product with ones: XNNPACK's one reduction (mean.dim, as a pooling over a
+        # 4-D tensor) would transpose in and out around it, and is slower.
+        self.register_buffer("ones", torch.ones(1, GROUP_SIZE), persistent=False)
+
+    @classmethod
+    def from_blocks(cls, q, scale, offset, bias: torch.Tensor | None) -> "Int4GridLinear":
+        """From ``weight_grids.int4_blocks``' arrays: levels ``q`` (0..15), per-block scales and offsets."""
+        from torchao.quantization import IntxUnpackedToInt8Tensor
+
+        n, blocks, _ = q.shape
+        # XNNPACK refuses a zero scale, which a block of one value gets (an embedding's padding row,
+        # all zeros, read as a tied int4 lm_head). Its levels are all 0, so any scale holds it exactly
+        # once the offset makes up for it: scale * (0 - 8) + offset + 8 * scale.
+        flat = scale == 0
+        scale = np.where(flat, _FLAT_BLOCK_SCALE, scale).astype(np.float32)
+        offset = np.where(flat, offset + 8 * _FLAT_BLOCK_SCALE, offset).astype(np.float32)
+        weight = IntxUnpackedToInt8Tensor(
+            qdata=torch.from_numpy(q.reshape(n, blocks * GROUP_SIZE).astype("int8") - 8),
+            scale=torch.from_numpy(scale),
+            zero_point=torch.zeros(n, blocks, dtype=torch.int8),
+            target_dtype=torch.int4,
+            block_size=(1, GROUP_SIZE),
+            dtype=torch.float32,
+            activation_quantization=_activations_per_token(),
+        )
+        offset = torch.from_numpy(offset)
+        # One block (in_features 32: tiny test models) stays float: torchao's per-token int8
+        # quantization of a one-value input fails.
+        return cls(weight, _int8_per_channel(offset) if offset.shape[1] > 1 else offset, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        blocks = self.offset.shape[1]
+        block_sums = torch.nn.functional.linear(x.reshape(-1, GROUP_SIZE), self.ones).reshape(*x.shape[:-1], blocks)
+        return torch.nn.functional.linear(x, self.weight, self.bias) + torch.nn.functional.linear(block_sums, self.offset)
+
+
+def fuse_quantized_embeddings(program: torch.export.ExportedProgram) -> int:
+    """Rewrite ``embedding(dequantize_affine(q, [1, g], scale, zero, int8, lo, hi), ids)`` into
+    ExecuTorch's ``quantized_decomposed.embedding_{byte,4bit}``; return how many were fused.
+
+    int4 weights are packed two per byte, as the 4-bit kernel reads them.
+    """
+    from executorch.exir.dialects._ops import ops as exir_ops
+
+    dequantize = exir_ops.edge.torchao.dequantize_affine.default
+    embedding = exir_ops.edge.aten.embedding.default
+    graph = program.graph_module.graph
+    fused = 0
+    for node in list(graph.nodes):
+        if node.target != embedding or getattr(node.args[0], "target", None) != dequantize:
+            continue
+        dq = node.args[0]
+        data, block, scale, zero, _, low, high = dq.args[:7]
+        kernel = _EMBEDDING_KERNELS.get((low, high))
+        if kernel is None or len(dq.users) != 1 or block[0] != 1:
+            continue
+        zero_values = _constant(program, zero) if zero is not None else None
+        if zero_values is not None and zero_values.any():
+            continue  # asymmetric: keep the generic path rather than guess the kernel's convention
+        name, bits = kernel
+        if bits == 4:  # only now, once the node is certain to be rewritten
+            _pack_int4_in_place(program, data)
+        op = getattr(exir_ops.edge.quantized_decomposed, name).dtype
+        with graph.inserting_before(node):
+            fused_node = graph.call_function(
+                op, (data, scale, None, low, high, node.args[1]), {"dtype": node.meta["val"].dtype}
+            )
+        fused_node.meta = dict(node.meta)
+        node.replace_all_uses_with(fused_node)
+        graph.erase_node(node)
+        graph.erase_node(dq)
+        fused += 1
+    if fused:
+        graph.eliminate_dead_code()
+        program.graph_module.recompile()
+    return fused
+
+
+def _constant(program: torch.export.ExportedProgram, node) -> torch.Tensor | None:
+    spec = next((s for s in program.graph_signature.input_specs if s.arg.name == node.name), None)
+    if spec is None:
+        return None
+    return program.state_dict.get(spec.target, program.constants.get(spec.target))
+
+
+def _pack_int4_in_place(program: torch.export.ExportedProgram, node) -> None:
+    """Two int4 values (stored one per int8) per byte, high nibble first, offset to unsigned."""
+    spec = next(s for s in program.graph_signature.input_specs if s.arg.name == node.name)
+    store = program.state_dict if spec.target in program.state_dict else program.constants
+    values = store[spec.target]
+    shifted = (values.to(torch.int16) + 8).to(torch.uint8).view(values.shape[0], -1, 2)
+    packed = shifted[:, :, 0] * 16 + shifted[:, :, 1]
+    store[spec.target] = torch.nn.Parameter(packed, requires_grad=False) if store is program.state_dict else packed
+    node.meta["val"] = node.meta["val"].new_empty(packed.shape, dtype=torch.uint8)

@@ -1,0 +1,317 @@
+"""``--quantize int4`` for ONNX: the saved graph's weights rewritten for ONNX Runtime's CPU kernels.
+
+No projection weight the float reference sees is rounded a second time: a quantized source's grid
+is found in the weights themselves (``grid_steps``) and kept.
+
+- Every MatMul with a constant weight becomes ``com.microsoft::MatMulNBits`` with int4 weights in
+  blocks of 32 along K, *asymmetric* (``w = lo + d * q``, ``q`` in 0..15). A block on a grid of
+  at most 16 levels keeps its grid's step ``d``, so a 4-bit GGUF's weights come out exactly
+  (SmolLM2's Q4_1; Gemma 3's Q4_K, whose blocks need not use their grid's lowest or highest
+  level); a float block spans its min..max in 15 steps. Symmetric int4 would round a 4-bit GGUF's
+  weights onto a second grid (top-1 agreement with float eager fell to ~70% on SmolLM2 that way).
+  MatMulNBits takes a float zero point only on a path ~40x slower than its default, so the weight
+  is stored as the symmetric ``d * (q - 8)`` the fast kernel reads, and the per-block offset
+  ``lo + 8 d`` is added back as ``blocksum(x) @ offsets`` (a reshape and a sum, one small MatMul
+  and an Add): exact, and ~1 extra bit per weight.
+- A weight the source stores *finer* than 4 bits (Gemma 3's GGUF keeps q/k/v, gate/up in Q5_0
+  and some down projections in Q6_K or Q8_0; ``finer_than_4_bits``) is stored 8-bit, each block
+  keeping its grid's step: exact for those types. Blocks of 32 where that holds every weight on
+  its level (Q5_0, Q8_0), else of 16 (Q6_K scales each run of 16). Rounded to 4 bits they held Gemma 3 at
+  ~95% top-1 agreement; exact, 98.4%.
+- Projections that read one input (q/k/v; gate/up) at the same bits are one MatMulNBits over
+  their stacked weights, then a Split: fewer, larger kernels per step. Where the Split's q, k and
+  v are a GroupQueryAttention's inputs as they are (a full-attention layer, whose node rotates
+  them itself), the node reads the stacked output whole (its packed-QKV form) and the Split goes.
+- The lm_head (the MatMul that computes the graph's logits) and the embedding lookup stay 8-bit
+  (symmetric: MatMulNBits ``bits=8`` and ``GatherBlockQuantized``) by default: their error lands
+  straight on the logits. ``lm_head="int4"`` (``--quantize-lm-head int4``) makes the lm_head
+  4-bit in blocks of 32 with a whole zero point each, which the fast kernel reads (no offsets;
+  ``_int4_with_zero_points``); the lookup keeps its 8-bit table. The 8-bit blocks are the largest
+  of 128, 64, 32 that divides K (``table_block``), an exception to the rule above: both real
+  models ship their tied table as Q8_0 (blocks of 32), and the lm_head is the largest matmul of
+  a step (Gemma 3: 262,144 × 640), which MatMulNBits runs in ~5.3 ms in blocks of 128 against
+  ~6.6 ms in blocks of 32. An 8-bit tied table is stored once: both ops read one
+  ``[N, K/block, block]`` initializer (MatMulNBits' layout; the lookup quantizes along its last
+  axis and reshapes its result back to ``[..., K]``).
+- ``accuracy_level`` 4: int8 activations and the CPU's int8 dot products, as onnxruntime-genai's
+  builder uses for int4 on the CPU.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import shutil
+
+import numpy as np
+
+from .graph import prune
+from ..weight_grids import (BLOCK, FINE_BLOCK, finer_than_4_bits, grid_steps, int4_blocks, int4_zero_point_blocks, int8_blocks,
+                            on_levels)
+
+ACCURACY_LEVEL = 4
+MS_DOMAIN = "com.microsoft"
+
+
+def quantize_onnx(path, data_file: str, lm_head: str = "int8") -> dict:
+    """Rewrite the ONNX model at ``path`` in place (``data_file`` beside it), the lm_head ``int8``
+    or ``int4``; return op counts for ``kvexport.json``."""
+    import onnx
+    from onnx import helper, numpy_helper
+
+    model = onnx.load(str(path), load_external_data=True)
+    tied = _fold_weight_transposes(model)
+    graph = model.graph
+    initializers = {i.name: i for i in graph.initializer}
+    head = _lm_head(graph)
+    added: list = []  # new initializers
+    tables: dict[str, tuple[str, str]] = {}  # source initializer -> its 8-bit (data, scales)
+
+    def int8_table(source: str, matrix_nk) -> tuple[str, str]:
+        """The 8-bit blocks of the [N, K] matrix ``matrix_nk()``, computed and added once however
+        many ops read it (a tied table's second reader reads no float copy at all)."""
+        if source not in tables:
+            matrix = matrix_nk()
+            block = table_block(matrix.shape[1])
+            q, scale = int8_blocks(matrix, block)
+            n, k = q.shape
+            tables[source] = (f"{source}_q8", f"{source}_scales")
+            added.extend([numpy_helper.from_array(q.reshape(n, k // block, block), f"{source}_q8"),
+                          numpy_helper.from_array(scale, f"{source}_scales")])
+        return tables[source]
+
+    # Projections grouped by their input and bits: q/k/v (and gate/up) become one MatMulNBits over
+    # their weights stacked along N (4-bit: one offset MatMul and one Add), then a Split. Every node
+    # costs a thread-pool dispatch per step, which at this size costs as much as the arithmetic.
+    groups: dict[tuple[str, int], list] = collections.defaultdict(list)
+    group_of: dict[str, tuple[str, int]] = {}  # a member's output -> its group
+    grids: dict[str, dict[int, np.ndarray]] = {}  # a member's output -> its weight's grid_steps by run size
+    for node in graph.node:
+        weight = initializers.get(node.input[1]) if len(node.input) > 1 else None
+        if node.op_type == "MatMul" and node.output[0] != head and _quantizable(weight, axis=0):
+            weight_nk = numpy_helper.to_array(weight).T
+            grid = grids[node.output[0]] = {size: grid_steps(weight_nk, size) for size in (FINE_BLOCK, BLOCK)}
+            bits = 8 if finer_than_4_bits(weight_nk, grid[FINE_BLOCK], grid[BLOCK]) else 4
+            group_of[node.output[0]] = (node.input[0], bits)
+            groups[group_of[node.output[0]]].append(node)
+    ranks = {v.name: len(v.type.tensor_type.shape.dim) for v in [*graph.input, *graph.value_info] if v.type.tensor_type.HasField("shape")}
+
+    def shared_constant(name: str, make) -> str:
+        """An initializer several nodes read, added the first time it is asked for."""
+        if name not in shared:
+            added.append(numpy_helper.from_array(make(), name))
+            shared.add(name)
+        return name
+
+    def block_sums(x: str, k: int, base: str) -> str:
+        """``x [..., K]`` summed per block of 32: ``[..., K/32]``, the offsets' multiplier."""
+        sums = f"{x}_block_sums"
+        if x in ranks:  # a reshape to [..., K/32, 32] and a sum over the last axis
+            rank = ranks[x]
+            shape = shared_constant(f"block_shape_{rank}_{k}", lambda: np.array([0] * (rank - 1) + [k // BLOCK, BLOCK], np.int64))
+            axes = shared_constant("block_sum_axes", lambda: np.array([-1], np.int64))
+            nodes.append(helper.make_node("Reshape", [x, shape], [f"{x}_blocks"], name=f"{base}_blocks"))
+            nodes.append(helper.make_node("ReduceSum", [f"{x}_blocks", axes], [sums], name=f"{base}_block_sums", keepdims=0))
+        else:  # x's rank unknown: a MatMul by [K, K/32], 1 where row i is in block j
+            membership = shared_constant(
+                f"block_sum_{k}", lambda: np.kron(np.eye(k // BLOCK, dtype=np.float32), np.ones((BLOCK, 1), np.float32))
+            )
+            nodes.append(helper.make_node("MatMul", [x, membership], [sums], name=f"{base}_block_sums"))
+        return sums
+
+    def projection_group(members: list, bits: int) -> None:
+        x, base = members[0].input[0], members[0].name or members[0].output[0]
+        weights = [initializers[m.input[1]] for m in members]
+        k, n = weights[0].dims[0], sum(w.dims[1] for w in weights)
+        stacked = np.concatenate([numpy_helper.to_array(w).T for w in weights])  # [N, K], stacked along N
+        out = members[0].output[0] if len(members) == 1 else f"{base}_packed"
+        if bits == 8:
+            # Blocks of 32 where they hold the source's grid (Q5_0, Q8_0: one step per 32; a
+            # quarter fewer bytes per step than 16s), else 16 (Q6_K steps each run of 16).
+            for block in (BLOCK, FINE_BLOCK):
+                steps = np.concatenate([grids[m.output[0]][block] for m in members])  # the stacked runs' grids
+                q8, scale = int8_blocks(stacked, block, steps)
+                if block == FINE_BLOCK or on_levels(stacked, q8, scale, block):
+                    break
+            added.extend([numpy_helper.from_array(q8.reshape(n, k // block, block), f"{base}_q8"),
+                          numpy_helper.from_array(scale, f"{base}_scales")])
+            nodes.append(_matmul_nbits(helper, x, f"{base}_q8", f"{base}_scales", out, k, n, 8, block))
+        else:
+            steps = np.concatenate([grids[m.output[0]][BLOCK] for m in members])
+            q, scale, offset = int4_blocks(stacked, steps)
+            packed = _two_per_byte(q)
+            added.extend([numpy_helper.from_array(packed, f"{base}_q4"), numpy_helper.from_array(scale, f"{base}_scales"),
+                          numpy_helper.from_array(np.ascontiguousarray(offset.T), f"{base}_offsets")])
+            sums = block_sums(x, k, base)
+            nodes.extend([
+                _matmul_nbits(helper, x, f"{base}_q4", f"{base}_scales", f"{base}_symmetric", k, n, 4),
+                helper.make_node("MatMul", [sums, f"{base}_offsets"], [f"{base}_offset"], name=f"{base}_offset"),
+                helper.make_node("Add", [f"{base}_symmetric", f"{base}_offset"], [out], name=f"{base}_add_offset"),
+            ])  # fmt: skip
+        if len(members) > 1:
+            sizes = f"{base}_split_sizes"
+            added.append(numpy_helper.from_array(np.array([w.dims[1] for w in weights], np.int64), sizes))
+            nodes.append(helper.make_node("Split", [out, sizes], [m.output[0] for m in members], name=f"{base}_split", axis=-1))
+
+    shared: set[str] = set()  # names of the initializers shared_constant added
+    nodes = []
+    for node in graph.node:
+        weight = initializers.get(node.input[1]) if len(node.input) > 1 else None
+        if node.op_type == "MatMul" and node.output[0] == head and _quantizable(weight, axis=0):
+            k, n = weight.dims  # [K, N]
+            if lm_head == "int4":  # a copy of its own: a tied lookup keeps the 8-bit table
+                data, scales, zero_points = _int4_with_zero_points(numpy_helper.to_array(weight))
+                base = node.name or node.output[0]
+                added.extend([numpy_helper.from_array(data, f"{base}_q4"), numpy_helper.from_array(scales, f"{base}_scales"),
+                              numpy_helper.from_array(zero_points, f"{base}_zero_points")])
+                nodes.append(_matmul_nbits(helper, node.input[0], f"{base}_q4", f"{base}_scales", node.output[0], k, n, 4,
+                                           zero_points=f"{base}_zero_points"))
+            else:  # 8-bit, and a tied one shares the lookup's blocks
+                data, scales = int8_table(tied.get(weight.name, weight.name),
+                                          lambda: np.ascontiguousarray(numpy_helper.to_array(weight).T))
+                nodes.append(_matmul_nbits(helper, node.input[0], data, scales, node.output[0], k, n, 8, table_block(k)))
+        elif node.output[0] in group_of:
+            members = groups[group_of[node.output[0]]]
+            if node is members[0]:  # the group is emitted where its first member was
+                projection_group(members, bits=group_of[node.output[0]][1])
+        elif node.op_type == "Gather" and _quantizable(initializers.get(node.input[0]), axis=1) and _attribute(node, "axis", 0) == 0:
+            table = initializers[node.input[0]]
+            n, k = table.dims
+            base = node.name or node.output[0]
+            data, scales = int8_table(node.input[0], lambda: numpy_helper.to_array(table))  # [N, K/b, b], [N, K/b]
+            ids, block = node.input[1], table_block(k)
+            added += [numpy_helper.from_array(np.array([n, k // block, 1], np.int64), f"{base}_scales_shape"),
+                      numpy_helper.from_array(np.array([k], np.int64), f"{base}_hidden")]
+            nodes += [
+                helper.make_node("Reshape", [scales, f"{base}_scales_shape"], [f"{base}_scales"], name=f"{base}_scales"),
+                helper.make_node(
+                    "GatherBlockQuantized", [data, ids, f"{base}_scales"], [f"{base}_blocks"], name=base,
+                    domain=MS_DOMAIN, bits=8, block_size=block, gather_axis=0, quantize_axis=2,
+                ),  # [*ids.shape, K/b, b]
+                helper.make_node("Shape", [ids], [f"{base}_ids_shape"], name=f"{base}_ids_shape"),
+                helper.make_node("Concat", [f"{base}_ids_shape", f"{base}_hidden"], [f"{base}_shape"], name=f"{base}_shape", axis=0),
+                helper.make_node("Reshape", [f"{base}_blocks", f"{base}_shape"], [node.output[0]], name=f"{base}_reshape"),
+            ]
+        else:
+            nodes.append(node)
+    _pack_attention_inputs(nodes)
+    del graph.node[:]
+    graph.node.extend(nodes)
+    graph.initializer.extend(added)
+    prune(graph)  # the float weights now unread go, and the Splits packed attention inputs no longer read
+    if not any(o.domain == MS_DOMAIN for o in model.opset_import):
+        model.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))
+    # onnx appends to an existing external data file: write a fresh one.
+    data_path = os.path.join(os.path.dirname(str(path)), data_file)
+    os.remove(data_path)
+    onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True, location=data_file)
+    shutil.copymode(path, data_path)  # onnx creates it owner-only (0600); readable like the graph beside it
+    counts = collections.Counter(n.op_type for n in model.graph.node)
+    return {op: counts[op] for op in ("MatMulNBits", "GatherBlockQuantized") if counts[op]}
+
+
+def _pack_attention_inputs(nodes) -> None:
+    """A GroupQueryAttention whose query, key and value are the three outputs of one Split (the
+    stacked q/k/v projection; the value maybe reshaped and back) reads the packed projection
+    instead: the kernel's packed-QKV form, without the Split."""
+    producers = {out: node for node in nodes for out in node.output}
+    for node in nodes:
+        if node.op_type != "GroupQueryAttention":
+            continue
+        value = node.input[2]
+        while value in producers and producers[value].op_type == "Reshape":  # reshapes keep the row's order
+            value = producers[value].input[0]
+        split = producers.get(node.input[0])
+        if split is not None and split.op_type == "Split" and list(split.output) == [node.input[0], node.input[1], value]:
+            node.input[0], node.input[1], node.input[2] = split.input[0], "", ""
+
+
+def _lm_head(graph) -> str | None:
+    """The output of the MatMul that computes the logits (the graph's first output), found walking
+    back from them through what follows it (the last position's selection, a soft-cap)."""
+    producers = {out: node for node in graph.node for out in node.output}
+    node = producers.get(graph.output[0].name)
+    for _ in range(16):
+        if node is None:
+            return None
+        if node.op_type == "MatMul":
+            return node.output[0]
+        node = producers.get(node.input[0]) if node.input else None
+    return None
+
+
+def table_block(k: int) -> int:
+    """The 8-bit lm_head's and embedding table's block along K: the largest of 128, 64, 32 that
+    divides it (``_quantizable`` has checked 32 does)."""
+    return next(block for block in (128, 64, BLOCK) if k % block == 0)
+
+
+def _quantizable(weight, axis: int) -> bool:
+    """A 2-D float initializer whose quantized dim (``axis``) is a multiple of the block."""
+    from onnx import TensorProto
+
+    return (weight is not None and len(weight.dims) == 2 and weight.data_type == TensorProto.FLOAT
+            and weight.dims[axis] % BLOCK == 0)
+
+
+def _matmul_nbits(helper, x: str, q: str, scales: str, out: str, k: int, n: int, bits: int, block: int = BLOCK,
+                  zero_points: str | None = None):
+    return helper.make_node(
+        "MatMulNBits", [x, q, scales, *([zero_points] if zero_points else [])], [out], name=f"{out}_nbits",
+        domain=MS_DOMAIN, K=k, N=n, bits=bits, block_size=block, accuracy_level=ACCURACY_LEVEL,
+    )
+
+
+def _int4_with_zero_points(weight_kn: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """MatMulNBits' int4 arrays for a [K, N] weight, ``int4_zero_point_blocks``' rounding: data
+    ``[N, K/32, 16]``, scales ``[N, K/32]``, zero points ``[N, K/64]`` (two levels a byte).
+
+    ONNX Runtime's own rounding (``quantize_matmul_4bits``) takes the step from the range and
+    rounds the zero point, clipping one end by up to half a step: the weights of largest magnitude
+    come out ~2.5x further off (Gemma 3's table), and its agreement with float eager was 94.5%."""
+    # The transpose as a view: int4_zero_point_blocks copies it a piece of rows at a time (a 262k-row
+    # table whole would be one more float32 copy of itself at peak).
+    q, step, zero = int4_zero_point_blocks(weight_kn.T)
+    return _two_per_byte(q), step, _two_per_byte(zero)
+
+
+def _two_per_byte(levels: np.ndarray) -> np.ndarray:
+    """4-bit levels (uint8) packed two a byte along the last axis, low nibble first, as MatMulNBits
+    reads them; an odd count ends with a zero nibble."""
+    if levels.shape[-1] % 2:
+        levels = np.pad(levels, [(0, 0)] * (levels.ndim - 1) + [(0, 1)])
+    return levels[..., 0::2] | (levels[..., 1::2] << 4)
+
+
+def _attribute(node, name: str, default):
+    from onnx import helper
+
+    return next((helper.get_attribute_value(a) for a in node.attribute if a.name == name), default)
+
+
+def _fold_weight_transposes(model) -> dict[str, str]:
+    """A MatMul whose weight is ``Transpose(initializer)`` gets the transposed initializer instead;
+    returns ``{transposed initializer: the initializer it was transposed from}``.
+
+    The exporter folds a linear layer's ``W.T`` into a constant, except where the weight is shared
+    (a tied lm_head reads the embedding table through a Transpose, so the table is stored once);
+    only constant weights are quantized, and that lm_head, the largest matrix of a small model,
+    would stay in float."""
+    from onnx import numpy_helper
+
+    initializers = {i.name: i for i in model.graph.initializer}
+    producers = {out: node for node in model.graph.node for out in node.output}
+    folded: dict[str, str] = {}
+    for node in list(model.graph.node):
+        transpose = producers.get(node.input[1]) if node.op_type == "MatMul" and len(node.input) > 1 else None
+        if transpose is None or transpose.op_type != "Transpose" or transpose.input[0] not in initializers:
+            continue
+        weight = initializers[transpose.input[0]]
+        perm = next((list(a.ints) for a in transpose.attribute if a.name == "perm"), [1, 0])
+        if len(weight.dims) != 2 or perm != [1, 0] or transpose not in model.graph.node:
+            continue
+        array = numpy_helper.to_array(weight)
+        model.graph.initializer.append(numpy_helper.from_array(array.T.copy(), transpose.output[0]))
+        model.graph.node.remove(transpose)
+        folded[transpose.output[0]] = transpose.input[0]
+    return folded

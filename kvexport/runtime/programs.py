@@ -1,0 +1,53 @@
+"""Running an artifact's program: one ``forward(tokens, start) -> logits`` whatever the target.
+
+Logits come back as a float32 numpy vector (the last position's). Each target's module is
+imported only when used, so an ONNX folder runs without torch installed.
+"""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+
+from ..errors import KvexportError
+from ..artifact.manifest import read_manifest
+
+
+class Program(Protocol):
+    manifest: dict
+
+    def forward(self, tokens: list[int], start: int) -> np.ndarray: ...
+
+    def reset(self) -> None: ...
+
+
+def max_tokens_per_call(manifest: dict) -> int:
+    """The most tokens one forward call of the program takes; runners split longer prompts. Artifacts
+    written before ``--prefill-chunk`` took calls as long as the cache."""
+    return manifest.get("interface", {}).get("max_tokens_per_call") or manifest["max_cache_len"]
+
+
+_RUNNERS = {"executorch": "executorch_program", "onnx": "onnx_program"}
+# The package each target runs on (ExecuTorch's Python runtime brings torch).
+_RUNTIME_PACKAGE = {"executorch": "executorch", "onnx": "onnxruntime"}
+
+
+def load_program(folder: Path, manifest: dict | None = None, device: str = "cpu") -> Program:
+    folder = Path(folder)
+    manifest = manifest or read_manifest(folder)
+    target = manifest["target"]
+    module = importlib.import_module(f"{__package__}.{_RUNNERS[target]}")
+    try:
+        return module.load(folder, manifest, device)
+    except ModuleNotFoundError as e:  # a device that has only the other target's runtime
+        if (e.name or "").split(".")[0] not in ("torch", "executorch", "onnxruntime"):
+            raise
+        package = _RUNTIME_PACKAGE[target]
+        version = manifest.get("versions", {}).get(package)
+        raise KvexportError(
+            f"this {target} artifact needs {package} to run ({e.name} is not installed): "
+            f"pip install {package}{'==' + version if version else ''}"
+        )

@@ -1,0 +1,153 @@
+"""kvexport bench on tiny artifacts: every path measured, the report sane (no timing thresholds)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from kvexport.bench import bench as bench_module
+
+
+def test_bench_measures_every_path(artifact, tmp_path, capsys):
+    bench = bench_module
+    pte, onnx = artifact("tiny-gemma3", "executorch"), artifact("tiny-gemma3", "onnx")
+    # Another exporter's program stands in as a bare .pte with its .ptd beside it (no kvexport.json).
+    other = tmp_path / "other"
+    other.mkdir()
+    for name in ("model.pte", "model.ptd"):
+        shutil.copy(pte / name, other / name)
+    out = tmp_path / "bench.json"
+    code = bench.main(["tiny-gemma3", str(pte), str(onnx), "--prompt-tokens", "8", "--new-tokens", "6",
+                       "--repeats", "1", "--threads", "1", "--json", str(out), "--markdown", str(tmp_path / "b.md"),
+                       "--pte", str(other / "model.pte")])
+    assert code == 0
+    report = json.loads(out.read_text())
+    table = capsys.readouterr().out
+    assert table.strip() == (tmp_path / "b.md").read_text().strip() and "| path |" in table
+
+    paths = {(p["path"], Path(p.get("pte") or p.get("artifact") or "").name or None): p for p in report["paths"]}
+    assert set(paths) == {("eager", None), ("run", pte.name), ("run", onnx.name), ("textllm", pte.name),
+                          ("textllm", "model.pte"), ("llama", None)}
+    assert "no GGUF" in paths["llama", None]["skipped"]  # a preset has no GGUF file
+    assert report["protocol"] == {**report["protocol"], "prompt_tokens": 8, "new_tokens": 6, "threads": 1}
+    for key, job in paths.items():
+        if key[0] == "llama":
+            continue
+        (run,) = job["runs"]
+        assert "error" not in run, (key, run)
+        assert run["prompt_tokens"] == 8 and run["new_tokens"] == 6 and run["decode_steps"] == 5, (key, run)
+        for metric in ("ttft_ms", "prefill_tokens_per_s", "decode_tokens_per_s", "peak_rss_mb", "load_s"):
+            summary = job["summary"][metric]
+            if key[0] == "textllm" and metric in ("ttft_ms", "prefill_tokens_per_s", "decode_tokens_per_s"):
+                assert summary is None or summary["median"] >= 0  # its Stats count whole milliseconds: maybe 0
+                continue
+            assert summary["median"] > 0, (key, metric)
+        assert 10 < run["peak_rss_mb"] < 8000 and 0 <= run["ttft_ms"] < 60_000, (key, run)
+    # fp32 artifacts generate eager's tokens; TextLLMRunner prints kvexport run's text.
+    assert paths["run", pte.name]["same_tokens_as_eager"] == 6
+    assert paths["run", onnx.name]["same_tokens_as_eager"] == 6
+    assert paths["textllm", pte.name]["same_text_as_run"] is True
+    assert paths["textllm", "model.pte"]["label"].endswith("other/model.pte")
+    assert "same_text_as_run" not in paths["textllm", "model.pte"]  # not kvexport run's program
+    # A ratio wherever both medians exist: TextLLMRunner's 5 tiny decode steps may round to 0 ms.
+    textllm_decode = (paths["textllm", pte.name]["summary"]["decode_tokens_per_s"] or {}).get("median")
+    assert set(report["ratios"]["run_vs_textllm"]) == ({str(pte)} if textllm_decode else set())
+    other_decode = (paths["textllm", "model.pte"]["summary"]["decode_tokens_per_s"] or {}).get("median")
+    assert len(report["ratios"]["decode_vs_eager"]) == 2 + bool(textllm_decode) + bool(other_decode)
+    assert report["ratios"]["decode_vs_llama"] == {} and "| decode × llama.cpp |" in table  # llama.cpp skipped
+    # Other load sampled before each of the 5 runs (Linux), and the header says how much there was.
+    assert report["machine"]["background_busy"]["n"] == 5 and "CPUs busy between runs" in table
+
+
+def test_bench_prompt_has_exactly_the_requested_tokens(artifact):
+    from kvexport.runtime.tokenizer import ArtifactTokenizer
+
+    bench = bench_module
+    tokenizer = ArtifactTokenizer(artifact("tiny-gemma3", "executorch"))
+    for n in (2, 7, 40):
+        text, ids = bench.exact_prompt(tokenizer, n)
+        assert len(ids) == n and tokenizer.encode(text) == ids
+
+
+def test_bench_refuses_a_prompt_that_does_not_fit(artifact):
+    from kvexport.errors import PromptTooLongError
+
+    bench = bench_module
+    with pytest.raises(PromptTooLongError):
+        bench.main(["tiny-gemma3", str(artifact("tiny-gemma3", "onnx")), "--prompt-tokens", "60", "--new-tokens", "10"])
+
+
+def test_ratios_divide_each_decode_median_by_eager_and_llama():
+    bench = bench_module
+
+    def job(path, decode, artifact=None):
+        return {"path": path, "label": f"{path} {artifact}", "artifact": artifact,
+                "summary": {"decode_tokens_per_s": {"median": decode} if decode else None}}
+
+    jobs = [job("eager", 10.0), job("run", 60.0, "a"), job("textllm", 50.0, "a"), job("run", 30.0, "b"),
+            job("llama", 40.0)]
+    r = bench.ratios(jobs)
+    assert r["decode_vs_eager"] == {"run a": 6.0, "textllm a": 5.0, "run b": 3.0, "llama None": 4.0}
+    assert r["decode_vs_llama"] == {"eager None": 0.25, "run a": 1.5, "textllm a": 1.25, "run b": 0.75}
+    assert r["run_vs_textllm"] == {"a": 1.2}
+    assert r["run_vs_textllm_by_round"] == {}  # no rounds in these jobs: no paired ratio
+    # llama.cpp not installed (skipped, no median): no ratio against it, the others stay.
+    jobs[-1]["summary"]["decode_tokens_per_s"] = None
+    r = bench.ratios(jobs)
+    assert r["decode_vs_llama"] == {} and r["decode_vs_eager"]["run a"] == 6.0
+
+
+def bench_reading(monkeypatch, tmp_path, proc_file: str):
+    """bench.py with ``proc_file`` (e.g. ``/proc/cpuinfo``) redirected to a file the test writes."""
+    bench = bench_module
+    fake, real_path = tmp_path / Path(proc_file).name, bench.Path
+    monkeypatch.setattr(bench, "Path", lambda p: real_path(fake if p == proc_file else p))
+    return bench, fake
+
+
+def test_cpu_info_names_the_instruction_sets_that_pick_the_kernels(tmp_path, monkeypatch):
+    bench, cpuinfo = bench_reading(monkeypatch, tmp_path, "/proc/cpuinfo")
+
+    cpuinfo.write_text("processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: fpu sse2 avx2 fma avx512f avx512_vnni\n")
+    assert bench.cpu_info() == ("AMD EPYC", ["avx2", "avx512f", "avx512_vnni"])
+    cpuinfo.write_text("processor\t: 0\nFeatures\t: fp asimd asimddp i8mm\nCPU part\t: 0xd0c\n")  # ARM: no model name
+    name, features = bench.cpu_info()
+    assert features == ["asimddp", "i8mm"] and name
+
+
+def test_other_load_between_runs_is_measured_and_flagged(tmp_path, monkeypatch):
+    bench, stat = bench_reading(monkeypatch, tmp_path, "/proc/stat")
+    #                 user nice system idle iowait irq softirq steal
+    stat.write_text("cpu  100 0 50 800 50 0 0 0 0 0\ncpu0 50 0 25 400 25 0 0 0 0 0\n")
+    assert bench.cpu_times() == (150, 1000)
+
+    samples = iter(["cpu  100 0 50 800 50 0 0 0 0 0\n", "cpu  130 0 60 950 60 0 0 0 0 0\n"])
+    monkeypatch.setattr(bench.time, "sleep", lambda s: stat.write_text(next(samples)))
+    stat.write_text(next(samples))
+    assert bench.background_busy() == pytest.approx(40 / 200)  # 40 of 200 jiffies busy, iowait idle
+
+    idle = {"median": 0.01, "min": 0.0, "max": 0.03, "n": 5}
+    assert bench.busy_lines(idle) == ["", "CPUs busy between runs (other processes): median 1%, max 3%."]
+    shared = bench.busy_lines({**idle, "max": 0.2})[1]
+    assert "max 20%" in shared and "not idle" in shared
+    assert bench.busy_lines(None) == []  # no /proc/stat: nothing claimed
+
+
+def test_run_against_textllm_is_also_paired_round_by_round():
+    """A slow spell that catches kvexport run's rounds and not TextLLMRunner's moves the ratio of
+    the medians; each round's own ratio (the two paths back to back) mostly does not."""
+    bench = bench_module
+    run = [200.0, 200.0, 250.0, 250.0, 200.0]
+    textllm = [200.0, 250.0, 260.0, 260.0, 260.0]
+    jobs = [{"path": path, "label": path, "artifact": "a",
+             "runs": [{"decode_tokens_per_s": v} for v in values],
+             "summary": {"decode_tokens_per_s": {"median": sorted(values)[2]}}}
+            for path, values in (("run", run), ("textllm", textllm))]
+    jobs[0]["runs"][1] = {"error": "crashed"}  # a failed round pairs with nothing
+    r = bench.ratios(jobs)
+    assert r["run_vs_textllm"] == {"a": 200.0 / 260.0}
+    # Rounds 1, 3, 4, 5: 1.0, 250/260, 250/260, 200/260; their median is 250/260.
+    assert r["run_vs_textllm_by_round"] == {"a": pytest.approx(250 / 260)}

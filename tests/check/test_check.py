@@ -1,0 +1,129 @@
+"""``kvexport check``: passes on a faithful artifact, fails (and says how) on an unfaithful one."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from kvexport.cli import main
+from kvexport.check.check import LOGIT_TOLERANCE, Float32Logits, check_half_precision_prompt, check_prompt
+
+
+def run_cli(capsys, *args) -> tuple[int, str, str]:
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return exit_info.value.code, out, err
+
+
+def test_check_passes_past_the_window(artifact, capsys):
+    code, out, err = run_cli(capsys, "check", artifact("tiny-gemma3"), "--json")
+    report = json.loads(out)
+    assert code == 0 and report["ok"], report
+    # Its default prompts run past the window (6): a short prompt with a long generation, and a
+    # prompt longer than the window.
+    lengths = [(p["prompt_tokens"], p["new_tokens"]) for p in report["prompts"]]
+    assert any(n > 6 for _, n in lengths) and any(p > 6 for p, _ in lengths)
+    assert all(p["compared_steps"] == p["new_tokens"] for p in report["prompts"])
+
+
+def test_check_fails_against_another_model_and_reports_the_divergence(artifact, capsys):
+    # Same vocabulary, different weights: the check must catch it at the first step.
+    code, out, _ = run_cli(capsys, "check", artifact("tiny-mistral"), "--model", "tiny-llama", "--json", "--max-new-tokens", "8")
+    report = json.loads(out)
+    assert code == 1 and not report["ok"]
+    first = report["prompts"][0]
+    assert first["match"] is False and first["first_divergence"] is not None
+    assert first["eager_margin"] > 0 and first["near_tie"] is False
+
+
+def test_check_human_output_names_the_tolerance(artifact, capsys):
+    code, out, err = run_cli(capsys, "check", artifact("tiny-gemma3"), "--prompt", "Hello there", "--max-new-tokens", "12")
+    assert code == 0
+    assert "PASS" in out and "identical" in out
+    assert "0.05" in err  # the fp32 tolerance is stated
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+def test_check_on_cuda_without_a_gpu_says_so(artifact, capsys):
+    code, _, err = run_cli(capsys, "check", artifact("tiny-gemma3"), "--device", "cuda")
+    assert code == 2
+    assert "no CUDA GPU" in err and "Traceback" not in err
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_check_with_eager_on_the_gpu(artifact, capsys):
+    code, out, _ = run_cli(capsys, "check", artifact("tiny-gemma3"), "--device", "cuda", "--json")
+    assert code == 0, out
+
+
+class Float32Standin:
+    """An artifact that computes exactly: float32 eager's logits for the tokens it was given.
+    ``offset`` is added to every step's logits (a broken export)."""
+
+    def __init__(self, model, offset: np.ndarray | None = None):
+        self.model, self.offset, self.ids = model, offset, []
+        self.manifest = {"max_cache_len": 512}
+
+    def forward(self, tokens: list[int], start: int) -> np.ndarray:
+        self.ids = self.ids[:start] + list(tokens)
+        with torch.no_grad():
+            logits = self.model(torch.tensor([self.ids])).logits[0, -1].float().numpy()
+        return logits if self.offset is None else logits + self.offset
+
+
+@pytest.fixture(scope="module")
+def llama_in_both_precisions():
+    from kvexport.models.presets import build_preset
+
+    half, tokenizer = build_preset("tiny-llama", torch.float16)
+    return half, build_preset("tiny-llama", torch.float32)[0], tokenizer("The capital of France is")["input_ids"]
+
+
+def test_a_float16_check_judges_steps_beyond_its_tolerance_against_float32_eager(llama_in_both_precisions):
+    half, full, prompt = llama_in_both_precisions
+    float32_logits = Float32Logits(lambda: full)
+    exact = check_prompt(Float32Standin(full), half, prompt, 64, LOGIT_TOLERANCE["float16"], float32_logits=float32_logits)
+    # Eager float16 is itself more than the tolerance off float32 eager on this model, so an exact
+    # artifact is too; measured against float32 eager it is within the tolerance (of zero) beyond that.
+    assert exact.max_logit_diff > LOGIT_TOLERANCE["float16"] and exact.float32_steps > 0
+    assert exact.match and exact.logits_ok and exact.max_diff_beyond_rounding <= 0
+
+    offset = np.zeros(half.config.vocab_size, dtype=np.float32)
+    offset[7] = 5.0  # one logit off by 5 at every step: beyond any rounding of this model
+    broken = check_prompt(Float32Standin(full, offset), half, prompt, 8, LOGIT_TOLERANCE["float16"],
+                          float32_logits=float32_logits)
+    assert not broken.logits_ok and broken.max_diff_beyond_rounding > LOGIT_TOLERANCE["float16"]
+
+
+def test_a_float16_token_difference_is_a_rounding_tie_only_within_eager_float16s_own_error(llama_in_both_precisions):
+    half, full, prompt = llama_in_both_precisions
+    offset = np.zeros(half.config.vocab_size, dtype=np.float32)
+    offset[7] = 100.0  # token 7 at every step, whatever the model says
+    report = check_prompt(Float32Standin(full, offset), half, prompt, 8, LOGIT_TOLERANCE["float16"],
+                          float32_logits=Float32Logits(lambda: full))
+    assert not report.match and report.first_divergence == 0 and report.rounding_ties == []
+    assert report.artifact_token == 7 and report.near_tie is False
+
+
+def test_where_eager_float16_overflows_a_float16_artifact_is_held_to_float32_eager():
+    from kvexport.models.presets import build_preset
+
+    # Gemma 3's residual stream passes float16's 65,504 and eager float16 gives NaN logits; here
+    # logits ~1e4 times larger than the preset's do the same to its lm_head.
+    half, tokenizer = build_preset("tiny-llama", torch.float16)
+    full = build_preset("tiny-llama", torch.float32)[0]
+    for model in (half, full):
+        model.lm_head.weight.data *= 1e4
+    prompt = tokenizer("The capital of France is")["input_ids"]
+    float32_logits = Float32Logits(lambda: full)
+    report = check_half_precision_prompt(Float32Standin(full), half, float32_logits, prompt, 8, LOGIT_TOLERANCE["float16"])
+    assert report.float16_eager_overflow_at == 0 and report.eager_not_finite_at is None
+    assert report.match and report.logits_ok and report.compared_steps == 8
+
+    alone = check_prompt(Float32Standin(full), half, prompt, 8, LOGIT_TOLERANCE["float16"], float32_logits=float32_logits)
+    assert alone.eager_not_finite_at == 0 and not alone.match and alone.compared_steps == 0

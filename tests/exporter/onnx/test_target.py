@@ -1,0 +1,271 @@
+"""The ONNX artifact of every preset, run by ONNX Runtime, against eager transformers; its folder and manifest."""
+
+from __future__ import annotations
+
+import collections
+import json
+import subprocess
+import sys
+
+import onnx
+import pytest
+
+from kvexport.artifact.manifest import read_manifest
+from kvexport.models.presets import build_preset, preset_config
+from kvexport.runtime.programs import load_program
+
+from tests.conftest import NEW_TOKENS, PROMPT, TEST_CACHE_LEN
+from tests.helpers import FP32_LOGIT_ATOL, assert_generation_matches, eager_reference, greedy_with
+from tests.test_cli import assert_one_line_error, run_cli
+
+
+def test_onnx_matches_eager_past_the_window(tiny, artifact):
+    name, model, tokenizer = tiny
+    ids = tokenizer(PROMPT).input_ids
+    program = load_program(artifact(name, "onnx"))
+    got = greedy_with(program.forward, ids, NEW_TOKENS)
+    assert_generation_matches(got, eager_reference(model, ids, NEW_TOKENS), FP32_LOGIT_ATOL, name)
+
+
+def test_onnx_chunked_prefill_and_reuse(artifact):
+    # Hybrid: 3 rings of window 6 and a static layer; chunks shorter and longer than the window.
+    model, tokenizer = build_preset("tiny-gemma3")
+    ids = tokenizer(PROMPT).input_ids
+    program = load_program(artifact("tiny-gemma3", "onnx"))
+    expected = eager_reference(model, ids, NEW_TOKENS)
+    for chunks in ([40, 4], [3, 7, 11, 23], [1] * len(ids), [len(ids)]):  # the last one also proves a fresh start works
+        got = greedy_with(program.forward, ids, NEW_TOKENS, chunks=chunks)
+        assert_generation_matches(got, expected, FP32_LOGIT_ATOL, f"chunks {chunks}")
+
+
+def test_folder_layout_and_manifest_describe_the_graph(artifact):
+    folder = artifact("tiny-gemma3", "onnx")
+    manifest = read_manifest(folder)
+    assert manifest["target"] == "onnx" and manifest["program"] == "model.onnx"
+    assert {"model.onnx", "model.onnx.data", "tokenizer.json"} <= set(manifest["files"])
+    assert "onnxruntime" in manifest["versions"] and "executorch" not in manifest["versions"]
+    graph = onnx.load(str(folder / "model.onnx"), load_external_data=False).graph
+
+    def dims(value):
+        return [d.dim_param or d.dim_value for d in value.type.tensor_type.shape.dim]
+
+    interface = manifest["interface"]
+    # Every graph input and output is described, in order, with the graph's own names and shapes.
+    for described, actual in ((interface["inputs"], graph.input), (interface["outputs"], graph.output)):
+        assert [(e["name"], e["shape"]) for e in described] == [(v.name, dims(v)) for v in actual]
+        assert all(e["meaning"] for e in described)
+    by_name = {e["name"]: e for e in interface["inputs"] + interface["outputs"]}
+    assert by_name["tokens"]["shape"] == [1, "T"] and by_name["input_pos"]["shape"] == [1]
+    assert (by_name["ring_start"]["dtype"], by_name["ring_start"]["shape"]) == ("int64", [1])
+    for total in ("total_length", "ring_total_length"):  # in host memory, for onnxruntime-gpu
+        assert (by_name[total]["dtype"], by_name[total]["shape"]) == ("int32", [])
+    assert (by_name["logits"]["dtype"], by_name["logits"]["shape"]) == ("float32", [1, manifest["vocab_size"]])
+    for layer in manifest["layers"]:
+        i, heads, dim = layer["index"], layer["kv_heads"], layer["head_dim"]
+        for kv in ("key", "value"):
+            # Head-major whole buffers in and out (GroupQueryAttention): 2W rows for a ring.
+            rows = 2 * layer["window"] if layer["cache"] == "ring" else TEST_CACHE_LEN
+            assert layer["slots"] == rows
+            assert by_name[f"past_{kv}_{i}"]["shape"] == by_name[f"present_{kv}_{i}"]["shape"] == [1, heads, rows, dim]
+    assert [layer["cache"] for layer in manifest["layers"]] == ["ring", "ring", "ring", "static"]
+    assert interface["max_tokens_per_call"] == manifest["layers"][0]["window"]
+    assert set(interface["symbols"]) == {"T"}
+    assert {"layout", "static", "ring"} <= set(interface["cache"])
+
+
+def test_every_layer_attends_with_one_group_query_attention_node(artifact):
+    """Each node takes and returns the graph's cache buffers directly (so a runner binding present
+    to past's memory gets rows written in place); a static layer's rotates its own query and key,
+    a ring's has the window as its local_window_size, its query and key already rotated."""
+    folder = artifact("tiny-gemma3", "onnx")  # layers 0-2: rings; layer 3: static
+    graph = onnx.load(str(folder / "model.onnx"), load_external_data=False).graph
+    nodes = [n for n in graph.node if n.op_type == "GroupQueryAttention"]
+    layers = read_manifest(folder)["layers"]
+    heads = preset_config("tiny-gemma3").num_attention_heads
+    assert len(nodes) == len(layers) and all(n.domain == "com.microsoft" for n in nodes)
+    for node, layer in zip(nodes, layers):
+        i = layer["index"]
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        assert (attrs["num_heads"], attrs["kv_num_heads"]) == (heads, layer["kv_heads"])
+        assert list(node.input[3:5]) == [f"past_key_{i}", f"past_value_{i}"]
+        # total_sequence_length straight from a graph input: ONNX Runtime's CUDA kernel reads it
+        # from host memory, and computed on the GPU it arrived wrong there (see lengths_as_inputs).
+        assert node.input[6] == ("total_length" if layer["cache"] == "static" else "ring_total_length")
+        assert list(node.output[1:]) == [f"present_key_{i}", f"present_value_{i}"]
+        if layer["cache"] == "static":
+            assert len(node.input) == 9 and attrs["do_rotary"] == 1  # then its own cos/sin tables
+            assert "local_window_size" not in attrs
+        else:
+            assert len(node.input) == 7 and attrs["local_window_size"] == layer["window"]
+            assert "do_rotary" not in attrs
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-gemma3"])
+def test_the_output_projection_reads_attention_as_it_comes_out(artifact, name):
+    """Attention's ``[1, T, heads * head_dim]`` output is no longer viewed per head and back before
+    the output projection: each GroupQueryAttention's output feeds MatMuls directly, and no
+    Reshape chain in the graph ends in the shape it started from."""
+    graph = onnx.load(str(artifact(name, "onnx") / "model.onnx"), load_external_data=False).graph
+    readers = collections.defaultdict(list)
+    for node in graph.node:
+        for name_in in node.input:
+            readers[name_in].append(node.op_type)
+    attention = [n for n in graph.node if n.op_type == "GroupQueryAttention"]
+    assert attention and all(readers[n.output[0]] == ["MatMul"] for n in attention)
+    shapes = {v.name: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim]
+              for v in [*graph.input, *graph.value_info]}
+    producers = {out: node for node in graph.node for out in node.output}
+    for node in graph.node:
+        if node.op_type == "Reshape":
+            start = node.input[0]
+            while start in producers and producers[start].op_type == "Reshape":
+                start = producers[start].input[0]
+            assert shapes.get(start) != shapes.get(node.output[0]) or start not in shapes, node.name
+
+
+def _op_counts(folder) -> collections.Counter:
+    return collections.Counter(n.op_type for n in onnx.load(str(folder / "model.onnx"), load_external_data=False).graph.node)
+
+
+@pytest.mark.parametrize("name, norms", [("tiny-llama", 2 * 4 + 1), ("tiny-gemma3", 6 * 4 + 1)])
+def test_norms_and_rotations_are_onnx_runtime_kernels(artifact, name, norms):
+    """Every RMS norm is one (Skip)SimplifiedLayerNormalization node (Gemma 3: four per layer plus
+    the per-head q/k norms; then the final one); a full-attention layer's GroupQueryAttention
+    rotates its own query and key, and a ring layer rotates with one RotaryEmbedding node each."""
+    folder = artifact(name, "onnx")
+    ops = _op_counts(folder)
+    assert ops["SimplifiedLayerNormalization"] + ops["SkipSimplifiedLayerNormalization"] == norms
+    assert ops["Pow"] == 0 and ops["Neg"] == 0  # no norm or rotate_half left as loose ops
+    layers = read_manifest(folder)["layers"]
+    rings = sum(layer["cache"] == "ring" for layer in layers)
+    assert ops["RotaryEmbedding"] == 2 * rings
+    graph = onnx.load(str(folder / "model.onnx"), load_external_data=False).graph
+    rotating = [n for n in graph.node if n.op_type == "GroupQueryAttention" and _attributes(n).get("do_rotary") == 1]
+    assert len(rotating) == len(layers) - rings
+
+
+@pytest.mark.parametrize("name, layer_type", [("tiny-llama", None), ("tiny-gemma3", "full_attention")])
+def test_rotating_attention_reads_transformers_rotary_tables(artifact, name, layer_type):
+    """The cos/sin tables a full-attention node reads are transformers' own for positions
+    0 .. max_cache_len - 1 (Gemma 3: the global layers' rotary embedding, not the local one)."""
+    import numpy as np
+    import torch
+    from onnx import numpy_helper
+
+    folder = artifact(name, "onnx")
+    graph = onnx.load(str(folder / "model.onnx"), load_external_data=False).graph
+    tables = {i.name: numpy_helper.to_array(i) for i in graph.initializer if i.name.startswith("rotary_table")}
+    model, _ = build_preset(name)
+    positions = torch.arange(TEST_CACHE_LEN)[None]
+    x = torch.zeros(1, TEST_CACHE_LEN, model.config.hidden_size)
+    with torch.no_grad():
+        cos, sin = model.model.rotary_emb(x, positions, *([layer_type] if layer_type else []))
+    half = cos.shape[-1] // 2
+    for node in graph.node:
+        if node.op_type == "GroupQueryAttention" and _attributes(node).get("do_rotary") == 1:
+            got_cos, got_sin = tables[node.input[7]], tables[node.input[8]]
+            assert got_cos.shape == (TEST_CACHE_LEN, half)
+            np.testing.assert_allclose(got_cos, cos[0, :, :half].numpy(), atol=1e-6, rtol=0)
+            np.testing.assert_allclose(got_sin, sin[0, :, :half].numpy(), atol=1e-6, rtol=0)
+
+
+def _attributes(node) -> dict:
+    return {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+
+
+def test_a_ring_with_one_kv_head_matches_eager_past_the_window(tmp_path):
+    """Gemma 3 270M has one kv head (the tiny presets have two): its ring buffers go to
+    GroupQueryAttention as they are, and the artifact still matches eager past the window."""
+    from kvexport.exporter.pipeline import ExportOptions, export_model
+    from kvexport.models.presets import PRESETS, build_tiny, tiny_config
+    from kvexport.progress import Progress
+
+    model_type, overrides = PRESETS["tiny-gemma3"]
+    model, tokenizer = build_tiny(tiny_config(model_type, {**overrides, "num_key_value_heads": 1}))
+    model.save_pretrained(tmp_path / "hf")
+    tokenizer.save_pretrained(tmp_path / "hf")
+    folder = tmp_path / "onnx"
+    export_model(ExportOptions(str(tmp_path / "hf"), "onnx", folder, TEST_CACHE_LEN), Progress(quiet=True))
+
+    graph = onnx.load(str(folder / "model.onnx"), load_external_data=False).graph
+    rings = [f"past_{kv}_{layer['index']}" for layer in read_manifest(folder)["layers"] if layer["cache"] == "ring" for kv in ("key", "value")]
+    readers = {name: [n.op_type for n in graph.node if name in n.input] for name in rings}
+    assert rings and all(ops == ["GroupQueryAttention"] for ops in readers.values()), readers
+    ids = tokenizer(PROMPT).input_ids
+    got = greedy_with(load_program(folder).forward, ids, NEW_TOKENS)
+    assert_generation_matches(got, eager_reference(model, ids, NEW_TOKENS), FP32_LOGIT_ATOL, "one kv head")
+
+
+def test_prefill_chunk_below_the_window_limits_each_call(tmp_path, artifact, monkeypatch):
+    """ONNX Runtime sizes memory per call, so --prefill-chunk is the interface's limit (with the
+    window's): the runner prefills in calls of at most that many tokens, with eager's result."""
+    from kvexport.exporter.pipeline import ExportOptions, export_model
+    from kvexport.progress import Progress
+    from kvexport.runtime.onnx_program import OnnxProgram
+
+    folder = tmp_path / "chunk4"
+    export_model(ExportOptions("tiny-gemma3", "onnx", folder, TEST_CACHE_LEN, prefill_chunk=4), Progress(quiet=True))
+    assert read_manifest(folder)["interface"]["max_tokens_per_call"] == 4
+    window = read_manifest(folder)["layers"][0]["window"]
+    assert read_manifest(artifact("tiny-gemma3", "onnx"))["interface"]["max_tokens_per_call"] == window == 6
+
+    calls = []
+    original = OnnxProgram._call
+    monkeypatch.setattr(OnnxProgram, "_call", lambda self, tokens, start: calls.append(len(tokens)) or original(self, tokens, start))
+    model, tokenizer = build_preset("tiny-gemma3")
+    ids = tokenizer(PROMPT).input_ids
+    got = greedy_with(load_program(folder).forward, ids, NEW_TOKENS)
+    assert_generation_matches(got, eager_reference(model, ids, NEW_TOKENS), FP32_LOGIT_ATOL, "prefill in chunks of 4")
+    assert max(calls) == 4 and sum(calls) == len(ids) + NEW_TOKENS - 1
+
+
+def test_a_family_with_its_own_rotation_exports_it_as_is(artifact):
+    # GPT-OSS rotates with its own function: the swap leaves it alone (its parity is the test above).
+    assert _op_counts(artifact("tiny-gpt-oss", "onnx"))["RotaryEmbedding"] == 0
+
+
+def test_soft_capped_attention_falls_back_to_the_family_attention(artifact):
+    # Gemma 2 soft-caps its attention scores, which GroupQueryAttention is not asked to do here.
+    graph = onnx.load(str(artifact("tiny-gemma2", "onnx") / "model.onnx"), load_external_data=False).graph
+    assert not any(n.op_type == "GroupQueryAttention" for n in graph.node)
+    assert any(n.op_type == "Tanh" for n in graph.node)
+
+
+def test_float16_export_is_within_the_float16_tolerance(tmp_path, capsys):
+    out = tmp_path / "fp16"
+    code, out_text, err = run_cli(capsys, "tiny-gemma3", "--target", "onnx", "--dtype", "float16", "-o", out, "--max-cache-len", "64", "--json")
+    assert code == 0, err
+    # The exporter printed nothing on stdout; float16 runs eager once first (it refuses a model that overflows).
+    assert set(json.loads(out_text)["seconds"]) == {"load", "probe", "export", "lower", "save"}
+    assert json.loads((out / "kvexport.json").read_text())["interface"]["outputs"][0]["dtype"] == "float16"
+    code, out_text, err = run_cli(capsys, "check", out, "--max-new-tokens", "12", "--json")
+    assert code == 0, err
+    report = json.loads(out_text)
+    assert report["ok"] and report["logit_tolerance"] == 0.5, report
+
+
+def test_a_model_failing_onnx_checker_leaves_no_folder(tmp_path, capsys, monkeypatch):
+    def reject(*args, **kwargs):
+        raise onnx.checker.ValidationError("Field 'type' of 'value_info' is required but missing.")
+
+    monkeypatch.setattr(onnx.checker, "check_model", reject)
+    code, _, err = run_cli(capsys, "tiny-llama", "--target", "onnx", "-o", tmp_path / "out", "--max-cache-len", "16", "--quiet")
+    assert_one_line_error(code, err, "does not pass onnx.checker", "value_info")
+    assert list(tmp_path.iterdir()) == []  # neither the folder nor its staging copy
+
+
+def test_bfloat16_is_refused(tmp_path, capsys):
+    code, _, err = run_cli(capsys, "tiny-llama", "--target", "onnx", "--dtype", "bfloat16", "-o", tmp_path / "out")
+    assert_one_line_error(code, err, "target onnx does not take --dtype bfloat16")
+
+
+def test_a_quiet_export_prints_nothing(tmp_path):
+    """``--quiet`` in a fresh process (where import-time chatter appears): not even torch.onnx's
+    notice that torchvision's ops are missing."""
+    done = subprocess.run(
+        [sys.executable, "-c", "from kvexport.cli import main; main()", "tiny-llama", "--target", "onnx",
+         "-o", str(tmp_path / "out"), "--max-cache-len", "16", "--quiet"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    assert (done.stdout, done.stderr) == ("", "")

@@ -1,0 +1,167 @@
+"""The ONNX runner: cache buffers bound in place, run/check on an ONNX folder, no torch needed, CUDA."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+from kvexport.errors import InvalidOptionError, PromptTooLongError
+from kvexport.models.presets import build_preset
+from kvexport.check.check import LOGIT_TOLERANCE
+from kvexport.runtime.programs import load_program
+
+from tests.conftest import NEW_TOKENS, PROMPT, TEST_CACHE_LEN
+from tests.helpers import assert_generation_matches, eager_reference, edit_manifest, greedy_with
+from tests.test_cli import assert_one_line_error, run_cli
+
+HAS_CUDA_EP = "CUDAExecutionProvider" in ort.get_available_providers()
+# float16 logits, CUDA provider vs CPU provider on one graph: their kernels round differently
+# (an H100, 2026-11-26: up to 0.46 over 40 tokens of a tiny model); check's float16 tolerance.
+FP16_PROVIDERS_ATOL = LOGIT_TOLERANCE["float16"]
+
+
+def test_decode_writes_new_rows_in_place_and_binds_the_cache_once(artifact, monkeypatch):
+    """No copy of the cache per step: every buffer is bound once as its layer's past and present
+    (GroupQueryAttention writes the new rows in place); per step only the small inputs are bound.
+    A ring buffer's rows stay contiguous in positions: ring_start follows the rows in use and,
+    when a call would pass the last row, the last W - 1 rows move to the top first."""
+    bound = []
+    for method in ("bind_input", "bind_output"):
+        original = getattr(ort.IOBinding, method)
+
+        def record(self, name, device_type="cpu", device_id=0, element_type=None, shape=None, buffer_ptr=None, _o=original):
+            bound.append((name, list(shape) if shape is not None else None, buffer_ptr))
+            return _o(self, name, device_type, device_id, element_type, shape, buffer_ptr)
+
+        monkeypatch.setattr(ort.IOBinding, method, record)
+
+    program = load_program(artifact("tiny-gemma3", "onnx"))  # layers 0-2: rings of 6; layer 3: static
+    static, ring = program._layers[3].buffers["key"], program._layers[0].buffers["key"]
+    # tiny Gemma 3 has one KV head, like Gemma 3 270M
+    assert static.array.shape == (1, 1, TEST_CACHE_LEN, 16) and ring.array.shape == (1, 1, 12, 16)
+    at_load = {name: (shape, ptr) for name, shape, ptr in bound}
+    assert at_load["past_key_0"] == at_load["present_key_0"] == ([1, 1, 12, 16], ring.ptr)
+    assert at_load["past_key_3"] == at_load["present_key_3"] == ([1, 1, TEST_CACHE_LEN, 16], static.ptr)
+
+    ring_starts = []
+    run = ort.InferenceSession.run_with_iobinding
+
+    def record_ring_start(session, binding, *args):
+        ring_starts.append(int(program._ring_start[0]))
+        return run(session, binding, *args)
+
+    monkeypatch.setattr(ort.InferenceSession, "run_with_iobinding", record_ring_start)
+    prompt = list(range(10, 20))
+    program.forward(prompt, 0)  # 10 tokens: two calls of at most W = 6
+    assert ring_starts == [0, 6]
+    ring_starts.clear()
+    for pos in range(len(prompt), len(prompt) + 8):
+        bound.clear()
+        before = ring.array.copy()
+        program.forward([42], pos)
+        calls = {name for name, _, _ in bound}
+        assert calls == {"tokens", "input_pos", "ring_start", "total_length", "ring_total_length"}
+        assert (program._totals["total_length"], program._totals["ring_total_length"]) == (pos + 1, ring_starts[-1] + 1)
+        if pos == 12:  # rows 0..11 in use: rows 7..11 (positions 7..11) moved to 0..4 first
+            assert np.array_equal(ring.array[:, :, :5], before[:, :, 7:12])
+    assert ring_starts == [10, 11, 5, 6, 7, 8, 9, 10]
+    written = np.abs(static.array[0]).sum(axis=(0, 2)) > 0
+    assert written[: len(prompt) + 8].all() and not written[len(prompt) + 8:].any()
+
+
+def test_calls_must_be_contiguous_and_fit(artifact):
+    program = load_program(artifact("tiny-gemma3", "onnx"))
+    program.forward([10, 11, 12], 0)
+    with pytest.raises(InvalidOptionError, match="contiguous"):
+        program.forward([13], 5)
+    with pytest.raises(PromptTooLongError, match="max_cache_len"):
+        program.forward([1] * (TEST_CACHE_LEN + 1), 0)
+    program.forward([13], 3)  # the sequence is still usable
+
+
+def test_run_and_check_on_an_onnx_folder(artifact, capsys):
+    folder = artifact("tiny-mistral", "onnx")
+    model, tokenizer = build_preset("tiny-mistral")
+    code, out, err = run_cli(capsys, "run", folder, "--prompt", PROMPT, "--max-new-tokens", NEW_TOKENS, "--ignore-eos", "--json")
+    assert code == 0, err
+    result = json.loads(out)
+    assert result["new_ids"] == eager_reference(model, result["prompt_ids"], NEW_TOKENS)[0]
+    assert result["decode_tokens_per_s"] > 0
+    code, out, err = run_cli(capsys, "check", folder, "--json")
+    report = json.loads(out)
+    assert code == 0 and report["ok"] and report["target"] == "onnx", report
+    assert any(p["prompt_tokens"] + p["new_tokens"] > 6 for p in report["prompts"])
+
+
+_WITHOUT_TORCH = """
+import sys
+class NoTorch:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("torch", "transformers"):
+            raise ImportError(f"{name} is blocked in this test")
+sys.meta_path.insert(0, NoTorch())
+from kvexport.cli import main
+main(sys.argv[1:])
+"""
+
+
+def test_run_needs_neither_torch_nor_transformers(artifact, tmp_path):
+    folder = artifact("tiny-qwen3", "onnx")
+    args = ["run", str(folder), "--prompt", PROMPT, "--max-new-tokens", str(NEW_TOKENS), "--ignore-eos", "--json"]
+    done = subprocess.run([sys.executable, "-c", _WITHOUT_TORCH, *args], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    expected, _ = greedy_with(load_program(folder).forward, result["prompt_ids"], NEW_TOKENS)
+    assert result["new_ids"] == expected
+
+
+@pytest.mark.skipif(HAS_CUDA_EP, reason="this onnxruntime has CUDA")
+def test_cuda_without_onnxruntime_gpu_says_so(artifact, capsys):
+    folder = artifact("tiny-gemma3", "onnx", dtype="float16")
+    code, _, err = run_cli(capsys, "run", folder, "--prompt", "Hi", "--device", "cuda")
+    assert_one_line_error(code, err, "--device cuda", "onnxruntime-gpu")
+
+
+def test_cuda_takes_float16_graphs_that_get_their_lengths_as_inputs(artifact, capsys, tmp_path):
+    """What onnxruntime-gpu 1.31 got wrong on an H100 is refused before anything loads, with or
+    without a GPU here: a float32 graph (its CUDA GroupQueryAttention is float16 only; the CPU
+    fallback read a wrong cache after the first step), and a graph of format version 4 or older,
+    which computes the kernels' total lengths itself (it still runs on the CPU)."""
+    code, _, err = run_cli(capsys, "run", artifact("tiny-gemma3", "onnx"), "--prompt", "Hi", "--device", "cuda")
+    assert_one_line_error(code, err, "--device cuda runs float16 ONNX artifacts; this one is float32", "--dtype float16")
+    older = tmp_path / "older"
+    shutil.copytree(artifact("tiny-gemma3", "onnx", dtype="float16"), older)
+    edit_manifest(lambda m: m.update(format_version=4))(older)
+    code, _, err = run_cli(capsys, "run", older, "--prompt", "Hi", "--device", "cuda")
+    assert_one_line_error(code, err, "(format version 4) computes its attention lengths inside the graph", "re-export it")
+    code, out, _ = run_cli(capsys, "run", older, "--prompt", "Hi", "--max-new-tokens", "2", "--json")
+    assert code == 0 and len(json.loads(out)["new_ids"]) == 2
+
+
+def test_an_unknown_device_is_refused(artifact, capsys):
+    code, _, err = run_cli(capsys, "run", artifact("tiny-gemma3", "onnx"), "--prompt", "Hi", "--device", "tpu")
+    assert_one_line_error(code, err, "unknown device 'tpu'")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA_EP, reason="needs onnxruntime-gpu and a CUDA GPU")
+@pytest.mark.parametrize("name", ["tiny-gemma3", "tiny-llama"])
+def test_cuda_generation_matches_the_cpu_providers(artifact, name):
+    """The float16 graph on ONNX Runtime's CUDA provider (buffers in GPU memory) against the same
+    graph on the CPU provider, which the other tests hold to eager transformers: past the window,
+    with prefills split across ring moves."""
+    _, tokenizer = build_preset(name)
+    ids = tokenizer(PROMPT).input_ids
+    folder = artifact(name, "onnx", dtype="float16")
+    program = load_program(folder, device="cuda")
+    assert program._layers[0].buffers["key"].value.device_name() == "cuda"
+    for chunks in ([len(ids)], [3, 7, 11, 23]):  # multi-token ring calls take the device round trip
+        expected = greedy_with(load_program(folder).forward, ids, NEW_TOKENS, chunks=chunks)
+        got = greedy_with(program.forward, ids, NEW_TOKENS, chunks=chunks)
+        assert_generation_matches(got, expected, FP16_PROVIDERS_ATOL, f"cuda, chunks {chunks}")

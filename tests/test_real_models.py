@@ -1,0 +1,154 @@
+"""The real models (Gemma 3 270M: 15 sliding layers of window 512; SmolLM2-135M), exported once per
+target at max_cache_len 1024 and compared with eager transformers far past the window. Slow: minutes each."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvexport.cli import main
+from kvexport.models import sources
+from kvexport.runtime.tokenizer import ArtifactTokenizer
+
+from tests.helpers import eager_ids
+
+pytestmark = pytest.mark.slow
+
+SHORT_PROMPT = "The history of the city of Paris"
+PARAGRAPH = (
+    "The river flows through the old town, past the market square and the cathedral, and on toward "
+    "the sea. Merchants have traded along its banks for centuries, and the bridges that cross it "
+    "were rebuilt many times after floods and wars. "
+)
+
+
+@pytest.fixture(
+    scope="module",
+    params=[(name, target) for target in ("executorch", "onnx") for name in ("gemma3-270m", "smollm2-135m")],
+    ids=lambda p: "-".join(p),
+)
+def real(request, tmp_path_factory):
+    """(folder, eager model) for one real model and target."""
+    name, target = request.param
+    folder = tmp_path_factory.mktemp("real") / f"{name}-{target}"
+    with pytest.raises(SystemExit) as done:
+        main(["export", name, "--target", target, "-o", str(folder), "--max-cache-len", "1024", "--quiet"])
+    assert done.value.code == 0
+    model, _ = sources.load_model(sources.resolve(name))
+    return folder, model
+
+
+_EAGER_IDS: dict[tuple, list[int]] = {}
+
+
+def reference_ids(model, prompt_ids: list[int], n: int) -> list[int]:
+    """Eager greedy ids, generated once per model and prompt for both targets (minutes on a CPU)."""
+    key = (model.name_or_path, tuple(prompt_ids), n)
+    if key not in _EAGER_IDS:
+        _EAGER_IDS[key] = eager_ids(model, prompt_ids, n)
+    return _EAGER_IDS[key]
+
+
+def kvexport_run(capsys, folder, prompt, n) -> dict:
+    with pytest.raises(SystemExit) as done:
+        main(["run", str(folder), "--prompt", prompt, "--max-new-tokens", str(n), "--ignore-eos", "--json"])
+    out, err = capsys.readouterr()
+    assert done.value.code == 0, err
+    return json.loads(out)
+
+
+def long_prompt(tokenizer: ArtifactTokenizer, tokens: int) -> str:
+    text = ""
+    while len(tokenizer.encode(text)) < tokens:
+        text += PARAGRAPH
+    return text
+
+
+def test_700_new_tokens_after_a_short_prompt_match_eager(real, capsys):
+    folder, model = real
+    result = kvexport_run(capsys, folder, SHORT_PROMPT, 700)
+    assert result["new_ids"] == reference_ids(model, result["prompt_ids"], 700)
+
+
+def test_150_new_tokens_after_a_prompt_longer_than_the_window_match_eager(real, capsys):
+    folder, model = real
+    prompt = long_prompt(ArtifactTokenizer(folder), 800)
+    result = kvexport_run(capsys, folder, prompt, 150)
+    assert len(result["prompt_ids"]) > 512
+    assert result["new_ids"] == reference_ids(model, result["prompt_ids"], 150)
+
+
+def test_executorch_text_llm_runner_generates_eager_text(real):
+    folder, model = real
+    manifest = json.loads((folder / "kvexport.json").read_text())
+    if manifest["target"] != "executorch":
+        pytest.skip("ExecuTorch's own runner runs .pte artifacts only")
+    from executorch.extension.llm.runner import GenerationConfig, TextLLMRunner
+
+    from kvexport.runtime.executorch_program import register_kernels
+
+    register_kernels()
+    tokenizer = ArtifactTokenizer(folder)
+    prompt_ids = tokenizer.encode(SHORT_PROMPT)
+    # The stock runner adds BOS itself (num_bos) and stops at EOS: give eager the same prompt and stop.
+    bos = 1 if manifest["tokenizer_adds_bos"] else 0
+    pieces: list[str] = []
+    runner = TextLLMRunner(str(folder / "model.pte"), str(folder / "tokenizer.json"), str(folder / "model.ptd"))
+    runner.generate(
+        SHORT_PROMPT,
+        GenerationConfig(max_new_tokens=48, temperature=0.0, echo=False, num_bos=bos, num_eos=0),
+        token_callback=pieces.append,
+    )
+    expected = eager_ids(model, prompt_ids, 48)
+    stop = next((i for i, t in enumerate(expected) if t in manifest["eos_token_ids"]), len(expected))
+    assert "".join(pieces).strip() == tokenizer.decode(expected[:stop]).strip()
+
+
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def test_chat_prompt_ids_are_transformers_ids(real):
+    """Both real models chat (Gemma 3 270M with the template the export adds), with transformers' ids."""
+    from transformers import AutoTokenizer
+
+    folder, _ = real
+    expected = AutoTokenizer.from_pretrained(folder).apply_chat_template(CHAT, tokenize=True, add_generation_prompt=True)
+    assert ArtifactTokenizer(folder).encode_chat(CHAT) == expected["input_ids"]
+
+
+def test_the_device_runner_generates_what_run_generates(real, capsys):
+    """python -m kvexport.device on the real folder: ONNX with only onnxruntime, numpy, tokenizers;
+    a .pte without transformers."""
+    from tests.test_device import ONNX_DEVICE_PACKAGES, run_device
+
+    folder, _ = real
+    onnx = json.loads((folder / "kvexport.json").read_text())["target"] == "onnx"
+    guard = {"allowed": ONNX_DEVICE_PACKAGES} if onnx else {"blocked": {"transformers", "typer", "rich", "click"}}
+    done = run_device([folder, "--prompt", SHORT_PROMPT, "--max-new-tokens", 48, "--ignore-eos", "--json"], **guard)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["new_ids"] == kvexport_run(capsys, folder, SHORT_PROMPT, 48)["new_ids"]
+
+
+def test_gemma3_is_refused_in_float16(tmp_path, capsys):
+    """Its residual stream passes float16's 65,504: eager float16 gives NaN logits, its float16 .pte
+    generated token 0 throughout. Refused after loading, before anything is written."""
+    out = tmp_path / "gemma16"
+    with pytest.raises(SystemExit) as done:
+        main(["export", "gemma3-270m", "--dtype", "float16", "-o", str(out), "--quiet"])
+    err = capsys.readouterr().err
+    assert done.value.code == 2 and "Traceback" not in err, err
+    assert "the model overflows in float16" in err and "at layer 8 of 18" in err, err
+    assert not out.exists()
+
+
+def test_smollm2_in_float16_passes_check(tmp_path, capsys):
+    out = tmp_path / "smollm2-16"
+    with pytest.raises(SystemExit) as done:
+        main(["export", "smollm2-135m", "--target", "onnx", "--dtype", "float16", "-o", str(out), "--quiet"])
+    assert done.value.code == 0
+    with pytest.raises(SystemExit) as done:
+        main(["check", str(out), "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert done.value.code == 0 and report["ok"] and report["dtype"] == "float16", report
+    assert all(p["match"] and p["compared_steps"] == p["new_tokens"] for p in report["prompts"])
