@@ -1,4 +1,6 @@
 """kvexport: Hugging Face decoder LLMs to ExecuTorch and ONNX artifacts that generate what eager
 transformers generates, past the sliding window included."""
 
-__version__ = "0.1.0"
+from .version import __version__
+
+__all__ = ["__version__"]

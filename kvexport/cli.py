@@ -12,8 +12,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from .errors import KvexportError
 from . import logs
+from .errors import KvexportError
 
 app = typer.Typer(
     add_completion=False,
@@ -70,27 +70,16 @@ def export(
         print(json.dumps({"folder": str(result.folder), "seconds": result.seconds, "peak_rss_mb": result.peak_rss_mb}))
 
 
-@app.command()
-def run(
-    folder: Annotated[Path, typer.Argument(help="artifact folder")],
-    prompt: Annotated[str, typer.Option("--prompt", "-p", help="prompt text")],
-    max_new_tokens: Annotated[
-        Optional[int], typer.Option(help="new tokens [default: until EOS or the cache is full]")
-    ] = None,
-    ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="do not stop at EOS")] = False,
-    chat: Annotated[bool, typer.Option("--chat", help="wrap the prompt in the model's chat template")] = False,
-    temperature: Annotated[float, typer.Option(help="0 is greedy")] = 0.0,
-    top_p: Annotated[float, typer.Option(help="nucleus sampling threshold")] = 1.0,
-    seed: Annotated[Optional[int], typer.Option(help="sampling seed")] = None,
-    device: Annotated[str, typer.Option(help="cpu or cuda (float16 ONNX artifacts)")] = "cpu",
-    as_json: JsonFlag = False,
-):
+# run's options are declared once, in runtime/options.py, for this command and the device runner.
+@app.command(
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+    add_help_option=False,
+)
+def run(ctx: typer.Context):
     """Generate with the artifact (folder or kvexport pack archive) and its tokenizer alone (no transformers model)."""
-    from .artifact.archive import open_artifact
-    from .runtime.run import run_command
+    from .runtime.run import run_main
 
-    with open_artifact(folder) as (folder, manifest):
-        run_command(folder, prompt, max_new_tokens, ignore_eos, chat, temperature, top_p, seed, device, as_json, manifest)
+    run_main(ctx.args, "kvexport run")
 
 
 @app.command()
@@ -148,6 +137,18 @@ def matrix(
 
     ok = matrix_command(paths, shard, report, json_report, work_dir, keep_artifacts)
     raise typer.Exit(0 if ok else 1)
+
+
+# bench's options are declared in bench/bench.py (argparse: its worker processes run without typer).
+@app.command(
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+    add_help_option=False,
+)
+def bench(ctx: typer.Context):
+    """Measure eager transformers, kvexport artifacts, ExecuTorch's own runner and llama.cpp in one run."""
+    from .bench.bench import main as bench_main
+
+    raise typer.Exit(bench_main(ctx.args))
 
 
 class Interrupted(BaseException):
@@ -219,7 +220,7 @@ def main(argv: list[str] | None = None) -> None:
     except OSError as e:
         if e.errno not in (errno.ENOSPC, errno.EDQUOT):
             raise
-        # The staged output folder is already removed (see exporter/artifact.py).
+        # The staged output folder is already removed (see artifact/staging.py).
         where = e.filename or "the output"
         print(f"kvexport: error: {e.strerror} while writing {where}; free some space or choose another -o", file=sys.stderr)
         sys.exit(2)

@@ -17,7 +17,7 @@ per event, milliseconds per decode step, its share of ``Method::execute`` and ca
 
 A second table lists the slowest single kernels (one operator of the program, e.g. the lm_head's
 matmul). The prompt call is left out of the figures. The tracer adds its own overhead: read the shares,
-and take speeds from scripts/bench.py.
+and take speeds from kvexport bench.
 """
 
 from __future__ import annotations

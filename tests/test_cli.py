@@ -114,10 +114,16 @@ def test_export_mistakes_get_one_line(tmp_path, capsys, args, phrases):
     [
         (["tiny-llama", "--max-cache-len", "lots"], ["Invalid value for '--max-cache-len'", "valid integer"]),
         (["tiny-llama", "--bogus"], ["No such option: --bogus", "see `kvexport export --help`"]),
-        (["run"], ["Missing", "folder", "see `kvexport run --help`"]),
+        (["run"], ["required", "DIR|ARCHIVE", "see `kvexport run --help`"]),
         (["check", "--device"], ["'--device' requires an argument"]),
+        (["run", "x", "-p", "hi", "--seed", "-3"], ["--seed", "at least 0, got -3"]),
+        (["run", "x", "-p", "hi", "--temperature", "nan"], ["--temperature", "finite number >= 0"]),
+        (["run", "x", "-p", "hi", "--temperature", "inf"], ["--temperature", "finite number >= 0"]),
+        (["run", "x", "-p", "hi", "--top-p", "nan"], ["--top-p", "in (0, 1]"]),
+        (["run", "x", "-p", "hi", "--bogus"], ["unrecognized arguments: --bogus", "see `kvexport run --help`"]),
     ],
-    ids=["not-an-integer", "unknown-option", "missing-argument", "option-without-value"],
+    ids=["not-an-integer", "unknown-option", "missing-argument", "option-without-value", "negative-seed",
+         "nan-temperature", "infinite-temperature", "nan-top-p", "unknown-run-option"],
 )
 def test_usage_errors_get_one_line(tmp_path, capsys, monkeypatch, args, phrases):
     monkeypatch.chdir(tmp_path)

@@ -133,6 +133,21 @@ def test_mistakes_get_one_line(artifact, capsys, args, phrases):
     assert_one_line_error(code, capsys.readouterr().err, *phrases)
 
 
+@pytest.mark.parametrize(
+    "args, phrases",
+    [
+        ([], ["required: DIR|ARCHIVE, --prompt/-p", "see `python -m kvexport.device --help`"]),
+        (["x", "-p", "hi", "--temperature", "nan"], ["--temperature", "finite number >= 0"]),
+    ],
+    ids=["no-arguments", "nan-temperature"],
+)
+def test_a_malformed_command_line_gets_one_line_not_a_usage_block(capsys, args, phrases):
+    code = device.main(args)
+    err = capsys.readouterr().err
+    assert_one_line_error(code, err, *phrases)
+    assert "usage:" not in err
+
+
 def test_the_stock_executorch_runner_option(artifact, capsys):
     """--runner executorch: ExecuTorch's own TextLLMRunner prints what kvexport's loop generates."""
     folder = artifact("tiny-phi3")  # its greedy output has no EOS, where the stock runner would stop

@@ -19,6 +19,7 @@ import pytest
 import kvexport
 from kvexport.cli import main
 from kvexport.artifact import manifest as artifact
+from kvexport.artifact import staging
 
 REPO = Path(kvexport.__file__).resolve().parent.parent
 
@@ -33,7 +34,7 @@ def tree(root: Path) -> dict:
 
 def previous_artifact(out: Path) -> None:
     """A small valid artifact at ``out``, standing for the result of an earlier export."""
-    with artifact.staged_folder(out) as tmp:
+    with staging.staged_folder(out) as tmp:
         (tmp / "model.pte").write_bytes(b"the previous program")
         artifact.write_manifest(
             tmp,

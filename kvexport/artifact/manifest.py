@@ -1,23 +1,13 @@
-"""The artifact folder: program, tokenizer files and ``kvexport.json``, published atomically.
-
-A folder is built under a hidden temporary sibling and renamed into place only once complete, so
-an export that fails or is interrupted leaves nothing at the output path, and a previous artifact
-there stays intact until the new one is whole.
-"""
+"""``kvexport.json``: what an artifact folder holds (program, weights, tokenizer files, each with its
+sha256) and how to run it; written by the exporter, read and verified by every runtime."""
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
-import os
-import shutil
-import signal
-import tempfile
-import threading
 from pathlib import Path
 
-from ..errors import ArtifactError, InvalidOptionError
+from ..errors import ArtifactError
 
 MANIFEST = "kvexport.json"
 # The targets an artifact can be for (the exporter has one subpackage each).
@@ -26,17 +16,8 @@ TARGETS = ("executorch", "onnx")
 # a flipped digit in it (a cache length, a window) would otherwise go unnoticed.
 MANIFEST_SUM = "kvexport.json.sha256"
 FORMAT = "kvexport-artifact"
-# 2: an ONNX graph's full-attention layers take and return the whole head-major buffer
-# (GroupQueryAttention); version 1 took the filled prefix, sequence-major, and returned new rows.
-# 3: so do its sliding layers, over a buffer of 2 * window rows from row ring_start (an input);
-# version 2 took the whole ring, sequence-major, and returned the new rows.
-# 4: a call takes at most interface.max_tokens_per_call tokens (--prefill-chunk), which a `.pte`
-# now enforces (its memory is planned for it); before, an ExecuTorch artifact took max_cache_len.
-# 5: an ONNX graph's attention kernels take their total lengths as inputs in host memory
-# (total_length, ring_total_length), which onnxruntime-gpu needs; 3 and 4 still run on the CPU.
-FORMAT_VERSION = 5
-# The versions each target still runs: 2, 3 and 5 changed nothing in an ExecuTorch artifact, and 4
-# nothing in an ONNX graph (its interface already had max_tokens_per_call).
+FORMAT_VERSION = 5  # what each version changed: CHANGELOG.md#artifact-format
+# The versions each target still runs (a version that changed only the other target's files).
 _READABLE_VERSIONS = {"executorch": (1, 2, 3, 4, 5), "onnx": (3, 4, 5)}
 
 
@@ -61,115 +42,6 @@ def write_manifest(folder: Path, manifest: dict) -> None:
     manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, **manifest, "files": file_entries(folder)}
     (folder / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=False) + "\n")
     (folder / MANIFEST_SUM).write_text(f"{sha256_file(folder / MANIFEST)}  {MANIFEST}\n")
-
-
-def check_output_path(out: Path, force: bool) -> None:
-    """Refuse up front, before any weights load, an output that exists (without ``--force``), that
-    ``--force`` should not replace, or that cannot be written."""
-    if out.exists() or out.is_symlink():
-        if not force:
-            raise InvalidOptionError(f"output {out} already exists; pass --force to replace it")
-        if not out.is_dir():
-            raise InvalidOptionError(f"output {out} exists and is not a folder; remove it or choose another -o")
-        # --force deletes the old folder: only ever one that kvexport wrote (or an empty one), so a
-        # mistyped -o cannot wipe a folder of other files.
-        if not (out / MANIFEST).is_file() and any(out.iterdir()):
-            raise InvalidOptionError(
-                f"output {out} is a folder that is not a kvexport artifact; --force replaces only artifacts, "
-                "choose another -o"
-            )
-    ancestor = _existing_ancestor(out)
-    if not ancestor.is_dir():
-        raise InvalidOptionError(f"cannot write {out}: {ancestor} is a file, not a folder; choose another -o")
-    # os.access says yes to root everywhere; creating a folder is the only honest test (read-only
-    # mounts, /sys, /proc, full quotas).
-    try:
-        os.rmdir(tempfile.mkdtemp(dir=ancestor, prefix=f".{out.name}.tmp-"))
-    except OSError as e:
-        raise InvalidOptionError(f"cannot write {out}: {ancestor} refuses new folders ({e.strerror}); choose another -o")
-
-
-def _existing_ancestor(out: Path) -> Path:
-    """The output's parent, or its nearest ancestor that exists (missing parents are created)."""
-    parent = out.absolute().parent
-    while not parent.exists() and parent != parent.parent:
-        parent = parent.parent
-    return parent
-
-
-@contextlib.contextmanager
-def staged_folder(out: Path):
-    """Yield an empty temporary folder beside ``out``; on success move it to ``out``.
-
-    On any exception (KeyboardInterrupt and SystemExit included) the temporary folder, and any
-    parent folders made for it, are removed and ``out`` is left as it was.
-    """
-    out = out.absolute()
-    missing = [p for p in out.parents if not p.exists()]
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = None
-    try:
-        tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
-        tmp.chmod(0o777 & ~_umask())  # mkdtemp's is owner-only; the artifact gets what mkdir gives
-        yield tmp
-        # An interrupt between the two renames of a swap would leave the old artifact aside under
-        # its hidden name: SIGINT/SIGTERM wait until the swap is done.
-        with _signals_deferred():
-            _publish(tmp, out)
-    except BaseException:
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
-        for parent in missing:  # innermost first
-            with contextlib.suppress(OSError):
-                parent.rmdir()
-        raise
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-@contextlib.contextmanager
-def _signals_deferred():
-    """Record SIGINT/SIGTERM instead of handling them, then raise the first one again at the end.
-
-    Blocking them with a signal mask would not do: one of torch's worker threads would take the
-    signal and Python would still run its handler in the main thread, mid-swap.
-    """
-    signals = (signal.SIGINT, signal.SIGTERM)
-    previous = {s: signal.getsignal(s) for s in signals}
-    # Only the main thread may set handlers, and one set outside Python (None) cannot be restored.
-    if threading.current_thread() is not threading.main_thread() or None in previous.values():
-        yield
-        return
-    received = []
-    for s in signals:
-        signal.signal(s, lambda signum, frame: received.append(signum))
-    try:
-        yield
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-        if received:
-            signal.raise_signal(received[0])  # now, to the handler that was in place
-
-
-def _publish(tmp: Path, out: Path) -> None:
-    if not out.exists():
-        os.rename(tmp, out)
-        return
-    # Swap with two renames so the old artifact is whole until the new one is in place.
-    old = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.old-"))
-    os.rmdir(old)
-    os.rename(out, old)
-    try:
-        os.rename(tmp, out)
-    except BaseException:
-        os.rename(old, out)
-        raise
-    shutil.rmtree(old, ignore_errors=True)
 
 
 def read_manifest(folder: Path, verify: bool = True) -> dict:

@@ -1,7 +1,7 @@
-#!/usr/bin/env python3
-"""Benchmark eager transformers, kvexport artifacts, ExecuTorch's own runner and llama.cpp in one run.
+"""``kvexport bench``: eager transformers, kvexport artifacts, ExecuTorch's own runner and llama.cpp
+measured in one run.
 
-    python scripts/bench.py MODEL ARTIFACT [ARTIFACT ...] [--prompt-tokens 128] [--new-tokens 128]
+    kvexport bench MODEL ARTIFACT [ARTIFACT ...] [--prompt-tokens 128] [--new-tokens 128]
         [--repeats 3] [--threads 2] [--json OUT.json] [--markdown OUT.md] [--paths eager,run,textllm,llama]
         [--llama-python PYTHON] [--pte OTHER.pte ...]
 
@@ -50,7 +50,6 @@ ONNX Runtime gets ``intra_op_num_threads=N`` (inter-op 1); llama.cpp ``n_threads
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -61,7 +60,7 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 if (REPO / "kvexport").is_dir() and str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))  # this checkout's kvexport, not another installed one
 
@@ -124,8 +123,8 @@ def _timed(prompt_ids: list[int], new_tokens: int, t0: float, first: float, end:
 
 
 def work_eager(spec: dict) -> dict:
-    from kvexport.models import sources
     from kvexport.check.eager import greedy_generate
+    from kvexport.models import sources
 
     _set_torch_threads(spec["threads"])
     t = time.perf_counter()
@@ -528,9 +527,8 @@ def busy_lines(busy: dict | None) -> list[str]:
     return ["", line]
 
 
-# Instruction sets that decide which int8 / float kernels XNNPACK, ONNX Runtime and llama.cpp pick:
-# this project's 2-CPU development machine decoded SmolLM2's 8da4w .pte at 81 tok/s with AVX2 alone and
-# at 122 once it had avx512_vnni (2026-11-24).
+# Instruction sets that decide which int8 / float kernels XNNPACK, ONNX Runtime and llama.cpp pick,
+# and so how fast the same program runs on two CPUs (docs/performance.md).
 CPU_FEATURES = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_int8", "asimddp", "i8mm", "sve")
 
 
@@ -550,7 +548,9 @@ def cpu_info() -> tuple[str, list[str]]:
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(prog="scripts/bench.py", description=__doc__.split("\n\n")[0])
+    from kvexport.runtime.options import OneLineParser  # here: the workers run this file without kvexport
+
+    parser = OneLineParser(prog="kvexport bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("model", help="the model the artifacts come from (alias, preset, folder, .gguf): eager and llama.cpp run it")
     parser.add_argument("artifacts", nargs="+", type=Path, help="kvexport artifact folders (any target, dtype)")
     parser.add_argument("--prompt-tokens", type=int, default=128)

@@ -1,10 +1,10 @@
-"""The modules we export. The transformers model runs unchanged; only its cache and masks are ours.
+"""The module we export, and its ``torch.export``. The transformers model runs unchanged; only its
+cache and masks are ours.
 
-- ``ExportableDecoder``: ``forward(tokens[1, T], input_pos[1]) -> logits[1, vocab]`` with the cache
-  in mutable buffers. That is ExecuTorch's LLM-runner calling convention with a start position (the
-  runner passes ``[start]`` when the program's second input has one element).
-- ``ExternalCacheDecoder``: the same model call with the cache outside the program (ONNX): past
-  rows in, new rows out.
+``ExportableDecoder``: ``forward(tokens[1, T], input_pos[1]) -> logits[1, vocab]`` with the cache
+in mutable buffers. That is ExecuTorch's LLM-runner calling convention with a start position (the
+runner passes ``[start]`` when the program's second input has one element). A target may give its
+own cache modules (``cache_builder``) or subclass it (the ONNX target's external cache).
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from ..models.adapters import prepare_for_export
 from ..models.architecture import LayerSpec, layer_specs
 from . import attention
 from .kv_cache import CallState, RingKVCache, StaticKVCache, additive_mask
-from .onnx.attention import ExternalRingLayer, ExternalStaticLayer
 
 
 def build_caches(specs: list[LayerSpec], max_cache_len: int, dtype: torch.dtype, batch: int = 1) -> nn.ModuleList:
@@ -92,31 +91,18 @@ class ExportableDecoder(nn.Module):
         return out.logits[:, -1, :]
 
 
-def build_external_layers(specs: list[LayerSpec], max_cache_len: int, dtype: torch.dtype) -> list:
-    return [ExternalRingLayer(spec.window) if spec.is_ring(max_cache_len) else ExternalStaticLayer() for spec in specs]
+def example_inputs(max_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    # A prompt-sized example (not 1, not max) so no dimension is specialised on its example value.
+    n = min(8, max_tokens)
+    return torch.zeros((1, n), dtype=torch.long), torch.zeros((1,), dtype=torch.long)
 
 
-class ExternalCacheDecoder(ExportableDecoder):
-    """The cache crosses the program boundary: ONNX graphs hold no mutable state.
-
-    ``forward(tokens[1, T], input_pos[1], [ring_start[1],] past_key_0, past_value_0, ...) ->
-    (logits[1, vocab], present_key_0, present_value_0, ...)``. Every past is a whole head-major
-    buffer ``[1, kv_heads, rows, head_dim]`` and its present the same buffer with the call's rows
-    written (in place when the runner binds both to one buffer): ``max_cache_len`` rows for a
-    full-attention layer, ``2 * window`` for a sliding one, whose first new row is ``ring_start``
-    (an input only when the model has sliding layers). See ``onnx_attention``.
-    """
-
-    def __init__(self, model: nn.Module, max_cache_len: int):
-        super().__init__(model, max_cache_len, build_external_layers)
-        self.has_rings = any(layer.window for layer in self.caches)
-
-    def reset_cache(self) -> None:  # the runner owns the cache
-        pass
-
-    def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor, *inputs: torch.Tensor):
-        ring_start, past = (inputs[0], inputs[1:]) if self.has_rings else (None, inputs)
-        for layer, past_k, past_v in zip(self.caches, past[0::2], past[1::2], strict=True):
-            layer.bind(past_k, past_v, ring_start)
-        logits = self.last_logits(tokens, input_pos)
-        return (logits, *[kv for layer in self.caches for kv in (layer.present_k, layer.present_v)])
+def export_decoder(decoder: ExportableDecoder) -> torch.export.ExportedProgram:
+    """One program for every call length: ``T`` dynamic from 1 to ``decoder.max_tokens_per_call``."""
+    # Dim.DYNAMIC, bounded by the torch._check in forward: a named Dim with a max makes
+    # torch.export reject a harmless guard from transformers' repeat_kv reshape.
+    dynamic_shapes = ({1: torch.export.Dim.DYNAMIC}, None)
+    with torch.no_grad():
+        return torch.export.export(
+            decoder, example_inputs(decoder.max_tokens_per_call), dynamic_shapes=dynamic_shapes, strict=False
+        )

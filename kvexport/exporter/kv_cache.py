@@ -133,8 +133,8 @@ class CallState:
 
     def ring_writes(self, window: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``newest_in_slot`` of this call for rings of ``window`` slots, computed once for all of
-        them: per layer it was a run of small integer ops outside the delegate in every sliding
-        layer (Gemma 3 270M: 8 a layer, 120 a step)."""
+        them: per layer it would be a run of small integer ops outside the delegate in every
+        sliding layer."""
         if window not in self._ring_writes:
             self._ring_writes[window] = newest_in_slot(self.positions, window)
         return self._ring_writes[window]

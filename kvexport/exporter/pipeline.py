@@ -8,18 +8,19 @@ from pathlib import Path
 
 import torch
 
-from .. import __version__
+from ..artifact import manifest
+from ..artifact.staging import check_output_path, staged_folder
 from ..errors import InvalidOptionError
 from ..models import architecture, sources
 from ..progress import Progress, peak_rss_mb
-from ..artifact import manifest as artifact
-from .executorch import quantize
-from .targets import get_target
+from ..version import __version__
+from . import quantization as quantize
+from .targets import ProgramSpec, get_target
 
 DEFAULT_MAX_CACHE_LEN = 2048
 # Most tokens one forward call takes, by default; longer prompts are prefilled in chunks of this
-# many. ExecuTorch plans a program's activation memory for its largest call: Gemma 3 270M's fp32
-# `.pte` at --max-cache-len 8192 peaked at 9.8 GB RSS with calls of up to 8192 tokens, 2.8 GB with 512.
+# many. ExecuTorch plans activation memory for the largest call, so the chunk bounds RSS
+# (docs/performance.md).
 DEFAULT_PREFILL_CHUNK = 512
 
 
@@ -150,7 +151,7 @@ def plan_export(options: ExportOptions) -> ExportPlan:
         )
     options.quantization.check(options.target, options.dtype)
     out = Path(options.out) if options.out else default_output(options.model, options.target)
-    artifact.check_output_path(out, options.force)
+    check_output_path(out, options.force)
     source = sources.resolve(options.model)
     config = sources.load_config(source)
     specs = architecture.layer_specs(config)
@@ -172,40 +173,40 @@ def export_model(options: ExportOptions, progress: Progress | None = None) -> Ex
         with progress.step("probe", f"eager {options.dtype} on {_PROBE_PROMPT!r}"):
             _refuse_if_it_overflows(model, tokenizer, options.dtype)
     info = _manifest_info(plan, model, tokenizer)
-    quantization = info.get("quantization")
-    if quantization and hasattr(target, "quantize_model"):  # ExecuTorch: the module, before export
-        with progress.step("quantize", _quantize_detail(options.quantization)):
-            skipped = target.quantize_model(model, options.quantization)
+    spec = _program_spec(plan, info)
+    quantization = options.quantization
+    if quantization and target.QUANTIZES_MODULE:
+        with progress.step("quantize", target.quantization_detail(quantization)):
+            skipped = target.quantize_model(model, quantization)
         if skipped:
-            quantization["left_in_float"] = skipped
+            info["quantization"]["left_in_float"] = skipped
 
-    with artifact.staged_folder(plan.out) as folder:
+    with staged_folder(plan.out) as folder:
         with progress.step("export", f"torch.export, T dynamic (calls of 1 to {plan.prefill_chunk} tokens)"):
             program = target.export(model, plan.max_cache_len, plan.prefill_chunk)
         with progress.step("lower", options.target):
-            lowered = target.lower(program, info, folder)
+            lowered = target.lower(program, spec, folder)
             del program
-        if quantization and hasattr(target, "quantize_files"):  # ONNX: the saved graph's weights
+        if quantization and not target.QUANTIZES_MODULE:
             del model
-            with progress.step("quantize", _quantize_detail(options.quantization)):
-                lowered.update(target.quantize_files(folder, info, options.quantization))
+            with progress.step("quantize", target.quantization_detail(quantization)):
+                lowered.update(target.quantize_files(folder, spec, quantization))
         with progress.step("save", str(plan.out)):
             tokenizer.save_pretrained(folder)
             # The target's facts win: the ONNX target replaces `interface` with its graph's own.
-            artifact.write_manifest(folder, {**info, **lowered})
-    manifest = artifact.read_manifest(plan.out, verify=False)
+            manifest.write_manifest(folder, {**info, **lowered})
+    written = manifest.read_manifest(plan.out, verify=False)
     # The program file, and its weights where the target keeps them beside it (ONNX external data).
-    program_files = [manifest["program"], *([manifest["external_data"]] if manifest.get("external_data") else [])]
-    program_bytes = sum(manifest["files"][name]["bytes"] for name in program_files)
+    program_files = [written["program"], *([written["external_data"]] if written.get("external_data") else [])]
+    program_bytes = sum(written["files"][name]["bytes"] for name in program_files)
     progress.info(f"wrote {plan.out} ({program_bytes / 2**20:.1f} MiB program)")
-    return ExportResult(plan.out, manifest, dict(progress.seconds), peak_rss_mb())
+    return ExportResult(plan.out, written, dict(progress.seconds), peak_rss_mb())
 
 
-# Gemma 3's residual stream passes float16's 65,504 (layer 8 of 18 in the 270M): transformers itself
-# gives NaN logits in float16, and its float16 .pte generates token 0 throughout, silently. (Its
-# float16 ONNX graph ran right on ONNX Runtime's CPU provider, which computes some float16 ops in
-# float32; the GPU's kernels are float16.) One forward pass of eager in the dtype on a short prompt
-# finds that before anything is written.
+# A model whose activations pass float16's range (Gemma 3's residual stream) gives non-finite logits
+# in float16, in transformers and in its float16 artifacts alike, which would generate garbage
+# silently. One forward pass of eager in the dtype on a short prompt finds that before anything is
+# written.
 _PROBE_PROMPT = "The capital of France is"
 
 
@@ -224,16 +225,6 @@ def _refuse_if_it_overflows(model, tokenizer, dtype: str) -> None:
     )
 
 
-def _quantize_detail(quantization: quantize.Quantization) -> str:
-    head = quantization.lm_head or "int8"
-    if quantization.scheme == "int4":
-        return (f"int4 linear weights ({head} lm_head), MatMul -> MatMulNBits, "
-                "Gather -> GatherBlockQuantized int8 (ONNX Runtime)")
-    parts = [f"8da4w linear weights ({head} lm_head)" if quantization.scheme else "",
-             f"embedding {quantization.embedding}" if quantization.embedding else ""]
-    return ", ".join(p for p in parts if p) + " (torchao tensors for XNNPACK)"
-
-
 def _eos_ids(model, tokenizer) -> list[int]:
     ids: list[int] = []
     for value in (model.generation_config.eos_token_id, model.config.eos_token_id, tokenizer.eos_token_id):
@@ -246,6 +237,7 @@ def _eos_ids(model, tokenizer) -> list[int]:
 def _manifest_info(plan: ExportPlan, model, tokenizer) -> dict:
     import transformers
 
+    target = get_target(plan.options.target)
     config = architecture.text_config(model.config)
     bos = tokenizer.bos_token_id
     dtype = plan.options.dtype
@@ -267,7 +259,7 @@ def _manifest_info(plan: ExportPlan, model, tokenizer) -> dict:
         "dtype": dtype,
         "max_cache_len": plan.max_cache_len,
         # Weight quantization (absent: float weights). `check` then measures agreement with float eager.
-        **({"quantization": q} if (q := plan.options.quantization.describe(config.hidden_size)) else {}),
+        **({"quantization": q} if (q := target.describe_quantization(plan.options.quantization, config.hidden_size)) else {}),
         "vocab_size": config.vocab_size,
         "bos_token_id": bos,
         "eos_token_ids": _eos_ids(model, tokenizer),
@@ -294,6 +286,14 @@ def _manifest_info(plan: ExportPlan, model, tokenizer) -> dict:
             "python": platform.python_version(),
         },
     }
+
+
+def _program_spec(plan: ExportPlan, info: dict) -> ProgramSpec:
+    return ProgramSpec(
+        dtype=plan.options.dtype, max_cache_len=plan.max_cache_len, max_tokens_per_call=plan.prefill_chunk,
+        layers=info["layers"], vocab_size=info["vocab_size"], bos_token_id=info["bos_token_id"],
+        eos_token_ids=info["eos_token_ids"],
+    )
 
 
 def _package_version(name: str) -> str | None:

@@ -1,27 +1,70 @@
-"""Export targets, one module each. A target module provides:
-
-- ``SUPPORTED_DTYPES``: the ``--dtype`` values it takes;
-- ``RUNTIME_PACKAGES``: the packages whose versions ``kvexport.json`` records;
-- ``export(model, max_cache_len, max_tokens_per_call) -> ExportedProgram``: the model wrapped
-  with the target's cache and traced;
-- ``lower(program, metadata, out_dir) -> dict``: write the program file(s) into ``out_dir`` and
-  return facts for ``kvexport.json`` (at least ``program``, the main file's name).
-"""
+"""Export targets: one subpackage of ``kvexport.exporter`` each, whose ``target`` module provides
+what ``Target`` lists. The pipeline calls ``quantize_model`` (where ``QUANTIZES_MODULE``),
+``export``, ``lower`` (write the program), then ``quantize_files`` (where not)."""
 
 from __future__ import annotations
 
 import importlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol, cast
 
 from ..artifact.manifest import TARGETS
 from ..errors import InvalidOptionError
 
+if TYPE_CHECKING:
+    import torch
 
-def get_target(name: str):
+    from .quantization import Quantization
+
+
+@dataclass(frozen=True)
+class ProgramSpec:
+    """What a target needs to know to lower and describe a program (``kvexport.json`` says the same)."""
+
+    dtype: str
+    max_cache_len: int
+    max_tokens_per_call: int  # --prefill-chunk
+    layers: list[dict]  # kvexport.json's `layers`: index, layer_type, cache, window, slots, kv_heads, head_dim
+    vocab_size: int
+    bos_token_id: int | None
+    eos_token_ids: list[int]
+
+
+class Target(Protocol):
+    SUPPORTED_DTYPES: tuple[str, ...]  # the --dtype values it takes
+    RUNTIME_PACKAGES: tuple[str, ...]  # the packages whose versions kvexport.json records
+    RING_WINDOWS: int  # a sliding layer's buffer holds this many windows of rows
+    # Where --quantize applies: to the module before export (quantize_model), or to the written
+    # program's weights after lowering (quantize_files); the other hook does nothing.
+    QUANTIZES_MODULE: bool
+
+    def quantize_model(self, model: torch.nn.Module, quantization: Quantization) -> list[str]:
+        """Quantize the module in place before export; return the layers left in float."""
+
+    def export(self, model: torch.nn.Module, max_cache_len: int, max_tokens_per_call: int) -> torch.export.ExportedProgram:
+        """The model wrapped with the target's cache, traced with ``T`` dynamic."""
+
+    def lower(self, program: torch.export.ExportedProgram, spec: ProgramSpec, out_dir: Path) -> dict:
+        """Write the program file(s) into ``out_dir``; return facts for ``kvexport.json`` (at least
+        ``program``, the main file's name)."""
+
+    def quantize_files(self, out_dir: Path, spec: ProgramSpec, quantization: Quantization) -> dict:
+        """Quantize the written program's weights in place; return facts for ``kvexport.json``."""
+
+    def describe_quantization(self, quantization: Quantization, hidden_size: int) -> dict | None:
+        """What ``kvexport.json`` records under ``quantization`` (None: not quantized)."""
+
+    def quantization_detail(self, quantization: Quantization) -> str:
+        """The quantize step's one-line progress detail."""
+
+
+def get_target(name: str) -> Target:
     if name not in TARGETS:
         raise InvalidOptionError(f"unknown target '{name}'; choose one of: {', '.join(TARGETS)}")
     module = f"{__package__}.{name}.target"
     try:
-        return importlib.import_module(module)
+        return cast(Target, importlib.import_module(module))
     except ModuleNotFoundError as e:
         if e.name not in (module, module.rsplit(".", 1)[0]):  # the target exists but a dependency is missing: a bug
             raise

@@ -3,8 +3,9 @@
 A GGUF model reaches transformers dequantized to float, but every weight still lies on its type's
 grid: per run of 16 or 32 values along K, a uniform grid of 16 levels (Q4_0, Q4_1, Q4_K) or more
 (Q5_0, Q6_K, Q8_0). Quantizing such a weight onto a grid of our own rounds it a second time; both
-targets' quantizers (``onnx_quantize`` for ONNX's int4, ``quantize`` for ExecuTorch's 8da4w) find
-the source's grid with ``grid_steps`` and keep it. A float weight (no grid) gets min..max blocks.
+targets' quantizers (``onnx.quantize`` for ONNX's int4, ``executorch.quantize`` for ExecuTorch's
+8da4w) find the source's grid with ``grid_steps`` and keep it. A float weight (no grid) gets
+min..max blocks.
 """
 
 from __future__ import annotations
@@ -76,8 +77,8 @@ def int8_blocks(weight: np.ndarray, block: int = BLOCK, steps: np.ndarray | None
     ``scale = max |block| / 127`` (GGUF's Q8_0 rule, so a Q8_0 table comes out unchanged). Given
     ``steps`` (the weight's ``grid_steps`` over runs of ``block``), a block on a grid through 0 of
     at most 127 steps each way keeps its grid's step (exact for GGUF's Q5_0 and Q6_K too).
-    Taken ``rows_per_call`` rows at a time, as ``int4_blocks`` is (taken whole, Gemma 3's 8-bit
-    table put 0.7 GB more on its int4 ONNX export's peak)."""
+    Taken ``rows_per_call`` rows at a time, as ``int4_blocks`` is: a large embedding table taken
+    whole would hold several float32 copies of itself at the export's peak."""
     r, c = weight.shape
     if r > rows_per_call:
         step_rows = None if steps is None else steps.reshape(r, -1)

@@ -13,8 +13,8 @@ import platform
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-from .. import __version__
 from ..errors import InvalidOptionError
+from ..version import __version__
 from .spec import Matrix
 
 FORMAT = "kvexport-matrix-report"

@@ -32,17 +32,18 @@ from __future__ import annotations
 import hashlib
 import itertools
 import re
-import tomllib
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+import tomllib
 
 from ..errors import InvalidOptionError, KvexportError
 
 AXES = ("target", "dtype", "max_cache_len", "model")  # expansion order: the last varies fastest
 _OPTIONS = {"timeout_s": 1800, "check_new_tokens": None, "run_new_tokens": 32, "prefill_chunk": None}
 _DEFAULTS = {"target": "executorch", "dtype": "float32", "max_cache_len": None}
-# One value per [[row]] (TOML has no null for "float"); exporter.quantize.OPTIONS, which this light
-# module does not import (it would load torch for a matrix file's first check).
+# One value per [[row]] (TOML has no null for "float"); exporter.quantization.OPTIONS, which
+# this light module does not import (it would load torch for a matrix file's first check).
 QUANTIZATION = ("quantize", "quantize_embedding", "quantize_lm_head")
 ROW_KEYS = (*AXES, *QUANTIZATION, *_OPTIONS)
 
@@ -174,8 +175,8 @@ def _scheme(value, key: str, where: str) -> str | None:
 def _check_row(model: str, target: str, dtype: str, max_cache_len, tiny: dict, where: str,
                quantize: str | None = None, quantize_embedding: str | None = None,
                quantize_lm_head: str | None = None) -> None:
-    from ..exporter.executorch import quantize as quantization
-    from ..exporter.targets import TARGETS
+    from ..artifact.manifest import TARGETS
+    from ..exporter.quantization import Quantization
     from ..models import sources
 
     if target not in TARGETS:
@@ -183,7 +184,7 @@ def _check_row(model: str, target: str, dtype: str, max_cache_len, tiny: dict, w
     if dtype not in sources.DTYPES:
         raise InvalidOptionError(f"{where}: unknown dtype '{dtype}'; choose one of: {', '.join(sources.DTYPES)}")
     try:  # the same one-line refusal `kvexport export` gives, per expanded row
-        quantization.Quantization(quantize, quantize_embedding, quantize_lm_head).check(target, dtype)
+        Quantization(quantize, quantize_embedding, quantize_lm_head).check(target, dtype)
     except KvexportError as e:
         raise InvalidOptionError(f"{where} ({target}): {e}")
     if model not in tiny:

@@ -36,7 +36,7 @@ def render(report: dict) -> str:
     configured = {row["model"] for row in report["rows"] if row.get("tiny_config")}  # [models.NAME] in the file
     models = sorted((families.get(m, "?"), m, m in configured) for m in {row["model"] for row in report["rows"]})
     # Only what reruns elsewhere reproduce: the matrix path from the repository root, versions
-    # without local tags (a CPU-only torch is 2.13.0+cpu here and may be 2.13.0 in CI).
+    # without local tags (a CPU-only torch's "+cpu", which another install may lack).
     matrix = os.path.relpath(Path(report["matrix"]).absolute(), REPO_ROOT)
     versions = ", ".join(f"{name} {str(v[name]).split('+')[0]}" for name in ("transformers", "torch", "executorch"))
     lines = [

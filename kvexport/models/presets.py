@@ -72,8 +72,8 @@ PRESETS: dict[str, tuple[str, dict]] = {
             "sliding_window": WINDOW,
             "num_local_experts": 4,
             "num_experts_per_tok": 2,
-            # At 0.5 the first greedy choice after the tests' prompt is a near-tie (margin 4e-5):
-            # float reordering then flips it. At 0.2 every margin over 16 steps is above 0.09.
+            # At 0.5 the first greedy choice after the tests' prompt is a near-tie that float
+            # reordering flips; at 0.2 the margins are clear.
             "initializer_range": 0.2,
             # The family's YaRN rope, with an original context consistent with max_position_embeddings.
             "rope_parameters": {
@@ -112,8 +112,8 @@ def build_tiny(config, dtype: torch.dtype = torch.float32):
     """A tiny config's model (eval mode, seeded weights) and the character tokenizer."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        # Drawn in float32, then rounded: float16 draws from one seed differ between torch versions
-        # (2.11 and 2.13 gave other float16 weights), and a check on another machine rebuilds the model.
+        # Drawn in float32, then rounded: float16 draws from one seed differ between torch versions,
+        # and a check on another machine rebuilds the model.
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).to(dtype)
     model.generation_config.eos_token_id = config.eos_token_id
     model.generation_config.bos_token_id = config.bos_token_id

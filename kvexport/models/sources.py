@@ -1,8 +1,8 @@
 """Where a model comes from: an alias, a tiny preset, a local folder, a ``.gguf`` file or a hub id
 already in the local Hugging Face cache. Nothing is downloaded: kvexport runs offline.
 
-GGUF models are dequantized by transformers on load (tens of seconds for the real models), so the
-first load also saves a plain HF folder under the kvexport cache; later loads read that.
+GGUF models are dequantized by transformers on load, which is slow, so the first load also saves
+a plain HF folder under the kvexport cache; later loads read that.
 """
 
 from __future__ import annotations
@@ -182,8 +182,8 @@ def default_cache_dir() -> Path:
 
 
 def _converted_folder(gguf: Path, cache_dir: Path | None) -> Path:
-    """Named by the file's content: reinstalling a model package writes the same GGUF with a new
-    mtime, and a name from size and mtime gave each install its own converted copy (0.5-1 GB)."""
+    """Named by the file's content, not its size and mtime: reinstalling a model package writes the
+    same GGUF with a new mtime, and each install would get a converted copy of its own."""
     stat = gguf.stat()
     digest = _sha256(gguf.resolve(), stat.st_size, stat.st_mtime_ns)
     return (cache_dir or default_cache_dir()) / "gguf" / f"{gguf.stem}-{digest[:16]}"
@@ -191,7 +191,7 @@ def _converted_folder(gguf: Path, cache_dir: Path | None) -> Path:
 
 @functools.lru_cache(maxsize=8)
 def _sha256(path: Path, size: int, mtime_ns: int) -> str:
-    """A file's sha256, read once per process while its size and mtime stay (0.4 s for 250 MB)."""
+    """A file's sha256, read once per process while its size and mtime stay."""
     from ..artifact.manifest import sha256_file
 
     return sha256_file(path)

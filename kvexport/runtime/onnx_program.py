@@ -31,11 +31,11 @@ _GPU_HINT = "install onnxruntime-gpu (pip install 'kvexport[gpu]') on a machine 
 
 
 def _check_runs_on_cuda(manifest: dict) -> None:
-    """What onnxruntime-gpu 1.31 was seen to get wrong (an H100, 2026-11-26), refused before it runs."""
+    """What onnxruntime-gpu 1.31 gets wrong on CUDA (docs/onnx.md), refused before it runs."""
     if manifest["dtype"] != "float16":
         # Its CUDA GroupQueryAttention takes float16 (and bfloat16) only: a float32 graph's
-        # attention ran on the CPU provider, with copies across, and every step after the first
-        # read a wrong cache.
+        # attention runs on the CPU provider, with copies across, and every step after the first
+        # reads a wrong cache.
         raise InvalidOptionError(
             f"--device cuda runs float16 ONNX artifacts; this one is {manifest['dtype']}: "
             "export it with --dtype float16 for the GPU, or run it with --device cpu"
@@ -126,7 +126,8 @@ class OnnxProgram:
         self._input_pos = np.zeros((1,), dtype=np.int64)
         self._ring_start = np.zeros((1,), dtype=np.int64)
         # The attention kernels' total lengths (input_pos + T, ring_start + T), in host memory; a graph
-        # of format version 3 or 4 computes them itself (see onnx_attention.TOTAL_LENGTH_INPUTS).
+        # of format version 3 or 4 computes them itself (see exporter/onnx/attention.py's
+        # TOTAL_LENGTH_INPUTS).
         self._totals = {name: np.zeros((), dtype=np.int32) for name in ("total_length", "ring_total_length") if name in inputs}
         self._logits = np.zeros((1, manifest["vocab_size"]), dtype=self._dtype)
         self._binding = self._session.io_binding()

@@ -12,8 +12,8 @@ from typing import Protocol
 
 import numpy as np
 
-from ..errors import KvexportError
 from ..artifact.manifest import read_manifest
+from ..errors import KvexportError
 
 
 class Program(Protocol):

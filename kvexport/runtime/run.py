@@ -1,4 +1,5 @@
-"""``kvexport run``: generate from a prompt with the artifact and its tokenizer only."""
+"""``kvexport run`` and ``python -m kvexport.device``: generate from a prompt with the artifact and
+its tokenizer only."""
 
 from __future__ import annotations
 
@@ -6,8 +7,10 @@ import json
 import sys
 from pathlib import Path
 
+from ..artifact.archive import open_artifact
 from ..artifact.manifest import read_manifest
 from .generation import Sampling, check_fits, generate
+from .options import parse_run_args
 from .programs import load_program
 from .tokenizer import ArtifactTokenizer
 
@@ -71,3 +74,16 @@ def run_command(
             file=sys.stderr,
         )
     return summary
+
+
+def run_main(argv: list[str], prog: str) -> dict | None:
+    """Parse ``argv`` as ``prog`` (``kvexport run`` or the device runner) and generate."""
+    args = parse_run_args(argv, prog)
+    with open_artifact(args.artifact) as (folder, manifest):
+        if args.runner == "executorch":
+            from .textllm import run_with_textllm_runner
+
+            run_with_textllm_runner(folder, manifest, args)
+            return None
+        return run_command(folder, args.prompt, args.max_new_tokens, args.ignore_eos, args.chat, args.temperature,
+                           args.top_p, args.seed, args.device, args.json, manifest=manifest)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvexport.exporter.decoder import ExportableDecoder, ExternalCacheDecoder
+from kvexport.exporter.decoder import ExportableDecoder
+from kvexport.exporter.onnx.decoder import ExternalCacheDecoder
 
 from tests.conftest import NEW_TOKENS, PROMPT, TEST_CACHE_LEN
 from tests.helpers import FP32_LOGIT_ATOL, assert_generation_matches, eager_reference, greedy_with, torch_forward

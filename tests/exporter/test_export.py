@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kvexport.exporter.export import export_decoder
-from kvexport.exporter.decoder import ExportableDecoder
+from kvexport.exporter.decoder import ExportableDecoder, export_decoder
 from kvexport.models.presets import build_preset
 
 from tests.conftest import NEW_TOKENS, PROMPT, TEST_CACHE_LEN

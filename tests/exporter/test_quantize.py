@@ -5,7 +5,7 @@ weights have no structure for the scales to follow), so on tiny presets the arti
 *quantized* model computed in PyTorch: the quantized module (torchao's tensors) for 8da4w, and the
 float model with its weights rounded as kvexport's ONNX int4 rewrite rounds them; each rounding is
 checked on its own against weights built on a GGUF type's grid. Agreement
-with float eager (``kvexport check``) is measured on the real models (README, Quantization).
+with float eager (``kvexport check``) is measured on the real models (docs/quantization.md).
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from kvexport.artifact.manifest import read_manifest
-from kvexport.exporter.executorch.quantize import GROUP_SIZE, Quantization, quantize_model
+from kvexport.exporter.executorch.quantize import GROUP_SIZE, quantize_model
+from kvexport.exporter.quantization import Quantization
 from kvexport.exporter.weight_grids import int4_blocks
 from kvexport.models.presets import build_preset
 from kvexport.runtime.programs import load_program

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from kvexport.cli import main
-from kvexport.exporter.executorch.quantize import Quantization, quantize_model
+from kvexport.exporter.executorch.quantize import quantize_model
+from kvexport.exporter.quantization import Quantization
 from kvexport.models import sources
 
 from tests.helpers import assert_on_grid

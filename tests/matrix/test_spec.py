@@ -168,7 +168,7 @@ def test_usage_mistakes_get_usage_not_a_traceback(capsys):
 
 
 def test_a_row_takes_every_quantization_option_export_takes():
-    from kvexport.exporter.executorch.quantize import OPTIONS
+    from kvexport.exporter.quantization import OPTIONS
     from kvexport.matrix.spec import QUANTIZATION
 
     assert QUANTIZATION == OPTIONS

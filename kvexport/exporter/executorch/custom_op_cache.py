@@ -17,10 +17,9 @@ sinks) keeps the same buffers but falls back to its own eager attention on views
 
 from __future__ import annotations
 
+import executorch.extension.llm.custom_ops.custom_ops  # noqa: F401  (registers torch.ops.llama.*)
 import torch
 from torch import nn
-
-import executorch.extension.llm.custom_ops.custom_ops  # noqa: F401  (registers torch.ops.llama.*)
 
 from ..attention import family_eager_attention, plain_softmax_attention
 from ..kv_cache import CallState, ring_key_positions
@@ -73,7 +72,7 @@ class CustomOpRingCache(nn.Module):
                 module, query, _to_seq_major(keys), _to_seq_major(values), mask, scaling=scaling, **kwargs
             )
         elif self.k.shape[2] == 1:  # one KV head
-            # Gemma 3 270M 8da4w: prefill 1.65x custom_sdpa's, decode the same or a little faster.
+            # Runs inside the delegate; custom_sdpa is a call out of it (docs/performance.md).
             result = (window_attention(query, keys, values, mask, scaling), None)
         else:
             # The kernel takes a float32 mask whatever the activations' dtype (float16 ones fail at run time).
@@ -95,7 +94,7 @@ def window_attention(query, keys, values, mask, scaling=None) -> torch.Tensor:
 
     query ``[1, H, T, D]``; keys, values ``[1, W + T, 1, D]`` (sequence-major, one KV head: already
     the ``[S, D]`` matrices the products take); mask ``[1, 1, T, W + T]``, added by broadcasting
-    (taking its ``[T, W + T]`` first added two ops outside the delegate in every layer). The
+    (taking its ``[T, W + T]`` first would add ops outside the delegate in every layer). The
     query heads are stacked along the rows. Scores come out as ``K·Qᵀ`` and are transposed after: a
     transpose of ``Kᵀ`` would copy the whole window every layer. Returns ``[1, T, H, D]``.
     """

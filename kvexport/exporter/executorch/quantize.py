@@ -1,6 +1,5 @@
-"""Weight quantization (``--quantize``, ``--quantize-embedding``, ``--quantize-lm-head``).
-
-ExecuTorch (``8da4w``): the module is quantized in place before export. Linear layers
+"""ExecuTorch's weight quantization (``--quantize 8da4w``, ``--quantize-embedding``,
+``--quantize-lm-head``): the module is quantized in place before export. Linear layers
 (``quantize_linears``): int8 activations per token and int4 weights in groups of 32 that keep the
 grid a quantized source put them on (``weight_grids``), int8 per channel where the source is finer
 than 4 bits and for the lm_head (int4 on request); torchao's tensors, which XNNPACK runs as fused
@@ -11,128 +10,21 @@ torchao leaves a quantized embedding as ``dequantize_affine`` followed by ``embe
 ExecuTorch's own fusion into its quantized embedding kernels no longer matches (the block size
 arrives as a literal, its pattern expects a placeholder), so the lookup would dequantize the whole
 table every call. ``fuse_quantized_embeddings`` does that fusion on the edge program instead.
-
-ONNX (``int4``): the saved graph's weights, rewritten after export (``onnx_quantize``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 
-from ...errors import InvalidOptionError
+from ..quantization import EMBEDDING_SCHEMES, Quantization
 from ..weight_grids import BLOCK
 
-# The export options that choose a quantization (ExportOptions' fields, and matrix rows' keys).
-OPTIONS = ("quantize", "quantize_embedding", "quantize_lm_head")
-# --quantize: the scheme, and the one target that runs it.
-SCHEMES = {"8da4w": "executorch", "int4": "onnx"}
-# --quantize-embedding (ExecuTorch): kvexport's name -> ExecuTorch's quantize_model_ config.
-EMBEDDING_SCHEMES = {"int8": "8w", "int4": "4w"}
-# --quantize-lm-head (with 8da4w or int4): int8 (the default: its rounding lands straight on the
-# logits), or int4 (smaller and faster, less exact).
-LM_HEAD_SCHEMES = ("int8", "int4")
 GROUP_SIZE = BLOCK  # weights per scale, for 4-bit linear weights and int4 embeddings (ExecuTorch)
 # The scale of a block whose weights are all one value (any positive scale holds it exactly).
 _FLAT_BLOCK_SCALE = np.float32(2**-24)
 # torchao's quant range for each embedding scheme, and the ExecuTorch kernel that reads it.
 _EMBEDDING_KERNELS = {(-128, 127): ("embedding_byte", 8), (-8, 7): ("embedding_4bit", 4)}
-
-
-@dataclass(frozen=True)
-class Quantization:
-    """What ``--quantize``, ``--quantize-embedding`` and ``--quantize-lm-head`` ask for (None: not
-    asked), carried as one value from the command line to the target that applies it."""
-
-    scheme: str | None = None  # --quantize: "8da4w" (executorch) or "int4" (onnx)
-    embedding: str | None = None  # --quantize-embedding: "int8" or "int4" (executorch)
-    lm_head: str | None = None  # --quantize-lm-head: "int8" (the default) or "int4", with scheme
-
-    def __bool__(self) -> bool:  # whether anything is quantized (an lm_head scheme alone is refused)
-        return bool(self.scheme or self.embedding)
-
-    def check(self, target: str, dtype: str) -> None:
-        """Refuse, before anything loads, a scheme that does not exist or that the target does not run."""
-        scheme, embedding, lm_head = self.scheme, self.embedding, self.lm_head
-        if scheme is not None and scheme not in SCHEMES:
-            choices = ", ".join(f"{s} (--target {t})" for s, t in SCHEMES.items())
-            raise InvalidOptionError(f"unknown --quantize '{scheme}'; choose one of: {choices}")
-        if scheme is not None and SCHEMES[scheme] != target:
-            right = next(s for s, t in SCHEMES.items() if t == target)
-            raise InvalidOptionError(
-                f"--quantize {scheme} is for --target {SCHEMES[scheme]}; for --target {target} use --quantize {right}"
-            )
-        if embedding is not None:
-            if target != "executorch":
-                raise InvalidOptionError(
-                    f"--quantize-embedding is for --target executorch; for --target {target} leave it out "
-                    "(--quantize int4 quantizes the embedding too)"
-                )
-            if embedding not in EMBEDDING_SCHEMES:
-                raise InvalidOptionError(
-                    f"unknown --quantize-embedding '{embedding}'; choose one of: {', '.join(EMBEDDING_SCHEMES)}"
-                )
-        if lm_head is not None:
-            if lm_head not in LM_HEAD_SCHEMES:
-                raise InvalidOptionError(f"unknown --quantize-lm-head '{lm_head}'; choose one of: {', '.join(LM_HEAD_SCHEMES)}")
-            if scheme is None:
-                right = next(s for s, t in SCHEMES.items() if t == target)
-                raise InvalidOptionError(
-                    f"--quantize-lm-head goes with --quantize {right} (--target {target}); add it, or leave --quantize-lm-head out"
-                )
-        if (scheme or embedding) and dtype != "float32":
-            raise InvalidOptionError(f"--quantize takes --dtype float32 (the default), not {dtype}; leave --dtype out")
-
-    def describe(self, hidden_size: int) -> dict | None:
-        """What ``kvexport.json`` records under ``quantization`` (None: not quantized). ``hidden_size``
-        is the lm_head's and embedding table's K, which sets their ONNX block."""
-        if not self:
-            return None
-        scheme, embedding, lm_head = self.scheme, self.embedding, self.lm_head
-        if scheme == "int4":
-            from ..onnx.quantize import ACCURACY_LEVEL, BLOCK, FINE_BLOCK, table_block
-
-            return {
-                "scheme": "int4",
-                "by": "kvexport.exporter.onnx.quantize",
-                "linear": {"weights": "int4", "symmetric": False, "block_size": BLOCK, "accuracy_level": ACCURACY_LEVEL,
-                           "op": "com.microsoft::MatMulNBits + per-block offset"},
-                # A weight the source stores finer than 4 bits (GGUF Q5_0, Q6_K, Q8_0) is not rounded to 4.
-                "linear_finer_than_4_bits": {"weights": "int8", "symmetric": True,
-                                             "block_size": f"{BLOCK}, or {FINE_BLOCK} where the source steps runs of {FINE_BLOCK} (Q6_K)",
-                                             "accuracy_level": ACCURACY_LEVEL, "op": "com.microsoft::MatMulNBits"},
-                "lm_head": (
-                    {"weights": "int4", "symmetric": False, "block_size": BLOCK, "zero_points": "4-bit, one a block",
-                     "accuracy_level": ACCURACY_LEVEL, "op": "com.microsoft::MatMulNBits",
-                     "note": "--quantize-lm-head int4: each block's zero point the one whose smallest step reaches its min and max"}
-                    if lm_head == "int4"
-                    else {"weights": "int8", "symmetric": True, "block_size": table_block(hidden_size),
-                          "op": "com.microsoft::MatMulNBits"}
-                ),
-                "embedding": {"weights": "int8", "symmetric": True, "block_size": table_block(hidden_size),
-                              "op": "com.microsoft::GatherBlockQuantized"},
-            }
-        described: dict = {"scheme": scheme, "by": "kvexport.exporter.executorch.quantize (torchao tensors)"}
-        if scheme:
-            activations = "int8, dynamic per token"
-            described["linear"] = {"weights": "int4", "group_size": GROUP_SIZE, "activations": activations,
-                                   "op": "XNNPACK int8 x int4 + per-block offsets (int8, one scale per row)"}
-            # A weight the source stores finer than 4 bits (GGUF Q5_0, Q6_K, Q8_0) is not rounded to 4.
-            described["linear_finer_than_4_bits"] = {"weights": "int8", "group_size": "row", "activations": activations}
-            described["lm_head"] = (
-                {**described["linear"], "note": "--quantize-lm-head int4: a block on no 4-bit grid spans its min..max in 16 levels"}
-                if lm_head == "int4"
-                else {"weights": "int8", "group_size": "row", "activations": activations}
-            )
-        if embedding:
-            described["embedding"] = {
-                "weights": embedding,
-                "group_size": GROUP_SIZE if embedding == "int4" else "row",
-                "op": f"quantized_decomposed::{'embedding_4bit' if embedding == 'int4' else 'embedding_byte'}",
-            }
-        return described
 
 
 def quantize_model(model: torch.nn.Module, quantization: Quantization) -> list[str]:
@@ -229,9 +121,9 @@ class Int4GridLinear(torch.nn.Module):
     torchao's 8da4w tensor ``scale * (q - 8)`` (XNNPACK keeps each scale as bfloat16) and the offsets
     are added back from the input's block sums: ``sums(x) @ offset.T``, a matmul 32x smaller, run as
     XNNPACK's int8 x int8 kernel with the offsets int8, one scale per output channel (a float32 matrix
-    there added a quarter of the int4 weights' bytes and ~4% to SmolLM2's decode step; agreement
-    with float eager held). Symmetric int4 on its own (ExecuTorch's recipe) rounds a 4-bit GGUF's
-    weights onto a second grid: SmolLM2's top-1 agreement with float eager was 69% that way.
+    there would be larger and slower, for the same agreement). Symmetric int4 on its own
+    (ExecuTorch's recipe) rounds a 4-bit GGUF's weights onto a second grid, far from float eager
+    (docs/quantization.md).
     """
 
     def __init__(self, weight: torch.Tensor, offset: torch.Tensor, bias: torch.Tensor | None):

@@ -6,9 +6,9 @@ quantization, the matmul and, for ``Int4GridLinear``, its block offsets), and at
 step's time goes as much to the number of operators as to their arithmetic. Stacking a group's
 weights by rows computes the same dot products with one set of operators; the result is split
 back into the group's outputs (outside the delegate: XNNPACK takes no slice of a tensor with a
-dynamic dim). Float weights are left alone: their decode is bound by reading them, stacking made
-no measurable difference there, and it would copy weights the model maps from its file (Gemma 3
-270M's float32 export peaked 0.26 GB higher).
+dynamic dim). Float weights are left alone: their decode is bound by reading them, so stacking
+gains nothing there, and it would copy weights the model maps from its file (one more copy at the
+export's peak; docs/performance.md).
 
 The modeling code still calls ``q_proj``, ``k_proj`` and ``v_proj``: each is replaced by a view
 of the group that returns its own part of the stacked product, computed once per input. A member

@@ -8,9 +8,10 @@ from pathlib import Path
 
 import torch
 
-from ..export import export_decoder
-from .quantize import Quantization, fuse_quantized_embeddings
-from ..decoder import ExportableDecoder
+from ..decoder import ExportableDecoder, export_decoder
+from ..quantization import Quantization
+from ..targets import ProgramSpec
+from .quantize import GROUP_SIZE, fuse_quantized_embeddings
 
 PROGRAM_FILE = "model.pte"
 # All weights live in one ExecuTorch data file beside the program. The embedding lookup runs outside
@@ -23,6 +24,8 @@ WEIGHTS_FILE = f"{WEIGHTS_TAG}.ptd"
 SPILL_MIN_BYTES = 1 << 20
 SUPPORTED_DTYPES = ("float32", "float16")
 RUNTIME_PACKAGES = ("executorch",)
+# --quantize applies to the module before export.
+QUANTIZES_MODULE = True
 # A sliding layer's ring has window slots (RingKVCache).
 RING_WINDOWS = 1
 
@@ -46,24 +49,61 @@ def quantize_model(model: torch.nn.Module, quantization: Quantization) -> list[s
     return quantize(model, quantization)
 
 
-def _constant_methods(info: dict) -> dict:
+def quantize_files(out_dir: Path, spec: ProgramSpec, quantization: Quantization) -> dict:
+    """Nothing: the module was quantized before export (``quantize_model``)."""
+    return {}
+
+
+def describe_quantization(quantization: Quantization, hidden_size: int) -> dict | None:
+    if not quantization:
+        return None
+    scheme, embedding, lm_head = quantization.scheme, quantization.embedding, quantization.lm_head
+    described: dict = {"scheme": scheme, "by": "kvexport.exporter.executorch.quantize (torchao tensors)"}
+    if scheme:
+        activations = "int8, dynamic per token"
+        described["linear"] = {"weights": "int4", "group_size": GROUP_SIZE, "activations": activations,
+                               "op": "XNNPACK int8 x int4 + per-block offsets (int8, one scale per row)"}
+        # A weight the source stores finer than 4 bits (GGUF Q5_0, Q6_K, Q8_0) is not rounded to 4.
+        described["linear_finer_than_4_bits"] = {"weights": "int8", "group_size": "row", "activations": activations}
+        described["lm_head"] = (
+            {**described["linear"], "note": "--quantize-lm-head int4: a block on no 4-bit grid spans its min..max in 16 levels"}
+            if lm_head == "int4"
+            else {"weights": "int8", "group_size": "row", "activations": activations}
+        )
+    if embedding:
+        described["embedding"] = {
+            "weights": embedding,
+            "group_size": GROUP_SIZE if embedding == "int4" else "row",
+            "op": f"quantized_decomposed::{'embedding_4bit' if embedding == 'int4' else 'embedding_byte'}",
+        }
+    return described
+
+
+def quantization_detail(quantization: Quantization) -> str:
+    head = quantization.lm_head or "int8"
+    parts = [f"8da4w linear weights ({head} lm_head)" if quantization.scheme else "",
+             f"embedding {quantization.embedding}" if quantization.embedding else ""]
+    return ", ".join(p for p in parts if p) + " (torchao tensors for XNNPACK)"
+
+
+def _constant_methods(spec: ProgramSpec) -> dict:
     """Metadata methods of the ``.pte``, named and meant as ExecuTorch's ``llm_runner_helper`` reads them."""
     methods = {
-        "get_max_seq_len": info["interface"]["max_tokens_per_call"],  # most tokens one call takes: the prefill chunk
-        "get_max_context_len": info["max_cache_len"],
+        "get_max_seq_len": spec.max_tokens_per_call,  # most tokens one call takes: the prefill chunk
+        "get_max_context_len": spec.max_cache_len,
         "use_kv_cache": True,
         "use_sdpa_with_kv_cache": False,
         "enable_dynamic_shape": True,
-        "get_eos_ids": info["eos_token_ids"],
-        "get_vocab_size": info["vocab_size"],
-        "get_n_layers": len(info["layers"]),
+        "get_eos_ids": spec.eos_token_ids,
+        "get_vocab_size": spec.vocab_size,
+        "get_n_layers": len(spec.layers),
     }
-    if info.get("bos_token_id") is not None:
-        methods["get_bos_id"] = info["bos_token_id"]
+    if spec.bos_token_id is not None:
+        methods["get_bos_id"] = spec.bos_token_id
     return methods
 
 
-def lower(program: torch.export.ExportedProgram, info: dict, out_dir: Path) -> dict:
+def lower(program: torch.export.ExportedProgram, spec: ProgramSpec, out_dir: Path) -> dict:
     """Lower to XNNPACK and write ``model.pte``; return facts for ``kvexport.json``."""
     from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
     from executorch.exir import EdgeCompileConfig, ExecutorchBackendConfig, to_edge_transform_and_lower
@@ -81,7 +121,7 @@ def lower(program: torch.export.ExportedProgram, info: dict, out_dir: Path) -> d
                 transform_passes=[XnnpackFriendlyShapes()],
                 partitioner=[XnnpackPartitioner(configs=partitioner_configs())],
                 compile_config=EdgeCompileConfig(_check_ir_validity=False),
-                constant_methods=_constant_methods(info),
+                constant_methods=_constant_methods(spec),
             )
         # A quantized embedding is still torchao's dequantize + embedding: make it ExecuTorch's kernel.
         fused = fuse_quantized_embeddings(edge.exported_program())
@@ -122,7 +162,7 @@ def lower(program: torch.export.ExportedProgram, info: dict, out_dir: Path) -> d
 def _weights_shared_on_deepcopy(program: torch.export.ExportedProgram):
     """``to_edge`` deep-copies the program it is given, weights included, while the caller's program
     (and the model it came from) keep theirs: one more copy of every weight at the export's peak
-    (Gemma 3 270M: 4.67 GB peak RSS with the copy, 3.67 GB without; the artifact is byte-identical).
+    (docs/performance.md; the artifact's bytes are the same).
     Lowering reads the weights and never changes them, so the copy may share them."""
     tensors = [t for t in (*program.state_dict.values(), *program.constants.values()) if isinstance(t, torch.Tensor)]
     for t in tensors:
@@ -140,8 +180,8 @@ def _serialized_weights_on_disk(folder: Path):
     stay in memory beside the model's own weights until the data file is written: a second copy of
     the model at the export's peak. ExecuTorch's store also takes ``FileBackedData`` (its CUDA
     backend spills weights this way), so the weights bound for our data file are written to
-    ``folder`` as they arrive and read back only when ``model.ptd`` is written (Gemma 3 270M: peak
-    RSS 3.66 GB -> 2.76 GB, the same bytes written)."""
+    ``folder`` as they arrive and read back only when ``model.ptd`` is written: one model-sized copy
+    less at the peak, the same bytes written."""
     from executorch.exir._serialize._cord import FileBackedData
     from executorch.exir._serialize._named_data_store import NamedDataStore
 

@@ -35,7 +35,7 @@ def partitioner_configs() -> list:
     """XNNPACK's partitioner configs, without ``max.dim``.
 
     XNNPACK lowers ``max(dim=-1).values`` over a dynamic dim to a max-pooling, and a softmax that
-    reads ``x - max`` then comes out wrong (off by ~0.7 on probabilities, ExecuTorch 1.5.1): that
+    reads ``x - max`` then comes out wrong (ExecuTorch 1.5.1; docs/executorch.md): that
     is how attention sinks (GPT-OSS) stabilise their softmax. ExecuTorch's portable kernel for it
     is exact, and no other family uses it.
     """

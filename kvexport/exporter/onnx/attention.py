@@ -14,7 +14,7 @@
   tokens). The kernel reads only the window, and only the filled part of it.
 
 In PyTorch this is the op ``kvexport::group_query_attention``, a plain implementation of the
-kernel's semantics (what the wrapper runs eagerly); ``ONNX_TRANSLATIONS`` maps it to the node for
+kernel's semantics (what the decoder runs eagerly); ``ONNX_TRANSLATIONS`` maps it to the node for
 ``torch.onnx.export``.
 
 A family whose attention needs more than softmax(QK^T·scale + mask)·V (soft-capping, attention
@@ -226,10 +226,8 @@ class ExternalRingLayer(_BufferLayer):
 
 # The kernel's total_sequence_length (input 6) is a host-memory input on ONNX Runtime's CUDA
 # provider. Computed in the graph (input_pos + T), the value's chain runs on the GPU and is copied
-# back to the host for it, and with onnxruntime-gpu 1.31 the kernel did not get the right value
-# (an H100, 2026-11-26: layer 0's attention output off by ~14 while its inputs, seqlens_k and
-# total matched the CPU provider's; the same node fed total from the host matched bit for bit).
-# So the runtime passes each total as a graph input, in host memory, as it does input_pos.
+# back for it, and onnxruntime-gpu 1.31 then feeds the kernel a wrong value (docs/onnx.md). So the
+# runtime passes each total as a graph input, in host memory, as it does input_pos.
 TOTAL_LENGTH_INPUTS = {"static": "total_length", "ring": "ring_total_length"}
 
 

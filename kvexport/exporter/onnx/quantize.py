@@ -1,40 +1,14 @@
 """``--quantize int4`` for ONNX: the saved graph's weights rewritten for ONNX Runtime's CPU kernels.
 
-No projection weight the float reference sees is rounded a second time: a quantized source's grid
-is found in the weights themselves (``grid_steps``) and kept.
-
-- Every MatMul with a constant weight becomes ``com.microsoft::MatMulNBits`` with int4 weights in
-  blocks of 32 along K, *asymmetric* (``w = lo + d * q``, ``q`` in 0..15). A block on a grid of
-  at most 16 levels keeps its grid's step ``d``, so a 4-bit GGUF's weights come out exactly
-  (SmolLM2's Q4_1; Gemma 3's Q4_K, whose blocks need not use their grid's lowest or highest
-  level); a float block spans its min..max in 15 steps. Symmetric int4 would round a 4-bit GGUF's
-  weights onto a second grid (top-1 agreement with float eager fell to ~70% on SmolLM2 that way).
-  MatMulNBits takes a float zero point only on a path ~40x slower than its default, so the weight
-  is stored as the symmetric ``d * (q - 8)`` the fast kernel reads, and the per-block offset
-  ``lo + 8 d`` is added back as ``blocksum(x) @ offsets`` (a reshape and a sum, one small MatMul
-  and an Add): exact, and ~1 extra bit per weight.
-- A weight the source stores *finer* than 4 bits (Gemma 3's GGUF keeps q/k/v, gate/up in Q5_0
-  and some down projections in Q6_K or Q8_0; ``finer_than_4_bits``) is stored 8-bit, each block
-  keeping its grid's step: exact for those types. Blocks of 32 where that holds every weight on
-  its level (Q5_0, Q8_0), else of 16 (Q6_K scales each run of 16). Rounded to 4 bits they held Gemma 3 at
-  ~95% top-1 agreement; exact, 98.4%.
-- Projections that read one input (q/k/v; gate/up) at the same bits are one MatMulNBits over
-  their stacked weights, then a Split: fewer, larger kernels per step. Where the Split's q, k and
-  v are a GroupQueryAttention's inputs as they are (a full-attention layer, whose node rotates
-  them itself), the node reads the stacked output whole (its packed-QKV form) and the Split goes.
-- The lm_head (the MatMul that computes the graph's logits) and the embedding lookup stay 8-bit
-  (symmetric: MatMulNBits ``bits=8`` and ``GatherBlockQuantized``) by default: their error lands
-  straight on the logits. ``lm_head="int4"`` (``--quantize-lm-head int4``) makes the lm_head
-  4-bit in blocks of 32 with a whole zero point each, which the fast kernel reads (no offsets;
-  ``_int4_with_zero_points``); the lookup keeps its 8-bit table. The 8-bit blocks are the largest
-  of 128, 64, 32 that divides K (``table_block``), an exception to the rule above: both real
-  models ship their tied table as Q8_0 (blocks of 32), and the lm_head is the largest matmul of
-  a step (Gemma 3: 262,144 × 640), which MatMulNBits runs in ~5.3 ms in blocks of 128 against
-  ~6.6 ms in blocks of 32. An 8-bit tied table is stored once: both ops read one
-  ``[N, K/block, block]`` initializer (MatMulNBits' layout; the lookup quantizes along its last
-  axis and reshapes its result back to ``[..., K]``).
-- ``accuracy_level`` 4: int8 activations and the CPU's int8 dot products, as onnxruntime-genai's
-  builder uses for int4 on the CPU.
+- Every MatMul with a constant weight becomes ``com.microsoft::MatMulNBits``, int4 in blocks of 32
+  along K, asymmetric: a quantized source's grid (``grid_steps``) is kept, so no weight is rounded
+  twice. The weight is stored as the symmetric ``d * (q - 8)`` the fast kernel reads, and the
+  per-block offsets are added back exactly as ``blocksum(x) @ offsets``. A weight stored finer
+  than 4 bits (``finer_than_4_bits``) goes 8-bit on its own grid instead.
+- Projections that read one input (q/k/v; gate/up) are one MatMulNBits and a Split: fewer kernels.
+- The lm_head and embedding lookup stay 8-bit by default (their error lands on the logits; a tied
+  table is stored once); ``accuracy_level`` 4, as onnxruntime-genai's builder uses on the CPU.
+Accuracy and speed figures: docs/quantization.md.
 """
 
 from __future__ import annotations
@@ -45,9 +19,17 @@ import shutil
 
 import numpy as np
 
+from ..weight_grids import (
+    BLOCK,
+    FINE_BLOCK,
+    finer_than_4_bits,
+    grid_steps,
+    int4_blocks,
+    int4_zero_point_blocks,
+    int8_blocks,
+    on_levels,
+)
 from .graph import prune
-from ..weight_grids import (BLOCK, FINE_BLOCK, finer_than_4_bits, grid_steps, int4_blocks, int4_zero_point_blocks, int8_blocks,
-                            on_levels)
 
 ACCURACY_LEVEL = 4
 MS_DOMAIN = "com.microsoft"
@@ -126,8 +108,8 @@ def quantize_onnx(path, data_file: str, lm_head: str = "int8") -> dict:
         stacked = np.concatenate([numpy_helper.to_array(w).T for w in weights])  # [N, K], stacked along N
         out = members[0].output[0] if len(members) == 1 else f"{base}_packed"
         if bits == 8:
-            # Blocks of 32 where they hold the source's grid (Q5_0, Q8_0: one step per 32; a
-            # quarter fewer bytes per step than 16s), else 16 (Q6_K steps each run of 16).
+            # Blocks of 32 where they hold the source's grid (Q5_0, Q8_0: one step per 32; fewer
+            # bytes per step than blocks of 16), else 16 (Q6_K steps each run of 16).
             for block in (BLOCK, FINE_BLOCK):
                 steps = np.concatenate([grids[m.output[0]][block] for m in members])  # the stacked runs' grids
                 q8, scale = int8_blocks(stacked, block, steps)
@@ -242,7 +224,8 @@ def _lm_head(graph) -> str | None:
 
 def table_block(k: int) -> int:
     """The 8-bit lm_head's and embedding table's block along K: the largest of 128, 64, 32 that
-    divides it (``_quantizable`` has checked 32 does)."""
+    divides it (``_quantizable`` has checked 32 does). Larger blocks run the lm_head, a step's
+    largest matmul, faster (docs/performance.md), even where the source's table has blocks of 32."""
     return next(block for block in (128, 64, BLOCK) if k % block == 0)
 
 
@@ -268,7 +251,7 @@ def _int4_with_zero_points(weight_kn: np.ndarray) -> tuple[np.ndarray, np.ndarra
 
     ONNX Runtime's own rounding (``quantize_matmul_4bits``) takes the step from the range and
     rounds the zero point, clipping one end by up to half a step: the weights of largest magnitude
-    come out ~2.5x further off (Gemma 3's table), and its agreement with float eager was 94.5%."""
+    come out further off (docs/quantization.md)."""
     # The transpose as a view: int4_zero_point_blocks copies it a piece of rows at a time (a 262k-row
     # table whole would be one more float32 copy of itself at peak).
     q, step, zero = int4_zero_point_blocks(weight_kn.T)

@@ -16,13 +16,14 @@ from pathlib import Path
 import torch
 
 from ...errors import UnsupportedModelError
-from ..export import export_external_cache_decoder
+from ..quantization import Quantization
+from ..targets import ProgramSpec
 from .attention import ONNX_TRANSLATIONS as ATTENTION_TRANSLATIONS
 from .attention import lengths_as_inputs
+from .decoder import ExternalCacheDecoder, export_external_cache_decoder
+from .quantize import ACCURACY_LEVEL, BLOCK, FINE_BLOCK, table_block
 from .rotary import ONNX_TRANSLATIONS as ROTARY_TRANSLATIONS
 from .rotary import fold_rotations_into_attention, rotary_as_kernel
-from ..executorch.quantize import Quantization
-from ..decoder import ExternalCacheDecoder
 
 PROGRAM_FILE = "model.onnx"
 # Weights always go to one external file: a single layout for every model, and ONNX's protobuf
@@ -30,6 +31,8 @@ PROGRAM_FILE = "model.onnx"
 DATA_FILE = "model.onnx.data"
 SUPPORTED_DTYPES = ("float32", "float16")
 RUNTIME_PACKAGES = ("onnx", "onnxruntime", "onnxscript")
+# --quantize applies to the written graph.
+QUANTIZES_MODULE = False
 # A sliding layer's buffer has 2 * window rows, kept contiguous in positions (see interface).
 RING_WINDOWS = 2
 
@@ -68,11 +71,16 @@ def io_names(layers: list[dict]) -> tuple[list[str], list[str]]:
     return inputs, outputs
 
 
-def lower(program: torch.export.ExportedProgram, info: dict, out_dir: Path) -> dict:
+def quantize_model(model: torch.nn.Module, quantization: Quantization) -> list[str]:
+    """Nothing: ONNX quantizes the written graph's weights (``quantize_files``)."""
+    return []
+
+
+def lower(program: torch.export.ExportedProgram, spec: ProgramSpec, out_dir: Path) -> dict:
     """Convert to ONNX, check it, write ``model.onnx`` + ``model.onnx.data``; return facts for ``kvexport.json``."""
     import onnx
 
-    input_names, output_names = io_names(info["layers"])
+    input_names, output_names = io_names(spec.layers)
     onnx_program = torch.onnx.export(
         program,
         (),
@@ -82,14 +90,14 @@ def lower(program: torch.export.ExportedProgram, info: dict, out_dir: Path) -> d
         custom_translation_table={**ATTENTION_TRANSLATIONS, **ROTARY_TRANSLATIONS},
         verbose=False,
     )
-    if info["dtype"] == "float32":
+    if spec.dtype == "float32":
         _fuse_norms(onnx_program.model)
     _tidy(onnx_program.model)
     _drop_identity_reshapes(onnx_program.model)
     path = out_dir / PROGRAM_FILE
     onnx_program.save(path, external_data=True)
     del onnx_program
-    fold_rotations_into_attention(path, info["max_cache_len"])
+    fold_rotations_into_attention(path, spec.max_cache_len)
     lengths_as_inputs(path)
     _check(path)
     graph = onnx.load(str(path), load_external_data=False)
@@ -97,11 +105,11 @@ def lower(program: torch.export.ExportedProgram, info: dict, out_dir: Path) -> d
         "program": PROGRAM_FILE,
         "external_data": DATA_FILE,
         "opset": _opset(graph),
-        "interface": interface(graph, info),
+        "interface": interface(graph, spec),
     }
 
 
-def quantize_files(out_dir: Path, info: dict, quantization: Quantization) -> dict:
+def quantize_files(out_dir: Path, spec: ProgramSpec, quantization: Quantization) -> dict:
     """``--quantize int4``: the written graph's weights to 4 bits (8 for the embedding, and for the
     lm_head unless ``quantization.lm_head`` is ``int4``; ONNX Runtime's MatMulNBits and GatherBlockQuantized),
     rewritten in place as ``model.onnx`` + ``model.onnx.data``, then checked again. The interface
@@ -114,6 +122,38 @@ def quantize_files(out_dir: Path, info: dict, quantization: Quantization) -> dic
     ops = quantize_onnx(path, DATA_FILE, quantization.lm_head or "int8")
     _check(path)
     return {"opset": _opset(onnx.load(str(path), load_external_data=False)), "quantized_ops": ops}
+
+
+def describe_quantization(quantization: Quantization, hidden_size: int) -> dict | None:
+    """``hidden_size`` is the lm_head's and embedding table's K, which sets their block."""
+    if not quantization:
+        return None
+    lm_head = quantization.lm_head
+    return {
+        "scheme": "int4",
+        "by": "kvexport.exporter.onnx.quantize",
+        "linear": {"weights": "int4", "symmetric": False, "block_size": BLOCK, "accuracy_level": ACCURACY_LEVEL,
+                   "op": "com.microsoft::MatMulNBits + per-block offset"},
+        # A weight the source stores finer than 4 bits (GGUF Q5_0, Q6_K, Q8_0) is not rounded to 4.
+        "linear_finer_than_4_bits": {"weights": "int8", "symmetric": True,
+                                     "block_size": f"{BLOCK}, or {FINE_BLOCK} where the source steps runs of {FINE_BLOCK} (Q6_K)",
+                                     "accuracy_level": ACCURACY_LEVEL, "op": "com.microsoft::MatMulNBits"},
+        "lm_head": (
+            {"weights": "int4", "symmetric": False, "block_size": BLOCK, "zero_points": "4-bit, one a block",
+             "accuracy_level": ACCURACY_LEVEL, "op": "com.microsoft::MatMulNBits",
+             "note": "--quantize-lm-head int4: each block's zero point the one whose smallest step reaches its min and max"}
+            if lm_head == "int4"
+            else {"weights": "int8", "symmetric": True, "block_size": table_block(hidden_size),
+                  "op": "com.microsoft::MatMulNBits"}
+        ),
+        "embedding": {"weights": "int8", "symmetric": True, "block_size": table_block(hidden_size),
+                      "op": "com.microsoft::GatherBlockQuantized"},
+    }
+
+
+def quantization_detail(quantization: Quantization) -> str:
+    return (f"int4 linear weights ({quantization.lm_head or 'int8'} lm_head), MatMul -> MatMulNBits, "
+            "Gather -> GatherBlockQuantized int8 (ONNX Runtime)")
 
 
 def _fuse_norms(model) -> None:
@@ -259,17 +299,17 @@ def _describe(value, layers_by_index: dict) -> dict:
     return entry
 
 
-def interface(graph, info: dict) -> dict:
+def interface(graph, spec: ProgramSpec) -> dict:
     """The graph's inputs and outputs, and how a runtime drives the cache: enough for any runtime."""
-    layers_by_index = {layer["index"]: layer for layer in info["layers"]}
-    windows = [layer["window"] for layer in info["layers"] if layer["cache"] == "ring"]
+    layers_by_index = {layer["index"]: layer for layer in spec.layers}
+    windows = [layer["window"] for layer in spec.layers if layer["cache"] == "ring"]
     return {
         "inputs": [_describe(v, layers_by_index) for v in graph.graph.input],
         "outputs": [_describe(v, layers_by_index) for v in graph.graph.output],
         "symbols": SYMBOLS,
         "calls": "contiguous: each call starts where the previous one ended; start at 0 for a new sequence",
         # --prefill-chunk; and a ring buffer has 2W rows and a call may start at row W - 1: W more rows fit.
-        "max_tokens_per_call": min([info["interface"]["max_tokens_per_call"], *windows]),
+        "max_tokens_per_call": min([spec.max_tokens_per_call, *windows]),
         "cache": {
             "owner": "the runtime: per layer, a key and a value buffer allocated once and filled with zeros "
             "(a masked slot still enters attention with weight 0, so it must hold finite numbers)",

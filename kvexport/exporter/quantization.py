@@ -1,0 +1,64 @@
+"""What ``--quantize``, ``--quantize-embedding`` and ``--quantize-lm-head`` ask for, checked before
+anything loads. Each target applies it: ExecuTorch quantizes the module before export
+(``executorch/quantize.py``), ONNX the saved graph's weights (``onnx/quantize.py``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import InvalidOptionError
+
+# The export options that choose a quantization (ExportOptions' fields, and matrix rows' keys).
+OPTIONS = ("quantize", "quantize_embedding", "quantize_lm_head")
+# --quantize: the scheme, and the one target that runs it.
+SCHEMES = {"8da4w": "executorch", "int4": "onnx"}
+# --quantize-embedding (ExecuTorch): kvexport's name -> ExecuTorch's quantize_model_ config.
+EMBEDDING_SCHEMES = {"int8": "8w", "int4": "4w"}
+# --quantize-lm-head (with 8da4w or int4): int8 (the default: its rounding lands straight on the
+# logits), or int4 (smaller and faster, less exact).
+LM_HEAD_SCHEMES = ("int8", "int4")
+
+
+@dataclass(frozen=True)
+class Quantization:
+    """What ``--quantize``, ``--quantize-embedding`` and ``--quantize-lm-head`` ask for (None: not
+    asked), carried as one value from the command line to the target that applies it."""
+
+    scheme: str | None = None  # --quantize: "8da4w" (executorch) or "int4" (onnx)
+    embedding: str | None = None  # --quantize-embedding: "int8" or "int4" (executorch)
+    lm_head: str | None = None  # --quantize-lm-head: "int8" (the default) or "int4", with scheme
+
+    def __bool__(self) -> bool:  # whether anything is quantized (an lm_head scheme alone is refused)
+        return bool(self.scheme or self.embedding)
+
+    def check(self, target: str, dtype: str) -> None:
+        """Refuse, before anything loads, a scheme that does not exist or that the target does not run."""
+        scheme, embedding, lm_head = self.scheme, self.embedding, self.lm_head
+        if scheme is not None and scheme not in SCHEMES:
+            choices = ", ".join(f"{s} (--target {t})" for s, t in SCHEMES.items())
+            raise InvalidOptionError(f"unknown --quantize '{scheme}'; choose one of: {choices}")
+        if scheme is not None and SCHEMES[scheme] != target:
+            right = next(s for s, t in SCHEMES.items() if t == target)
+            raise InvalidOptionError(
+                f"--quantize {scheme} is for --target {SCHEMES[scheme]}; for --target {target} use --quantize {right}"
+            )
+        if embedding is not None:
+            if target != "executorch":
+                raise InvalidOptionError(
+                    f"--quantize-embedding is for --target executorch; for --target {target} leave it out "
+                    "(--quantize int4 quantizes the embedding too)"
+                )
+            if embedding not in EMBEDDING_SCHEMES:
+                raise InvalidOptionError(
+                    f"unknown --quantize-embedding '{embedding}'; choose one of: {', '.join(EMBEDDING_SCHEMES)}"
+                )
+        if lm_head is not None:
+            if lm_head not in LM_HEAD_SCHEMES:
+                raise InvalidOptionError(f"unknown --quantize-lm-head '{lm_head}'; choose one of: {', '.join(LM_HEAD_SCHEMES)}")
+            if scheme is None:
+                right = next(s for s, t in SCHEMES.items() if t == target)
+                raise InvalidOptionError(
+                    f"--quantize-lm-head goes with --quantize {right} (--target {target}); add it, or leave --quantize-lm-head out"
+                )
+        if (scheme or embedding) and dtype != "float32":
+            raise InvalidOptionError(f"--quantize takes --dtype float32 (the default), not {dtype}; leave --dtype out")
