@@ -13,6 +13,7 @@ from typing import Annotated, Optional
 import typer
 
 from . import logs
+from .api import EXPORT_HASH_SEED
 from .errors import KvexportError
 
 app = typer.Typer(
@@ -22,7 +23,8 @@ app = typer.Typer(
     # Help texts are plain: rich markup would swallow their "[default: ...]" notes.
     rich_markup_mode=None,
     help="Export Hugging Face decoder LLMs to ExecuTorch / ONNX with an export-safe KV cache, "
-    "and prove the artifact generates what eager transformers generates.",
+    "and prove the artifact generates what eager transformers generates. "
+    "Any command takes --verbose: third-party libraries' log lines and progress bars are then let through.",
 )
 
 Target = Annotated[str, typer.Option("--target", "-t", help="executorch or onnx")]
@@ -31,7 +33,9 @@ JsonFlag = Annotated[bool, typer.Option("--json", help="print one JSON object on
 
 @app.command()
 def export(
-    model: Annotated[str, typer.Argument(help="alias, tiny preset, HF folder, .gguf file or cached hub id")],
+    model: Annotated[
+        str, typer.Argument(help="alias, tiny preset, HF folder, .gguf file or hub id ORG/NAME (from the local HF cache, or downloaded)")
+    ],
     target: Target = "executorch",
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="output folder [default: MODEL-TARGET]")] = None,
     max_cache_len: Annotated[
@@ -54,18 +58,24 @@ def export(
         Optional[str],
         typer.Option(help="with --quantize: int8 or int4 lm_head (int4: smaller and faster, less exact) [default: int8]"),
     ] = None,
+    revision: Annotated[Optional[str], typer.Option(help="hub id: branch, tag or commit [default: main]")] = None,
+    offline: Annotated[
+        bool, typer.Option("--offline", help="hub id: the local HF cache only, no network (as HF_HUB_OFFLINE=1)")
+    ] = False,
+    gguf_file: Annotated[
+        Optional[str], typer.Option(help="hub id: download only this .gguf file of the repo and export it")
+    ] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="no progress output")] = False,
     as_json: JsonFlag = False,
 ):
     """Export MODEL to an artifact folder (program, tokenizer, kvexport.json)."""
-    from .exporter.pipeline import ExportOptions, export_model
-    from .progress import Progress
+    from .api import export_in_this_process  # main() gave this process kvexport's hash seed
 
-    options = ExportOptions(
-        model, target, out, max_cache_len, dtype, force, quantize=quantize, quantize_embedding=quantize_embedding,
-        quantize_lm_head=quantize_lm_head, prefill_chunk=prefill_chunk,
+    result = export_in_this_process(
+        model, target, out, quiet=quiet, max_cache_len=max_cache_len, dtype=dtype, force=force, quantize=quantize,
+        quantize_embedding=quantize_embedding, quantize_lm_head=quantize_lm_head, prefill_chunk=prefill_chunk,
+        revision=revision, offline=offline, gguf_file=gguf_file,
     )
-    result = export_model(options, Progress(quiet=quiet))
     if as_json:
         print(json.dumps({"folder": str(result.folder), "seconds": result.seconds, "peak_rss_mb": result.peak_rss_mb}))
 
@@ -80,6 +90,28 @@ def run(ctx: typer.Context):
     from .runtime.run import run_main
 
     run_main(ctx.args, "kvexport run")
+
+
+@app.command()
+def chat(
+    artifact: Annotated[Path, typer.Argument(metavar="DIR|ARCHIVE", help="artifact folder, or archive from kvexport pack")],
+    system: Annotated[Optional[str], typer.Option("--system", metavar="TEXT", help="system prompt")] = None,
+    max_new_tokens: Annotated[
+        Optional[int],
+        typer.Option(metavar="N", help="most new tokens per reply [default: until the end of the turn or the cache is full]"),
+    ] = None,
+    temperature: Annotated[float, typer.Option(metavar="T", help="0 is greedy")] = 0.0,
+    top_p: Annotated[float, typer.Option("--top-p", metavar="P", help="nucleus sampling threshold")] = 1.0,
+    seed: Annotated[Optional[int], typer.Option(metavar="S", help="sampling seed")] = None,
+    device: Annotated[str, typer.Option(metavar="cpu|cuda", help="cpu or cuda (float16 ONNX artifacts)")] = "cpu",
+    as_json: Annotated[bool, typer.Option("--json", help="one JSON object per reply on stdout, no streamed text")] = False,
+):
+    """Chat with the artifact in its chat template, one user turn per line (/reset starts over, /exit ends);
+    the cache is kept across turns, so each turn feeds only its new tokens."""
+    from .runtime.chat import chat_command
+
+    ok = chat_command(artifact, system, max_new_tokens, temperature, top_p, seed, device, as_json)
+    raise typer.Exit(0 if ok else 2)
 
 
 @app.command()
@@ -110,7 +142,7 @@ def check(
     ] = None,
     device: Annotated[str, typer.Option(help="where eager transformers runs: cpu or cuda")] = "cpu",
     model: Annotated[
-        Optional[str], typer.Option("--model", help="eager reference [default: the model the artifact came from]")
+        Optional[str], typer.Option("--model", help="eager reference: any export MODEL, a hub id downloaded if not cached [default: the model the artifact came from; a hub model at its recorded commit]")
     ] = None,
     as_json: JsonFlag = False,
 ):
@@ -165,13 +197,6 @@ def _interrupt(signum, frame):
     raise Interrupted(signum)
 
 
-# Exports run with this hash seed. transformers builds some graphs by iterating over a set of
-# strings (Gemma 3 computes its rotary tables per layer type in `set(config.layer_types)` order),
-# and that order follows Python's per-process hash seed: the traced program, and so the bytes of
-# model.pte, would differ from one run to the next.
-EXPORT_HASH_SEED = "0"
-
-
 def _reexec_with_fixed_hash_seed(argv: list[str]) -> None:
     if os.environ.get("PYTHONHASHSEED") == EXPORT_HASH_SEED:
         return
@@ -184,6 +209,10 @@ def _reexec_with_fixed_hash_seed(argv: list[str]) -> None:
 def main(argv: list[str] | None = None) -> None:
     in_own_process = argv is None  # not called from another program (the tests), which exec would replace
     argv = list(sys.argv[1:] if argv is None else argv)
+    options = argv[: argv.index("--")] if "--" in argv else argv
+    if "--verbose" in options:
+        argv.remove("--verbose")
+        os.environ[logs.VERBOSE_ENV] = "1"
     commands = {c.name or c.callback.__name__ for c in app.registered_commands}
     if argv and not argv[0].startswith("-") and argv[0] not in commands:
         argv.insert(0, "export")

@@ -34,9 +34,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 if (REPO / "kvexport").is_dir() and str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))  # this checkout's kvexport, not another installed one
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench.py beside it, also when loaded by path
 
-from bench import _set_executorch_threads, _set_torch_threads, exact_prompt  # noqa: E402
+from kvexport.bench.bench import _set_executorch_threads, _set_torch_threads, exact_prompt  # noqa: E402
 
 TOTAL = "Method::execute"
 CONTAINERS = {TOTAL, "DELEGATE_CALL", "OPERATOR_CALL"}  # events that hold others

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
 
 from kvexport.models.presets import PRESETS, build_preset
 
-torch.set_num_threads(max(1, os.cpu_count() or 1))
+# Under pytest-xdist each worker gets its share of the CPUs (make test runs one worker per core).
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, (os.cpu_count() or 1) // WORKERS))
 
 PRESET_NAMES = sorted(PRESETS)
 TEST_CACHE_LEN = 64
@@ -30,27 +33,41 @@ def tiny(preset):
     return preset, model, tokenizer
 
 
+def shared_dir(tmp_path_factory) -> Path:
+    """A folder every pytest-xdist worker of this run sees (the one run's base folder without xdist)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+def exported_once(tmp_path_factory, name: str, export) -> Path:
+    """``export(folder)`` run once per test run for ``name``, whichever worker asks first; the others
+    wait for it and share the folder (tests only read artifacts)."""
+    from filelock import FileLock
+
+    folder = shared_dir(tmp_path_factory) / "shared-artifacts" / name
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(folder) + ".lock"):
+        if not (folder / "kvexport.json").is_file():
+            export(folder)
+    return folder
+
+
 @pytest.fixture(scope="session")
 def artifact(tmp_path_factory):
     """``artifact(name, target, quantize=None, quantize_embedding=None, quantize_lm_head=None,
-    dtype="float32")`` -> folder, exported once per session."""
+    dtype="float32")`` -> folder, exported once per test run."""
     from kvexport.exporter.pipeline import ExportOptions, export_model
     from kvexport.progress import Progress
-
-    cache: dict[tuple, object] = {}
 
     def get(name: str, target: str = "executorch", quantize: str | None = None, quantize_embedding: str | None = None,
             quantize_lm_head: str | None = None, dtype: str = "float32"):
         key = (name, target, quantize, quantize_embedding, quantize_lm_head, dtype)
-        if key not in cache:
-            suffix = "".join(f"-{q}" for q in key[2:] if q and q != "float32")
-            out = tmp_path_factory.mktemp("artifacts") / f"{name}-{target}{suffix}"
-            options = ExportOptions(
-                name, target, out, TEST_CACHE_LEN, dtype=dtype, quantize=quantize,
-                quantize_embedding=quantize_embedding, quantize_lm_head=quantize_lm_head,
-            )
-            export_model(options, Progress(quiet=True))
-            cache[key] = out
-        return cache[key]
+        suffix = "".join(f"-{q}" for q in key[2:] if q and q != "float32")
+        options = dict(dtype=dtype, quantize=quantize, quantize_embedding=quantize_embedding, quantize_lm_head=quantize_lm_head)
+
+        def export(out: Path) -> None:
+            export_model(ExportOptions(name, target, out, TEST_CACHE_LEN, force=True, **options), Progress(quiet=True))
+
+        return exported_once(tmp_path_factory, f"{name}-{target}{suffix}", export)
 
     return get

@@ -6,6 +6,8 @@ import hashlib
 import json
 import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 
@@ -85,7 +87,7 @@ def test_default_max_cache_len_is_said(tmp_path, capsys, monkeypatch):
         (["tiny-llama", "--max-cache-len", "513"], ["exceeds the model's maximum positions (512)"]),
         (["tiny-llama", "--prefill-chunk", "0"], ["--prefill-chunk", "positive"]),
         (["tiny-llama", "--max-cache-len", "64", "--prefill-chunk", "65"], ["--prefill-chunk 65 exceeds --max-cache-len 64"]),
-        (["some-org/not-cached-model"], ["not in the local Hugging Face cache", "hf download"]),
+        (["some-org/not-cached-model", "--offline"], ["not (completely) in the local Hugging Face cache", "--offline forbids"]),
         (["./no/such/model"], ["'./no/such/model' not found"]),
         (["tiny-llama", "--dtype", "bfloat16"], ["target executorch does not take --dtype bfloat16", "float32, float16"]),
     ],
@@ -98,7 +100,7 @@ def test_default_max_cache_len_is_said(tmp_path, capsys, monkeypatch):
         "cache-len-above-max-positions",
         "prefill-chunk-zero",
         "prefill-chunk-above-cache",
-        "hub-id-not-cached",
+        "hub-id-offline-not-cached",
         "missing-path",
         "dtype-not-for-target",
     ],
@@ -116,10 +118,10 @@ def test_export_mistakes_get_one_line(tmp_path, capsys, args, phrases):
         (["tiny-llama", "--bogus"], ["No such option: --bogus", "see `kvexport export --help`"]),
         (["run"], ["required", "DIR|ARCHIVE", "see `kvexport run --help`"]),
         (["check", "--device"], ["'--device' requires an argument"]),
-        (["run", "x", "-p", "hi", "--seed", "-3"], ["--seed", "at least 0, got -3"]),
-        (["run", "x", "-p", "hi", "--temperature", "nan"], ["--temperature", "finite number >= 0"]),
-        (["run", "x", "-p", "hi", "--temperature", "inf"], ["--temperature", "finite number >= 0"]),
-        (["run", "x", "-p", "hi", "--top-p", "nan"], ["--top-p", "in (0, 1]"]),
+        (["run", "x", "-p", "hi", "--seed", "-3"], ["seed must be >= 0, got -3"]),
+        (["run", "x", "-p", "hi", "--temperature", "nan"], ["temperature must be a finite number >= 0"]),
+        (["run", "x", "-p", "hi", "--temperature", "inf"], ["temperature must be a finite number >= 0"]),
+        (["run", "x", "-p", "hi", "--top-p", "nan"], ["top-p must be in (0, 1]"]),
         (["run", "x", "-p", "hi", "--bogus"], ["unrecognized arguments: --bogus", "see `kvexport run --help`"]),
     ],
     ids=["not-an-integer", "unknown-option", "missing-argument", "option-without-value", "negative-seed",
@@ -401,3 +403,24 @@ def test_a_model_that_overflows_in_float16_is_refused_before_export(tmp_path, ca
     assert not out.exists()
     code, _, err = run_cli(capsys, folder, "--target", "onnx", "-o", out, "--max-cache-len", "16", "--quiet")
     assert code == 0, err  # float32 takes it
+
+
+def test_a_mistyped_model_is_refused_before_torch_is_imported():
+    script = (
+        "import sys\nfrom kvexport.cli import main\n"
+        "try:\n    main(['export', './no/such/model', '--target', 'onnx'])\n"
+        "except SystemExit as e:\n    print(e.code, 'torch' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.stdout.split() == ["2", "False"], done.stderr
+    assert_one_line_error(2, done.stderr, "model './no/such/model' not found")
+
+
+@pytest.mark.parametrize("verbose", [False, True], ids=["quiet", "verbose"])
+def test_executorch_s_native_log_lines_show_only_with_verbose(artifact, verbose):
+    command = [sys.executable, "-m", "kvexport.cli", "run", str(artifact("tiny-llama")), "-p", "Hi", "--max-new-tokens", "2"]
+    done = subprocess.run(command + (["--verbose"] if verbose else []), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert ("cpuinfo_utils.cpp" in done.stderr) == verbose, done.stderr
+    if not verbose:
+        assert done.stderr.strip().splitlines()[-1].startswith("[3 prompt tokens, 2 new;"), done.stderr

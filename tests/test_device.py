@@ -63,7 +63,7 @@ def test_onnx_runs_with_only_onnxruntime_numpy_tokenizers(artifact, capsys, prom
 def test_the_import_guard_catches_torch(artifact):
     """The guard above is not vacuous: the export side of kvexport does need torch."""
     script = _RUN_DEVICE.format(allowed=ONNX_DEVICE_PACKAGES, blocked=set()).replace(
-        'runpy.run_module("kvexport.device", run_name="__main__", alter_sys=True)', "import kvexport.exporter.pipeline"
+        'runpy.run_module("kvexport.device", run_name="__main__", alter_sys=True)', "import kvexport.exporter.decoder"
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert done.returncode != 0 and "torch is not installed on this device" in done.stderr
@@ -137,7 +137,7 @@ def test_mistakes_get_one_line(artifact, capsys, args, phrases):
     "args, phrases",
     [
         ([], ["required: DIR|ARCHIVE, --prompt/-p", "see `python -m kvexport.device --help`"]),
-        (["x", "-p", "hi", "--temperature", "nan"], ["--temperature", "finite number >= 0"]),
+        (["x", "-p", "hi", "--temperature", "nan"], ["temperature must be a finite number >= 0"]),
     ],
     ids=["no-arguments", "nan-temperature"],
 )

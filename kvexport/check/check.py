@@ -95,6 +95,10 @@ class CheckReport:
     min_agreement: float = 1.0
 
     @property
+    def passed(self) -> bool:
+        return self.ok
+
+    @property
     def ok(self) -> bool:
         if self.mode == "agreement":
             return all(p.eager_not_finite_at is None and p.top1_agreement >= self.min_agreement for p in self.prompts)
@@ -140,8 +144,8 @@ def load_reference(manifest: dict, model_name: str | None, device: str, dtype: s
 
     if device == "cuda" and not torch.cuda.is_available():
         raise InvalidOptionError("--device cuda: no CUDA GPU is available here (torch.cuda.is_available() is False)")
-    source = sources.resolve(model_name or _recorded_source(manifest))
-    model, _ = sources.load_model(source, sources.DTYPES[dtype or manifest["dtype"]])
+    source = sources.resolve(model_name) if model_name else sources.resolve_recorded(manifest["source"])
+    model, _ = sources.load_model(source, dtype or manifest["dtype"])
     return model.to(device)
 
 
@@ -166,13 +170,6 @@ class Float32Logits:
         with torch.no_grad():
             out = self.model(input_ids=torch.tensor([ids], device=device), use_cache=False, logits_to_keep=1)
         return out.logits[0, -1].float().cpu().numpy()
-
-
-def _recorded_source(manifest: dict) -> str:
-    recorded = manifest["source"]
-    if recorded["kind"] in ("folder", "gguf") and recorded.get("path") and Path(recorded["path"]).exists():
-        return recorded["path"]
-    return recorded["name"]
 
 
 def check_prompt(
@@ -358,15 +355,13 @@ def _summary_line(report: PromptReport, tolerance: float, min_agreement: float |
     )
 
 
-def check_command(folder, prompts, max_new_tokens, device, model_name, as_json) -> bool:
-    from ..artifact.manifest import read_manifest
-
-    folder = Path(folder)
-    manifest = read_manifest(folder)
+def choose_prompts(manifest: dict, tokenizer: ArtifactTokenizer, prompts: list[str] | None,
+                   max_new_tokens: int | None) -> list[tuple[str, int]] | None:
+    """``(prompt, new tokens)`` pairs for the prompts and length asked for, each checked to fit the
+    cache; None where the defaults are wanted as they are."""
     # Checked on the text: "" encodes to a lone BOS for many tokenizers, which is no prompt at all.
     if prompts and not all(prompts):
         raise InvalidOptionError("a --prompt is empty; give some text")
-    tokenizer = ArtifactTokenizer(folder)
     quantized = manifest.get("quantization")
     defaults = default_prompts(manifest, tokenizer, QUANTIZED_STEPS if quantized else None)
     if prompts:
@@ -375,9 +370,20 @@ def check_command(folder, prompts, max_new_tokens, device, model_name, as_json) 
     elif max_new_tokens is not None:
         chosen = [(p, max_new_tokens) for p, _ in defaults]
     else:
-        chosen = None
-    for text, n in chosen or []:  # before the header line: a request that cannot fit prints one line only
+        return None
+    for text, n in chosen:
         check_fits(len(tokenizer.encode(text)), n, manifest["max_cache_len"])
+    return chosen
+
+
+def check_command(folder, prompts, max_new_tokens, device, model_name, as_json) -> bool:
+    from ..artifact.manifest import read_manifest
+
+    folder = Path(folder)
+    manifest = read_manifest(folder)
+    tokenizer = ArtifactTokenizer(folder)
+    quantized = manifest.get("quantization")
+    chosen = choose_prompts(manifest, tokenizer, prompts, max_new_tokens)
     tolerance = LOGIT_TOLERANCE[manifest["dtype"]]
     min_agreement = MIN_QUANTIZED_AGREEMENT if quantized else None
     if not as_json:

@@ -6,8 +6,6 @@ import platform
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
 from ..artifact import manifest
 from ..artifact.staging import check_output_path, staged_folder
 from ..errors import InvalidOptionError
@@ -15,7 +13,7 @@ from ..models import architecture, sources
 from ..progress import Progress, peak_rss_mb
 from ..version import __version__
 from . import quantization as quantize
-from .targets import ProgramSpec, get_target
+from .targets import ProgramSpec, check_target_name, get_target
 
 DEFAULT_MAX_CACHE_LEN = 2048
 # Most tokens one forward call takes, by default; longer prompts are prefilled in chunks of this
@@ -36,6 +34,10 @@ class ExportOptions:
     quantize_embedding: str | None = None  # "int8" or "int4" (executorch)
     quantize_lm_head: str | None = None  # "int8" (the default) or "int4", with quantize
     prefill_chunk: int | None = None  # most tokens per forward call [default: DEFAULT_PREFILL_CHUNK]
+    # A hub id's branch, tag or commit; no network (the local HF cache only); a .gguf file in the repo.
+    revision: str | None = None
+    offline: bool = False
+    gguf_file: str | None = None
 
     @property
     def quantization(self) -> quantize.Quantization:
@@ -140,35 +142,38 @@ class ExportPlan:
         )
 
 
-def plan_export(options: ExportOptions) -> ExportPlan:
-    """Check the request against the target and the model's config (no weights are loaded)."""
-    target = get_target(options.target)
+def plan_export(options: ExportOptions, progress: Progress | None = None) -> ExportPlan:
+    """Check the request against the target and the model's config (no weights are loaded; a hub id's
+    files are downloaded, with ``progress``, unless they are in the local HF cache)."""
+    # What needs no torch first: a mistyped option or path is refused in a fraction of a second.
+    check_target_name(options.target)
     if options.dtype not in sources.DTYPES:
         raise InvalidOptionError(f"unknown dtype '{options.dtype}'; choose one of: {', '.join(sources.DTYPES)}")
+    options.quantization.check(options.target, options.dtype)
+    out = Path(options.out) if options.out else default_output(options.gguf_file or options.model, options.target)
+    check_output_path(out, options.force)
+    source = sources.resolve(options.model, options.revision, options.offline, options.gguf_file, progress)
+    target = get_target(options.target)
     if options.dtype not in target.SUPPORTED_DTYPES:
         raise InvalidOptionError(
             f"target {options.target} does not take --dtype {options.dtype}; it takes {', '.join(target.SUPPORTED_DTYPES)}"
         )
-    options.quantization.check(options.target, options.dtype)
-    out = Path(options.out) if options.out else default_output(options.model, options.target)
-    check_output_path(out, options.force)
-    source = sources.resolve(options.model)
     config = sources.load_config(source)
     specs = architecture.layer_specs(config)
     max_cache_len, max_positions = choose_max_cache_len(config, options.max_cache_len)
     prefill_chunk = choose_prefill_chunk(max_cache_len, options.prefill_chunk)
-    dtype_bytes = torch.empty((), dtype=sources.DTYPES[options.dtype]).element_size()
+    dtype_bytes = sources.DTYPES[options.dtype]
     return ExportPlan(options, out, source, config, specs, max_cache_len, max_positions, dtype_bytes, prefill_chunk)
 
 
 def export_model(options: ExportOptions, progress: Progress | None = None) -> ExportResult:
     progress = progress or Progress()
-    plan = plan_export(options)
+    plan = plan_export(options, progress)
     target = get_target(options.target)
     progress.info(plan.summary())
 
     with progress.step("load", plan.source.name):
-        model, tokenizer = sources.load_model(plan.source, sources.DTYPES[options.dtype])
+        model, tokenizer = sources.load_model(plan.source, options.dtype)
     if options.dtype != "float32":
         with progress.step("probe", f"eager {options.dtype} on {_PROBE_PROMPT!r}"):
             _refuse_if_it_overflows(model, tokenizer, options.dtype)
@@ -211,6 +216,8 @@ _PROBE_PROMPT = "The capital of France is"
 
 
 def _refuse_if_it_overflows(model, tokenizer, dtype: str) -> None:
+    import torch
+
     ids = tokenizer(_PROBE_PROMPT, return_tensors="pt")["input_ids"]
     with torch.no_grad():
         out = model(input_ids=ids, output_hidden_states=True, use_cache=False)
@@ -235,6 +242,7 @@ def _eos_ids(model, tokenizer) -> list[int]:
 
 
 def _manifest_info(plan: ExportPlan, model, tokenizer) -> dict:
+    import torch
     import transformers
 
     target = get_target(plan.options.target)
@@ -254,6 +262,7 @@ def _manifest_info(plan: ExportPlan, model, tokenizer) -> dict:
             "prefill_chunk": plan.prefill_chunk,
             # Only when set, so unquantized manifests read as before.
             **{name: getattr(plan.options, name) for name in quantize.OPTIONS if getattr(plan.options, name)},
+            **{name: getattr(plan.options, name) for name in ("revision", "gguf_file") if getattr(plan.options, name)},
         },
         "model_type": config.model_type,
         "dtype": dtype,

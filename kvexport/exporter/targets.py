@@ -59,9 +59,13 @@ class Target(Protocol):
         """The quantize step's one-line progress detail."""
 
 
-def get_target(name: str) -> Target:
+def check_target_name(name: str) -> None:
     if name not in TARGETS:
         raise InvalidOptionError(f"unknown target '{name}'; choose one of: {', '.join(TARGETS)}")
+
+
+def get_target(name: str) -> Target:
+    check_target_name(name)
     module = f"{__package__}.{name}.target"
     try:
         return cast(Target, importlib.import_module(module))

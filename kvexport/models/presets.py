@@ -7,9 +7,11 @@ share a character-level tokenizer whose vocabulary is the model's (printable ASC
 
 from __future__ import annotations
 
-import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # imported where used: the CLI refuses a bad model name before torch loads
+    import torch
+    from transformers import PreTrainedTokenizerFast
 
 BOS, EOS, PAD, UNK = "<bos>", "<eos>", "<pad>", "<unk>"
 SPECIALS = [BOS, EOS, PAD, UNK]
@@ -100,16 +102,22 @@ def preset_config(name: str):
 
 def tiny_config(model_type: str, overrides: dict):
     """A tiny config of any family: the shared tiny defaults (they fit the tokenizer), then ``overrides``."""
+    from transformers import AutoConfig
+
     return AutoConfig.for_model(model_type, **{**_COMMON, **overrides})
 
 
-def build_preset(name: str, dtype: torch.dtype = torch.float32):
+def build_preset(name: str, dtype: torch.dtype | str = "float32"):
     """The preset's model (eval mode, seeded weights) and its tokenizer."""
     return build_tiny(preset_config(name), dtype)
 
 
-def build_tiny(config, dtype: torch.dtype = torch.float32):
+def build_tiny(config, dtype: torch.dtype | str = "float32"):
     """A tiny config's model (eval mode, seeded weights) and the character tokenizer."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         # Drawn in float32, then rounded: float16 draws from one seed differ between torch versions,
@@ -127,6 +135,9 @@ def char_tokenizer() -> PreTrainedTokenizerFast:
     Every token decodes to whole characters, so any generated sequence is valid text (runners that
     stream token by token, ExecuTorch's included, need that); other characters become ``<unk>``.
     """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
     to_unicode = {b: ch for b, ch in zip(range(256), _byte_level_alphabet())}
     chars = [to_unicode[b] for b in [10, *range(32, 127)]]
     vocab = {ch: i for i, ch in enumerate(chars)}

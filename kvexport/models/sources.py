@@ -1,5 +1,9 @@
-"""Where a model comes from: an alias, a tiny preset, a local folder, a ``.gguf`` file or a hub id
-already in the local Hugging Face cache. Nothing is downloaded: kvexport runs offline.
+"""Where a model comes from: an alias, a tiny preset, a local folder, a ``.gguf`` file or a Hugging
+Face Hub id (``ORG/NAME``). A hub id is taken from the local Hugging Face cache when it is there, and
+otherwise downloaded, as ``hf download`` would, but only the files an export reads (see
+``HUB_FILES``), or only the one ``.gguf`` file ``--gguf-file`` names. ``--offline`` or
+``HF_HUB_OFFLINE=1`` forbids the network; ``HF_TOKEN`` (or ``hf auth login``) and ``HF_ENDPOINT``
+work as in huggingface_hub. Resolving stays cheap: the weights are read later.
 
 GGUF models are dequantized by transformers on load, which is slow, so the first load also saves
 a plain HF folder under the kvexport cache; later loads read that.
@@ -7,22 +11,35 @@ a plain HF folder under the kvexport cache; later loads read that.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import functools
 import importlib.util
 import json
 import os
 import shutil
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-
-from ..errors import ModelNotFoundError, UnsupportedModelError
+from ..errors import InvalidOptionError, KvexportError, ModelNotFoundError, UnsupportedModelError
+from ..logs import transformers_progress_quiet
 from . import presets
 from .chat_templates import fallback_chat_template
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+if TYPE_CHECKING:
+    from ..progress import Progress
+
+# The export dtypes, and the bytes of one value in each.
+DTYPES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+def torch_dtype(name: str):
+    import torch
+
+    return getattr(torch, name)
 
 
 def _gemma3_270m() -> Path:
@@ -52,17 +69,73 @@ class ModelSource:
     name: str  # what the user gave
     kind: str  # "preset", "alias", "folder", "gguf" or "hub"
     path: Path | None = None  # folder, or the .gguf file
+    # From the Hugging Face Hub (a hub id, or a .gguf file in a hub repo): what was asked for and the
+    # commit it named, so an artifact says exactly what it came from.
+    revision: str | None = None
+    commit: str | None = None
+    gguf_file: str | None = None  # the .gguf file's path in the repo (--gguf-file)
 
     def describe(self) -> dict:
-        return {"name": self.name, "kind": self.kind, "path": str(self.path) if self.path else None}
+        described = {"name": self.name, "kind": self.kind, "path": str(self.path) if self.path else None}
+        if self.commit:
+            described.update(revision=self.revision, commit=self.commit)
+        if self.gguf_file:
+            described["gguf_file"] = self.gguf_file
+        return described
+
+    @property
+    def label(self) -> str:
+        """How messages name it."""
+        return f"{self.gguf_file} of {self.name}" if self.gguf_file else self.name
 
 
 def known_names() -> list[str]:
     return sorted(ALIASES) + sorted(presets.PRESETS)
 
 
-def resolve(name: str) -> ModelSource:
-    """Turn a MODEL argument into a source, or say clearly why it is not one."""
+def resolve(
+    name: str,
+    revision: str | None = None,
+    offline: bool = False,
+    gguf_file: str | None = None,
+    progress: Progress | None = None,
+) -> ModelSource:
+    """Turn a MODEL argument into a source, or say clearly why it is not one.
+
+    A hub id (``ORG/NAME`` that is no local path) comes from the local Hugging Face cache, or is
+    downloaded unless ``offline``; ``revision`` (branch, tag or commit) and ``gguf_file`` (a .gguf
+    file in the repo) apply to hub ids only. ``progress`` (a kvexport Progress) says that a download
+    runs, and its ``quiet`` silences huggingface_hub's progress bars; None leaves them as they are."""
+    source = _resolve_local(name)
+    if source is None:
+        if not _looks_like_hub_id(name):
+            raise ModelNotFoundError(
+                f"model '{name}' not found: it is no file, folder, hub id (ORG/NAME) or known name; "
+                f"give a model folder, a .gguf file, a hub id or one of: {', '.join(known_names())}"
+            )
+        return _resolve_hub(name, revision, offline, gguf_file, progress)
+    hub_only = [option for option, value in (("--revision", revision), ("--gguf-file", gguf_file)) if value]
+    if hub_only:
+        raise InvalidOptionError(
+            f"{' and '.join(hub_only)} {'select' if len(hub_only) > 1 else 'selects'} from a Hugging Face Hub repo, "
+            f"and '{name}' is a local {source.kind}, "
+            f"not a hub id; {'give the .gguf file itself as MODEL' if gguf_file else 'drop ' + hub_only[0]}"
+        )
+    return source
+
+
+def resolve_recorded(recorded: dict) -> ModelSource:
+    """The source a manifest's ``source`` names: its local file or folder while it exists, a hub
+    model at the very commit it was exported from (from the cache, or downloaded again)."""
+    path = recorded.get("path")
+    if recorded.get("kind") in ("folder", "gguf") and path and Path(path).exists():
+        return resolve(path)
+    if recorded.get("commit"):
+        return resolve(recorded["name"], revision=recorded["commit"], gguf_file=recorded.get("gguf_file"))
+    return resolve(recorded["name"])
+
+
+def _resolve_local(name: str) -> ModelSource | None:
     if presets.is_preset(name):
         return ModelSource(name, "preset")
     if name in ALIASES:
@@ -76,12 +149,7 @@ def resolve(name: str) -> ModelSource:
         if not (path / "config.json").is_file():
             raise ModelNotFoundError(f"{name} is a folder without config.json; it is not a Hugging Face model folder")
         return ModelSource(name, "folder", path.resolve())
-    if _looks_like_hub_id(name):
-        return ModelSource(name, "hub", _hub_snapshot(name))
-    raise ModelNotFoundError(
-        f"model '{name}' not found: it is no file, folder, cached hub id or known name; "
-        f"give a model folder, a .gguf file, a cached hub id or one of: {', '.join(known_names())}"
-    )
+    return None
 
 
 def _looks_like_hub_id(name: str) -> bool:
@@ -89,18 +157,220 @@ def _looks_like_hub_id(name: str) -> bool:
     return len(parts) == 2 and all(parts) and not name.startswith((".", "/", "~"))
 
 
-def _hub_snapshot(repo_id: str) -> Path:
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import LocalEntryNotFoundError
+# The files of a hub repo an export reads, at the repo's top level: the config, the safetensors
+# weights, the tokenizer and the chat template. Not the .bin/.pth/.pt copies of the weights, ONNX or
+# GGUF variants, nor anything in a subfolder (onnx/, original/, ...).
+HUB_FILES = [
+    "config.json",
+    "generation_config.json",
+    "*.safetensors",
+    "model.safetensors.index.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+]
+# fnmatch's * crosses "/": these keep subfolders out. consolidated.safetensors is the original
+# (Mistral) format's copy of the weights, which transformers does not read.
+HUB_IGNORED = ["*/*", "consolidated*.safetensors"]
+
+
+def _hub_cache_dir() -> str:
+    """huggingface_hub reads HF_HOME / HF_HUB_CACHE once, at import; they are read here at each call."""
+    from huggingface_hub import constants
+
+    if os.environ.get("HF_HUB_CACHE"):
+        return os.environ["HF_HUB_CACHE"]
+    if os.environ.get("HF_HOME"):
+        return os.path.join(os.environ["HF_HOME"], "hub")
+    return constants.HF_HUB_CACHE
+
+
+def _hub_endpoint() -> str | None:
+    """HF_ENDPOINT as it is now (huggingface_hub read it at import)."""
+    return os.environ.get("HF_ENDPOINT", "").rstrip("/") or None
+
+
+def _offline_reason(offline: bool) -> str | None:
+    from huggingface_hub import constants
+
+    if offline:
+        return "--offline"
+    for variable in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        if os.environ.get(variable, "").upper() in ("1", "ON", "YES", "TRUE"):
+            return f"{variable}={os.environ[variable]}"
+    if constants.is_offline_mode():
+        return "HF_HUB_OFFLINE"
+    return None
+
+
+def _resolve_hub(
+    repo_id: str, revision: str | None, offline: bool, gguf_file: str | None, progress: Progress | None
+) -> ModelSource:
+    from huggingface_hub import constants, hf_hub_download, snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+
+    if gguf_file is not None and not gguf_file.endswith(".gguf"):
+        raise InvalidOptionError(f"--gguf-file {gguf_file} is not a .gguf file; give the name of a .gguf file in {repo_id}")
+    revision = revision or constants.DEFAULT_REVISION
+    cache = _hub_cache_dir()
+    if gguf_file:
+        def fetch(**online):
+            return hf_hub_download(repo_id, gguf_file, revision=revision, cache_dir=cache, **online)
+    else:
+        def fetch(**online):
+            return snapshot_download(
+                repo_id, revision=revision, cache_dir=cache, allow_patterns=HUB_FILES, ignore_patterns=HUB_IGNORED,
+                **online,
+            )
+
+    why_offline = _offline_reason(offline)
+    try:
+        try:  # the cache first: no request at all when the files are there
+            found = Path(fetch(local_files_only=True))
+        except LocalEntryNotFoundError:  # not cached, or only in part (an interrupted download)
+            if why_offline:
+                raise
+            with _download_progress(progress, repo_id, revision, gguf_file):
+                found = Path(fetch(endpoint=_hub_endpoint()))
+    except HFValidationError as e:
+        raise ModelNotFoundError(
+            f"model '{repo_id}' not found: it is no file or folder, and not a valid hub id ({_first_line(e)})"
+        )
+    except Exception as e:
+        error = _hub_error(e, repo_id, revision, gguf_file, cache, why_offline)
+        if error is None:
+            raise
+        raise error from e
+    if gguf_file:
+        # The snapshot's own path (a link into blobs/): its name is the file's, which the GGUF reader
+        # and the conversion cache go by.
+        snapshot = found.parents[len(Path(gguf_file).parts) - 1]
+        return ModelSource(repo_id, "gguf", found.absolute(), revision, snapshot.name, gguf_file)
+    # Refused here, not when transformers finds no weights: a repo may have only .bin pickles, which
+    # are not downloaded (a .bin already in the cache, fetched by another tool, still loads).
+    if not any(found.glob("*.safetensors")) and not any(found.glob("pytorch_model*.bin")):
+        raise ModelNotFoundError(
+            f"'{repo_id}' (revision {revision}) has no .safetensors weights at its top level; kvexport downloads "
+            "safetensors weights only, not .bin / .pth pickles: choose a repo or revision that has them, or one "
+            "of its .gguf files with --gguf-file"
+        )
+    return ModelSource(repo_id, "hub", found, revision, found.name)
+
+
+@contextlib.contextmanager
+def _download_progress(progress: Progress | None, repo_id: str, revision: str, gguf_file: str | None):
+    """Say what is downloaded (a kvexport step, timed), with huggingface_hub's progress bars unless quiet."""
+    from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
+
+    quiet = progress is not None and progress.quiet
+    silenced = quiet and not are_progress_bars_disabled()
+    if silenced:
+        disable_progress_bars()
+    start = time.perf_counter()
+    try:
+        if progress is not None:
+            what = gguf_file or "config, safetensors weights, tokenizer"
+            progress.info(f"download: {repo_id} ({what}; revision {revision}) from {_hub_endpoint() or _default_endpoint()}")
+        yield
+        if progress is not None:
+            progress.seconds["download"] = time.perf_counter() - start
+            progress.info(f"[green]✓[/green] download {progress.seconds['download']:.1f}s")
+    finally:
+        if silenced:
+            enable_progress_bars()
+
+
+def _default_endpoint() -> str:
+    from huggingface_hub import constants
+
+    return constants.ENDPOINT
+
+
+def _hub_error(e: Exception, repo_id: str, revision: str, gguf_file: str | None, cache: str, why_offline: str | None):
+    """The one-line error for what went wrong resolving a hub id, or None for a bug (re-raised)."""
+    from huggingface_hub import get_token
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HfHubHTTPError,
+        LocalEntryNotFoundError,
+        RemoteEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    hub = _hub_endpoint() or _default_endpoint()
+    if isinstance(e, GatedRepoError):
+        token = "the token in use has no access to it" if get_token() else "no token was found"
+        return ModelNotFoundError(
+            f"'{repo_id}' is a gated repo on {hub} and {token}: accept its terms on its page, then set HF_TOKEN "
+            "to a token of that account or run `hf auth login`"
+        )
+    if isinstance(e, RepositoryNotFoundError):
+        return ModelNotFoundError(
+            f"model '{repo_id}' not found: it is no local file or folder, and no repo of that name is on {hub} "
+            "(a private one needs HF_TOKEN or `hf auth login`); check the name"
+        )
+    if isinstance(e, RevisionNotFoundError):
+        return InvalidOptionError(
+            f"--revision {revision}: '{repo_id}' has no branch, tag or commit of that name on {hub}; "
+            "give one it has (main is the default)"
+        )
+    if isinstance(e, RemoteEntryNotFoundError):
+        ggufs = _gguf_files(repo_id, revision)
+        listed = f"its .gguf files: {', '.join(ggufs)}" if ggufs else "it lists no .gguf file"
+        return InvalidOptionError(f"--gguf-file {gguf_file} is not in '{repo_id}' (revision {revision}); {listed}")
+    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return KvexportError(
+            f"{e.strerror} while downloading '{repo_id}' into the Hugging Face cache {cache}; free some space "
+            "(or point HF_HUB_CACHE at a disk with room) and run again: the files already downloaded are kept"
+        )
+    if isinstance(e, LocalEntryNotFoundError) and why_offline:
+        return ModelNotFoundError(
+            f"'{repo_id}' is no local file or folder, and as a hub id ({gguf_file + ' at ' if gguf_file else ''}"
+            f"revision {revision}) it is not (completely) in the local Hugging Face cache {cache}, and {why_offline} "
+            f"forbids downloading it; run once without {why_offline} to download it, or pass a local folder"
+        )
+    if isinstance(e, (LocalEntryNotFoundError, *_transport_errors())):
+        cause = e.__cause__ if isinstance(e, LocalEntryNotFoundError) and e.__cause__ else e
+        if isinstance(cause, HfHubHTTPError):
+            status = cause.response.status_code if cause.response is not None else "an error"
+            problem = f"answered {status}"
+        else:
+            problem = f"cannot be reached ({type(cause).__name__}: {_first_line(cause)})"
+        return ModelNotFoundError(
+            f"'{repo_id}' is no local file or folder, and as a hub id it is not in the local Hugging Face cache, "
+            f"and the Hub at {hub} {problem}; check the network (or HF_ENDPOINT), or export a model already "
+            "in the cache with --offline"
+        )
+    if isinstance(e, HfHubHTTPError):
+        return ModelNotFoundError(f"downloading '{repo_id}' from {hub} failed: {_first_line(e)}")
+    return None
+
+
+def _transport_errors() -> tuple[type[Exception], ...]:
+    """The HTTP client's network errors (huggingface_hub 2.x uses httpx2), raised mid-download."""
+    try:
+        import httpx2
+    except ImportError:
+        return ()
+    return (httpx2.TransportError,)
+
+
+def _gguf_files(repo_id: str, revision: str) -> list[str]:
+    """The .gguf files of a repo, for a message; [] when they cannot be listed."""
+    from huggingface_hub import HfApi
 
     try:
-        return Path(snapshot_download(repo_id, local_files_only=True))
-    except (LocalEntryNotFoundError, FileNotFoundError, OSError):
-        raise ModelNotFoundError(
-            f"'{repo_id}' is no local file or folder, and as a hub id it is not in the local Hugging Face cache "
-            f"(kvexport does not download); fetch it where there is network (`hf download {repo_id}`) "
-            "or pass a local folder"
-        )
+        files = HfApi(endpoint=_hub_endpoint()).list_repo_files(repo_id, revision=revision)
+    except Exception:
+        return []
+    return sorted(f for f in files if f.endswith(".gguf"))
 
 
 def load_config(source: ModelSource):
@@ -119,7 +389,7 @@ def load_config(source: ModelSource):
             return _read_gguf(lambda: AutoConfig.from_pretrained(source.path.parent, gguf_file=source.path.name), source)
         return AutoConfig.from_pretrained(source.path)
     except (ValueError, KeyError, OSError, json.JSONDecodeError) as e:
-        raise UnsupportedModelError(f"cannot read the config of '{source.name}': {_first_line(e)}")
+        raise UnsupportedModelError(f"cannot read the config of '{source.label}': {_first_line(e)}")
 
 
 def _check_config_file(source: ModelSource) -> None:
@@ -141,7 +411,7 @@ def _check_config_file(source: ModelSource) -> None:
         )
 
 
-def load_model(source: ModelSource, dtype: torch.dtype = torch.float32, cache_dir: Path | None = None):
+def load_model(source: ModelSource, dtype: str = "float32", cache_dir: Path | None = None):
     """The transformers causal LM (eval mode) and its tokenizer."""
     if source.kind == "preset":
         return presets.build_preset(source.name, dtype)
@@ -153,7 +423,7 @@ def load_model(source: ModelSource, dtype: torch.dtype = torch.float32, cache_di
     return model, tokenizer
 
 
-def _load_folder(folder: Path, dtype: torch.dtype, name: str):
+def _load_folder(folder: Path, dtype: str, name: str):
     from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -166,7 +436,8 @@ def _load_folder(folder: Path, dtype: torch.dtype, name: str):
             "the folder needs the model's tokenizer files (tokenizer.json or tokenizer.model)"
         )
     try:
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+        with transformers_progress_quiet():
+            model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype(dtype))
     except ValueError as e:  # transformers says "Unrecognized configuration class ..." for non-causal-LM models
         raise UnsupportedModelError(f"'{name}' cannot be loaded as a causal LM: {_first_line(e)}")
     except (OSError, RuntimeError, EOFError, SafetensorError) as e:  # missing, truncated or corrupt weight files
@@ -206,7 +477,7 @@ def _plain_folder(source: ModelSource, cache_dir: Path | None) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = _read_gguf(
-        lambda: AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32), source
+        lambda: AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch_dtype("float32")), source
     )
     tokenizer = _read_gguf(lambda: AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name), source)
     # A GGUF-loaded model refuses save_pretrained while it remembers its quantizer.
@@ -235,7 +506,7 @@ def _read_gguf(read, source: ModelSource):
         return read()
     except Exception as e:  # struct.error, ValueError, IndexError, ... from the gguf reader
         raise ModelNotFoundError(
-            f"cannot read '{source.name}' as a GGUF model ({_first_line(e)}); the file is truncated or not GGUF: "
+            f"cannot read '{source.label}' as a GGUF model ({_first_line(e)}); the file is truncated or not GGUF: "
             "fetch it again"
         )
 

@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import ArtifactError, InvalidOptionError
+from ..logs import native_stderr_quiet
 from .programs import max_tokens_per_call
 
 
@@ -24,8 +25,9 @@ class ExecuTorchProgram:
         try:
             # trace_events: ExecuTorch's ETDump tracer times every kernel and delegate call
             # (scripts/profile_pte.py); off, the runtime records nothing.
-            self._program = Runtime.get().load_program(path, data_path=weights, enable_etdump=trace_events)
-            self._method = self._program.load_method("forward")
+            with native_stderr_quiet():
+                self._program = Runtime.get().load_program(path, data_path=weights, enable_etdump=trace_events)
+                self._method = self._program.load_method("forward")
         except Exception as e:  # the runtime raises a bare RuntimeError for any unreadable program
             raise ArtifactError(f"ExecuTorch cannot load {path}: {e}")
 

@@ -5,6 +5,7 @@ numpy only, so the device runner can use it without torch.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -23,10 +24,12 @@ class Sampling:
     seed: int | None = None
 
     def __post_init__(self):
-        if self.temperature < 0:
-            raise InvalidOptionError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise InvalidOptionError(f"temperature must be a finite number >= 0 (0 is greedy), got {self.temperature}")
+        if not 0 < self.top_p <= 1:  # NaN fails this too
             raise InvalidOptionError(f"top-p must be in (0, 1], got {self.top_p}")
+        if self.seed is not None and self.seed < 0:
+            raise InvalidOptionError(f"the sampling seed must be >= 0, got {self.seed}")
         self._rng = np.random.default_rng(self.seed)
 
     def pick(self, logits: np.ndarray) -> int:
@@ -49,6 +52,7 @@ class Generation:
     prompt_ids: list[int]
     new_ids: list[int] = field(default_factory=list)
     stopped_by: str = "max_new_tokens"  # or "eos", "max_cache_len"
+    text: str = ""  # new_ids decoded, where a tokenizer was at hand
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
 
@@ -91,22 +95,28 @@ def generate(
     sampling: Sampling | None = None,
     on_token: Callable[[int], None] | None = None,
     on_logits: Callable[[int, np.ndarray], bool] | None = None,
+    start: int = 0,
 ) -> Generation:
     """Generate up to ``max_new_tokens`` (``None``: until EOS or the cache is full).
+
+    ``start``: the position ``prompt_ids`` are fed from; the cache already holds the ``start``
+    positions before it (a chat's earlier turns), and the fit check counts them.
 
     ``on_logits(step, logits)`` sees the logits each new token is chosen from; returning False
     stops the generation (the parity check uses it to stop at a divergence).
     """
     max_cache_len = program.manifest["max_cache_len"]
-    check_fits(len(prompt_ids), max_new_tokens, max_cache_len)
+    if not prompt_ids:
+        check_fits(0, max_new_tokens, max_cache_len)
+    check_fits(start + len(prompt_ids), max_new_tokens, max_cache_len)
     sampling = sampling or Sampling()
     result = Generation(list(prompt_ids))
-    limit = max_new_tokens if max_new_tokens is not None else max_cache_len - len(prompt_ids) + 1
+    limit = max_new_tokens if max_new_tokens is not None else max_cache_len - start - len(prompt_ids) + 1
 
     t0 = time.perf_counter()
-    logits = program.forward(list(prompt_ids), 0)
+    logits = program.forward(list(prompt_ids), start)
     result.prefill_seconds = time.perf_counter() - t0
-    pos = len(prompt_ids)
+    pos = start + len(prompt_ids)
     t0 = time.perf_counter()
     while True:
         if on_logits is not None and on_logits(len(result.new_ids), logits) is False:

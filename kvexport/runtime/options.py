@@ -1,13 +1,13 @@
 """The options of ``kvexport run`` and ``python -m kvexport.device``, declared once.
 
 argparse, not typer: the device runner imports neither typer nor rich. A mistake is one line
-(``InvalidOptionError``), never argparse's usage block.
+(``InvalidOptionError``), never argparse's usage block. Values are checked where they are used
+(``Sampling``, ``check_fits``), before anything loads.
 """
 
 from __future__ import annotations
 
 import argparse
-import math
 from pathlib import Path
 
 from ..errors import InvalidOptionError
@@ -21,39 +21,6 @@ class OneLineParser(argparse.ArgumentParser):
         raise InvalidOptionError(f"{message}; see `{self.prog} --help`")
 
 
-def _count(minimum: int):
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"'{text}' is not an integer")
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
-        return value
-
-    return parse
-
-
-def _temperature(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"'{text}' is not a number")
-    if not math.isfinite(value) or value < 0:
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0 (0 is greedy), got {text}")
-    return value
-
-
-def _top_p(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"'{text}' is not a number")
-    if not 0 < value <= 1:  # NaN fails this too
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
-    return value
-
-
 def run_parser(prog: str) -> OneLineParser:
     parser = OneLineParser(
         prog=prog,
@@ -65,13 +32,15 @@ def run_parser(prog: str) -> OneLineParser:
     parser.add_argument("--max-new-tokens", type=int, metavar="N", help="new tokens [default: until EOS or the cache is full]")
     parser.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS")
     parser.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    parser.add_argument("--temperature", type=_temperature, default=0.0, metavar="T", help="0 is greedy [default: 0]")
-    parser.add_argument("--top-p", type=_top_p, default=1.0, metavar="P", help="nucleus sampling threshold [default: 1]")
-    parser.add_argument("--seed", type=_count(0), metavar="S", help="sampling seed")
+    parser.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 is greedy [default: 0]")
+    parser.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling threshold [default: 1]")
+    parser.add_argument("--seed", type=int, metavar="S", help="sampling seed")
     parser.add_argument("--device", default="cpu", metavar="cpu|cuda", help="cpu or cuda (float16 ONNX artifacts) [default: cpu]")
     parser.add_argument("--runner", choices=RUNNERS, default="kvexport",
                         help="executorch: ExecuTorch's own TextLLMRunner (.pte only) [default: kvexport]")
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    parser.add_argument("--verbose", action="store_true",
+                        help="let third-party libraries' log lines (ExecuTorch's native layer) through")
     return parser
 
 

@@ -3,13 +3,15 @@ its tokenizer only."""
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
 from ..artifact.archive import open_artifact
-from ..artifact.manifest import read_manifest
-from .generation import Sampling, check_fits, generate
+from ..logs import VERBOSE_ENV
+from .generation import Generation, Sampling, check_fits, generate
 from .options import parse_run_args
 from .programs import load_program
 from .tokenizer import ArtifactTokenizer
@@ -34,34 +36,44 @@ class TextStream:
         self.printed = text
 
 
-def run_command(
-    folder, prompt, max_new_tokens, ignore_eos, chat, temperature, top_p, seed, device, as_json, manifest=None
-) -> dict:
-    """``kvexport run`` and ``python -m kvexport.device``. ``manifest``: already read and verified."""
-    folder = Path(folder)
-    manifest = manifest or read_manifest(folder)
-    tokenizer = ArtifactTokenizer(folder)
+def encode_prompt(tokenizer: ArtifactTokenizer, prompt: str, chat: bool = False) -> list[int]:
+    """The prompt's ids; with ``chat``, wrapped in the model's chat template as one user turn."""
     if chat:
-        prompt_ids = tokenizer.encode_chat([{"role": "user", "content": prompt}])
-    else:
-        prompt_ids = tokenizer.encode(prompt) if prompt else []
-    check_fits(len(prompt_ids), max_new_tokens, manifest["max_cache_len"])
-    sampling = Sampling(temperature, top_p, seed)
-    program = load_program(folder, manifest, device)
-    stream = None if as_json else TextStream(tokenizer)
-    eos = set() if ignore_eos else set(manifest["eos_token_ids"])
+        return tokenizer.encode_chat([{"role": "user", "content": prompt}])
+    return tokenizer.encode(prompt) if prompt else []
+
+
+def generate_text(program, tokenizer: ArtifactTokenizer, prompt_ids: list[int], max_new_tokens: int | None = None,
+                  ignore_eos: bool = False, chat: bool = False, sampling: Sampling | None = None,
+                  on_token=None) -> Generation:
+    """Generate from ``prompt_ids`` until EOS (and, with ``chat``, the template's end of turn), and
+    decode the new tokens."""
+    eos = set() if ignore_eos else set(program.manifest["eos_token_ids"])
     if chat and not ignore_eos:  # a reply ends at the template's end of turn (Gemma: <end_of_turn>, not <eos>)
         eos |= set(tokenizer.turn_end_ids())
-    result = generate(program, prompt_ids, max_new_tokens, eos, sampling, on_token=stream)
+    result = generate(program, prompt_ids, max_new_tokens, eos, sampling or Sampling(), on_token=on_token)
+    result.text = tokenizer.decode(result.new_ids)
+    return result
+
+
+def run_command(folder: Path, manifest: dict, args: argparse.Namespace, sampling: Sampling) -> dict:
+    """``kvexport run`` and ``python -m kvexport.device`` (``run_main``) with kvexport's own loop."""
+    tokenizer = ArtifactTokenizer(folder)
+    prompt_ids = encode_prompt(tokenizer, args.prompt, args.chat)
+    check_fits(len(prompt_ids), args.max_new_tokens, manifest["max_cache_len"])  # before the program loads
+    program = load_program(folder, manifest, args.device)
+    stream = None if args.json else TextStream(tokenizer)
+    result = generate_text(program, tokenizer, prompt_ids, args.max_new_tokens, args.ignore_eos, args.chat, sampling,
+                           on_token=stream)
     summary = {
         "prompt_ids": result.prompt_ids,
         "new_ids": result.new_ids,
-        "text": tokenizer.decode(result.new_ids),
+        "text": result.text,
         "stopped_by": result.stopped_by,
         "prefill_tokens_per_s": round(result.prefill_tokens_per_s, 2),
         "decode_tokens_per_s": round(result.decode_tokens_per_s, 2),
     }
-    if as_json:
+    if args.json:
         print(json.dumps(summary))
     else:
         print()
@@ -79,11 +91,13 @@ def run_command(
 def run_main(argv: list[str], prog: str) -> dict | None:
     """Parse ``argv`` as ``prog`` (``kvexport run`` or the device runner) and generate."""
     args = parse_run_args(argv, prog)
+    if args.verbose:
+        os.environ[VERBOSE_ENV] = "1"
+    sampling = Sampling(args.temperature, args.top_p, args.seed)  # checked before anything loads
     with open_artifact(args.artifact) as (folder, manifest):
         if args.runner == "executorch":
             from .textllm import run_with_textllm_runner
 
             run_with_textllm_runner(folder, manifest, args)
             return None
-        return run_command(folder, args.prompt, args.max_new_tokens, args.ignore_eos, args.chat, args.temperature,
-                           args.top_p, args.seed, args.device, args.json, manifest=manifest)
+        return run_command(folder, manifest, args, sampling)

@@ -7,6 +7,7 @@ import argparse
 from pathlib import Path
 
 from ..errors import InvalidOptionError, KvexportError
+from ..logs import native_stderr_quiet
 from .generation import check_fits
 from .tokenizer import ArtifactTokenizer
 
@@ -24,7 +25,8 @@ def run_with_textllm_runner(folder: Path, manifest: dict, args: argparse.Namespa
     prompt_ids = ArtifactTokenizer(folder).encode(args.prompt) if args.prompt else []
     check_fits(len(prompt_ids), args.max_new_tokens, manifest["max_cache_len"])
     try:
-        from executorch.extension.llm.runner import GenerationConfig, TextLLMRunner
+        with native_stderr_quiet():  # its tokenizer library logs at import
+            from executorch.extension.llm.runner import GenerationConfig, TextLLMRunner
     except ModuleNotFoundError as e:
         version = manifest.get("versions", {}).get("executorch")
         raise KvexportError(f"--runner executorch needs executorch ({e.name} is not installed): "
@@ -40,6 +42,7 @@ def run_with_textllm_runner(folder: Path, manifest: dict, args: argparse.Namespa
         temperature=args.temperature, echo=False, num_bos=bos, num_eos=0,
     )
     try:  # it raises a bare RuntimeError for anything it cannot load or run
-        TextLLMRunner(str(folder / manifest["program"]), str(folder / "tokenizer.json"), weights).generate(args.prompt, config)
+        with native_stderr_quiet():  # its log lines; the text and stats go to stdout
+            TextLLMRunner(str(folder / manifest["program"]), str(folder / "tokenizer.json"), weights).generate(args.prompt, config)
     except RuntimeError as e:
         raise KvexportError(f"ExecuTorch's runner failed on {folder}: {e}")

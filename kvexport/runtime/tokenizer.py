@@ -33,6 +33,15 @@ class ArtifactTokenizer:
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
 
+    def decode_stream(self):
+        """A function of the next token id that returns the text it completes (``""`` or ``None``
+        where none yet: a multi-byte character spans tokens). The texts add up to ``decode`` of all
+        the ids; each step decodes only a few trailing tokens (``tokenizers``' ``DecodeStream``)."""
+        from tokenizers.decoders import DecodeStream
+
+        stream = DecodeStream(skip_special_tokens=True)
+        return lambda token: stream.step(self._tok, token)
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """The prompt text for a conversation, rendered with the model's own chat template the way
         transformers renders it (a sandboxed jinja2 environment, the tokenizer's special tokens)."""

@@ -63,11 +63,11 @@ def test_a_conversion_another_process_finished_first_is_used(tmp_path, monkeypat
 
 @pytest.mark.parametrize(
     "name, phrase",
-    [("definitely/not-cached-anywhere", "not in the local Hugging Face cache"), ("./missing-folder", "not found")],
+    [("definitely/not-cached-anywhere", "--offline forbids downloading it"), ("./missing-folder", "not found")],
 )
 def test_unresolvable_names_say_why(name, phrase):
     with pytest.raises(ModelNotFoundError, match=phrase):
-        sources.resolve(name)
+        sources.resolve(name, offline=True)  # offline: a hub id must not reach the real Hub
 
 
 def test_a_truncated_gguf_is_reported_not_crashed_on(tmp_path):

@@ -64,3 +64,16 @@ def test_sampling_is_reproducible_with_a_seed_and_respects_top_p():
     assert [draws.pick(logits) for _ in range(20)] == [again.pick(logits) for _ in range(20)]
     nucleus = Sampling(1.0, 0.5, seed=0)
     assert {nucleus.pick(logits) for _ in range(50)} == {0}  # token 0 alone holds >= 50% of the mass
+
+
+def test_a_prompt_fed_from_a_later_position_continues_the_sequence_and_counts_it_in_the_fit():
+    """``start``: the cache already holds positions 0..start-1 (a chat's earlier turns)."""
+    program = ScriptedProgram(max_cache_len=8)
+    result = generate(program, [1, 2], None, start=3)
+    assert program.calls[0] == ([1, 2], 3)
+    assert [start for _, start in program.calls] == [3, 5, 6, 7]
+    assert result.stopped_by == "max_cache_len" and len(result.new_ids) == 4  # positions 5..7 fed back, the 4th not
+    with pytest.raises(PromptTooLongError):
+        generate(ScriptedProgram(max_cache_len=8), [1, 2], 5, start=3)  # 3 + 2 + 5 - 1 > 8
+    with pytest.raises(InvalidOptionError, match="empty"):
+        generate(ScriptedProgram(), [], 2, start=3)

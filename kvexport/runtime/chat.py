@@ -1,0 +1,328 @@
+"""A conversation with an artifact (``kvexport chat``): each turn feeds the program only the tokens
+that are new since the last one, the cache kept across turns.
+
+Each turn renders the whole conversation with the model's chat template (as transformers'
+``apply_chat_template`` does); where those ids start with the ids the cache holds, only the rest
+is fed, from the position the cache is at. Where they do not (a template that renders earlier
+turns differently once a reply follows, a reply that re-encodes to other ids), the cache starts
+over at position 0 with all of them: calls are never rewound to a middle position, which the
+sliding-window ring caches could not follow. A conversation that no longer fits in the cache starts
+over with the system prompt and the new turn, and says so.
+
+numpy and tokenizers only (no torch), like the rest of the runtime.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import ArtifactError, InvalidOptionError, KvexportError, PromptTooLongError
+from .generation import Sampling, generate
+from .tokenizer import ArtifactTokenizer
+
+
+@dataclass
+class Turn:
+    """One reply. ``prompt_ids``: the whole conversation rendered for it (what the cache held when
+    it began); ``prefilled_tokens``: how many of those this turn fed; ``conversation_tokens``: the
+    positions in the cache after it; ``reset``: the cache started over at position 0 this turn
+    although the conversation had an earlier turn (``notices`` say so where that turn was dropped)."""
+
+    text: str
+    reply_ids: list[int]
+    prompt_ids: list[int]
+    prefilled_tokens: int
+    conversation_tokens: int
+    reset: bool
+    stopped_by: str  # "eos" (EOS or the template's end of turn), "max_new_tokens", "max_cache_len", "caller"
+    prefill_tokens_per_s: float
+    decode_tokens_per_s: float
+    notices: list[str] = field(default_factory=list)
+
+    def summary(self) -> dict:
+        """``kvexport chat --json``'s object for the turn."""
+        return {
+            "reply_ids": self.reply_ids,
+            "text": self.text,
+            "prefilled_tokens": self.prefilled_tokens,
+            "conversation_tokens": self.conversation_tokens,
+            "reset": self.reset,
+            "stopped_by": self.stopped_by,
+            "prefill_tokens_per_s": round(self.prefill_tokens_per_s, 2),
+            "decode_tokens_per_s": round(self.decode_tokens_per_s, 2),
+        }
+
+
+class _Cache:
+    """The program, and the ids its cache holds at positions ``0 ..`` (what the calls fed)."""
+
+    def __init__(self, program, manifest: dict):
+        self.program = program
+        self.manifest = manifest
+        self.ids: list[int] = []
+
+    def forward(self, tokens: list[int], start: int):
+        kept = self.ids[:start]
+        self.ids = []  # unknown while the call runs: if it fails, the next turn starts over
+        logits = self.program.forward(tokens, start)
+        self.ids = kept + list(tokens)
+        return logits
+
+    def clear(self) -> None:
+        self.ids = []
+        self.program.reset()
+
+
+def require_chat_template(tokenizer: ArtifactTokenizer) -> None:
+    if not tokenizer.chat_template:
+        raise ArtifactError("this model's tokenizer has no chat template, so it cannot chat; use kvexport run with a plain prompt")
+
+
+class Conversation:
+    """A chat with a loaded program: ``say(text)`` for each user turn, ``reset()`` to start over.
+
+    ``sampling``: one for the whole conversation (its seeded generator runs on across turns);
+    ``max_new_tokens``: the most tokens a reply takes (``None``: until EOS, the template's end of
+    turn, or the cache is full).
+    """
+
+    def __init__(self, program, tokenizer: ArtifactTokenizer, manifest: dict | None = None, system: str | None = None,
+                 sampling: Sampling | None = None, max_new_tokens: int | None = None):
+        if max_new_tokens is not None and max_new_tokens < 1:
+            raise InvalidOptionError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
+        require_chat_template(tokenizer)
+        self.manifest = manifest or program.manifest
+        self.tokenizer = tokenizer
+        self.system = system
+        self.sampling = sampling or Sampling()
+        self.max_new_tokens = max_new_tokens
+        self.max_cache_len = self.manifest["max_cache_len"]
+        # A reply ends at EOS or at the template's end of turn (Gemma: <end_of_turn>), as `run --chat`.
+        self.stop_ids = set(self.manifest["eos_token_ids"]) | set(tokenizer.turn_end_ids())
+        self._cache = _Cache(program, self.manifest)
+        self._unfed: list[int] = []  # the last reply's last token: generated, never fed
+        self.messages: list[dict] = []
+        self.reset()
+
+    @property
+    def ids(self) -> list[int]:
+        """The conversation so far as the model saw and wrote it: the ids in the cache, then the last
+        reply's tokens that were not fed (its last one)."""
+        return self._cache.ids + self._unfed
+
+    @property
+    def cached_tokens(self) -> int:
+        return len(self._cache.ids)
+
+    def _first_messages(self) -> list[dict]:
+        return [{"role": "system", "content": self.system}] if self.system else []
+
+    def reset(self) -> None:
+        """Start over: the system prompt alone."""
+        self.messages = self._first_messages()
+        self._unfed = []
+        self._cache.clear()
+
+    def _fits(self, n: int) -> bool:
+        return n <= self.max_cache_len and (self.max_new_tokens is None or n + self.max_new_tokens - 1 <= self.max_cache_len)
+
+    def _too_long(self, n: int) -> PromptTooLongError:
+        what = f"this turn is {n} tokens in the chat template{' with the system prompt' if self.system else ''}"
+        if n > self.max_cache_len:
+            return PromptTooLongError(
+                f"{what}, more than the artifact's max_cache_len {self.max_cache_len}; shorten it or re-export "
+                "with a larger --max-cache-len"
+            )
+        return PromptTooLongError(
+            f"{what}; with --max-new-tokens {self.max_new_tokens} it exceeds the artifact's max_cache_len "
+            f"{self.max_cache_len}; ask for at most {self.max_cache_len - n + 1} new tokens, shorten the turn "
+            "or re-export with a larger --max-cache-len"
+        )
+
+    def say(self, text: str, on_text: Callable[[str], None] | None = None, stop: Callable[[], bool] | None = None,
+            on_notice: Callable[[str], None] | None = None) -> Turn:
+        """The reply to the user's ``text``. ``on_text(piece)`` gets the reply's text as it is generated;
+        ``stop()`` returning True ends the reply there (what was generated is kept); ``on_notice(line)``
+        gets, before the reply, what the user should know (the conversation starts over). The turn's
+        ``notices`` also say when the reply was cut by a full cache."""
+        user = {"role": "user", "content": text}
+        messages = [*self.messages, user]
+        ids = self.tokenizer.encode_chat(messages)
+        notices: list[str] = []
+        cached = self._cache.ids
+        # Fed from position 0 although the conversation had a turn: the cache starts over.
+        reset = len(self.messages) > len(self._first_messages())
+        dropped = False
+        if not self._fits(len(ids)):
+            fresh = [*self._first_messages(), user]
+            fresh_ids = ids if fresh == messages else self.tokenizer.encode_chat(fresh)
+            if not self._fits(len(fresh_ids)):
+                raise self._too_long(len(fresh_ids))  # the conversation is left as it was
+            self.reset()
+            messages, ids, dropped = fresh, fresh_ids, True
+            notices.append(
+                f"the conversation no longer fits in the cache ({self.max_cache_len} positions); it starts over "
+                f"from this turn{', keeping the system prompt' if self.system else ''}"
+            )
+            if on_notice is not None:
+                on_notice(notices[-1])
+        if cached and not dropped and len(ids) > len(cached) and ids[: len(cached)] == cached:
+            start, reset = len(cached), False
+        else:  # a first turn, or earlier turns rendered differently: never rewound to a middle position
+            start = 0
+            self._cache.clear()
+
+        stream = self.tokenizer.decode_stream() if on_text is not None else None
+
+        def on_token(token: int) -> None:
+            piece = stream(token)
+            if piece:
+                on_text(piece)
+
+        try:
+            result = generate(
+                self._cache, ids[start:], self.max_new_tokens, self.stop_ids, self.sampling,
+                on_token=on_token if stream is not None else None,
+                on_logits=(lambda step, logits: not stop()) if stop is not None else None,
+                start=start,
+            )
+        except BaseException:
+            # What the cache holds is not known (an interrupted call): the next turn starts over.
+            self._unfed = []
+            self._cache.clear()
+            raise
+        reply = result.new_ids
+        self._unfed = reply[len(self._cache.ids) - len(ids):]
+        reply_text = self.tokenizer.decode(reply)
+        self.messages = [*messages, {"role": "assistant", "content": reply_text}]
+        if result.stopped_by == "max_cache_len":
+            notices.append(f"the reply filled the cache ({self.max_cache_len} positions) and was cut; the next turn starts over")
+        return Turn(
+            text=reply_text,
+            reply_ids=list(reply),
+            prompt_ids=ids,
+            prefilled_tokens=len(ids) - start,
+            conversation_tokens=len(self._cache.ids),
+            reset=reset,
+            stopped_by=result.stopped_by,
+            prefill_tokens_per_s=result.prefill_tokens_per_s,
+            decode_tokens_per_s=result.decode_tokens_per_s,
+            notices=notices,
+        )
+
+
+class _StopOnCtrlC:
+    """While a reply runs, Ctrl-C (SIGINT) asks it to stop instead of ending the program. A flag
+    checked between tokens, not an exception: a program call is never cut in the middle."""
+
+    def __init__(self):
+        self.requested = False
+        self._previous = None
+
+    def __call__(self) -> bool:
+        return self.requested
+
+    def _handle(self, signum, frame):
+        self.requested = True
+
+    def __enter__(self):
+        try:
+            previous = signal.getsignal(signal.SIGINT)
+            if previous is not signal.SIG_IGN:  # not where a shell set it to be ignored
+                signal.signal(signal.SIGINT, self._handle)
+                self._previous = previous
+        except ValueError:  # not the main thread: signals stay as they are
+            pass
+        return self
+
+    def __exit__(self, *exc):
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+        return False
+
+
+def _read_line(stdin, interactive: bool) -> str | None:
+    """The next user line; None at the end (Ctrl-D, or the end of the piped input)."""
+    if not interactive:
+        line = stdin.readline()
+        return None if line == "" else line.rstrip("\r\n")
+    previous = signal.getsignal(signal.SIGINT)
+    while True:
+        try:
+            if previous is not signal.SIG_IGN:
+                signal.signal(signal.SIGINT, signal.default_int_handler)
+            return input("> ")
+        except EOFError:
+            print(file=sys.stderr)
+            return None
+        except KeyboardInterrupt:  # Ctrl-C at the prompt drops the line, as a shell does
+            print(file=sys.stderr)
+        finally:
+            signal.signal(signal.SIGINT, previous)
+
+
+def chat_command(artifact: Path, system: str | None, max_new_tokens: int | None, temperature: float, top_p: float,
+                 seed: int | None, device: str, as_json: bool) -> bool:
+    """``kvexport chat``: one user turn per line of stdin. True if every turn got its reply."""
+    from ..artifact.archive import open_artifact
+    from .programs import load_program
+
+    sampling = Sampling(temperature, top_p, seed)
+    if max_new_tokens is not None and max_new_tokens < 1:
+        raise InvalidOptionError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
+    stdin = sys.stdin
+    interactive = stdin.isatty()
+    with open_artifact(artifact) as (folder, manifest):
+        tokenizer = ArtifactTokenizer(folder)
+        require_chat_template(tokenizer)  # before the program loads
+        conversation = Conversation(load_program(folder, manifest, device), tokenizer, manifest, system, sampling,
+                                    max_new_tokens)
+        if interactive:
+            import readline  # noqa: F401  line editing and history for input()
+
+            print(f"[chatting with {artifact} ({manifest['max_cache_len']} positions): /reset starts over, "
+                  "/exit or Ctrl-D ends, Ctrl-C stops a reply]", file=sys.stderr)
+        ok = True
+        while (line := _read_line(stdin, interactive)) is not None:
+            text = line.strip()
+            if not text:
+                continue
+            if text == "/exit":
+                break
+            if text == "/reset":
+                conversation.reset()
+                if interactive:
+                    print("[a new conversation]", file=sys.stderr)
+                continue
+            out, told = sys.stdout, []
+
+            def notify(notice: str) -> None:
+                told.append(notice)
+                print(f"kvexport: {notice}", file=sys.stderr, flush=True)
+
+            def write(piece: str) -> None:
+                out.write(piece)
+                out.flush()
+
+            try:
+                with _StopOnCtrlC() as stop:
+                    turn = conversation.say(text, on_text=None if as_json else write, stop=stop, on_notice=notify)
+            except KvexportError as e:  # this turn only: the conversation goes on
+                print(f"kvexport: error: {e}", file=sys.stderr, flush=True)
+                ok = False
+                continue
+            if as_json:
+                print(json.dumps(turn.summary()), flush=True)
+            else:
+                print(flush=True)
+                if turn.stopped_by == "caller":
+                    print("[stopped]", file=sys.stderr, flush=True)
+            for notice in turn.notices:
+                if notice not in told:
+                    notify(notice)
+    return ok

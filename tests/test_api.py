@@ -1,0 +1,106 @@
+"""The Python API: the CLI's export, run and check as functions, the CLI's one-line errors as
+``KvexportError``, and the same bytes as the CLI whatever the caller's hash seed."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+import kvexport
+from kvexport.artifact.archive import pack
+from tests.conftest import NEW_TOKENS, PROMPT
+from tests.exporter.test_determinism import file_sums, start_export
+from tests.test_cli import run_cli
+
+README = Path(kvexport.__file__).resolve().parent.parent / "README.md"
+
+
+def test_export_gives_the_cli_s_bytes_from_a_process_with_another_hash_seed(tmp_path, monkeypatch):
+    """tiny-gemma3 is the case where the hash seed reaches the program (rotary tables per layer type)."""
+    options = {"model": "tiny-gemma3", "target": "executorch", "dtype": "float32", "max_cache_len": 64, "prefill_chunk": 64}
+    cli = start_export(options, tmp_path / "cli", hash_seed="3")  # side by side: independent processes
+    monkeypatch.setenv("PYTHONHASHSEED", "7")
+    made = kvexport.export("tiny-gemma3", "executorch", tmp_path / "api", max_cache_len=64, quiet=True)
+    assert cli.wait(timeout=600) == 0
+    assert isinstance(made, kvexport.Artifact) and made.folder == tmp_path / "api"
+    assert file_sums(made.folder) == file_sums(tmp_path / "cli")
+
+
+def test_export_in_this_process_where_the_hash_seed_is_already_kvexport_s(artifact, tmp_path, monkeypatch):
+    monkeypatch.setenv("PYTHONHASHSEED", kvexport.api.EXPORT_HASH_SEED)
+    calls = []
+    monkeypatch.setattr(kvexport.api, "_export_in_child", lambda *a: calls.append(a))
+    made = kvexport.export("tiny-qwen3", "onnx", tmp_path / "here", max_cache_len=64, quiet=True)
+    assert calls == [] and made.manifest["target"] == "onnx"
+    assert made.generate(PROMPT, NEW_TOKENS, ignore_eos=True).new_ids == (
+        kvexport.load(artifact("tiny-qwen3", "onnx")).generate(PROMPT, NEW_TOKENS, ignore_eos=True).new_ids
+    )
+
+
+@pytest.mark.parametrize("in_child", [True, False], ids=["child-process", "this-process"])
+def test_a_user_error_is_a_kvexport_error_with_the_cli_s_line(tmp_path, monkeypatch, capsys, in_child):
+    monkeypatch.setenv("PYTHONHASHSEED", "7" if in_child else kvexport.api.EXPORT_HASH_SEED)
+    with pytest.raises(kvexport.KvexportError) as raised:
+        kvexport.export("./no/such/model", "onnx", tmp_path / "out")
+    code, _, err = run_cli(capsys, "export", "./no/such/model", "--target", "onnx", "-o", tmp_path / "out")
+    assert f"kvexport: error: {raised.value}" == err.strip() and raised.value.exit_code == code == 2
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("target", ["executorch", "onnx"])
+def test_generate_is_kvexport_run(artifact, capsys, target):
+    folder = artifact("tiny-gemma3", target)
+    code, out, err = run_cli(capsys, "run", folder, "-p", PROMPT, "--max-new-tokens", NEW_TOKENS, "--ignore-eos", "--json")
+    assert code == 0, err
+    expected = json.loads(out)
+    got = kvexport.load(folder).generate(PROMPT, max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    assert (got.prompt_ids, got.new_ids, got.text) == (expected["prompt_ids"], expected["new_ids"], expected["text"])
+    assert got.decode_tokens_per_s > 0 and got.stopped_by == "max_new_tokens"
+
+
+def test_load_takes_a_packed_archive_and_removes_its_copy_when_done(artifact, tmp_path):
+    archive, _ = pack(artifact("tiny-llama", "onnx"), tmp_path / "tiny.tar")
+    loaded = kvexport.load(archive)
+    unpacked = loaded.folder
+    assert unpacked.is_dir() and loaded.generate(PROMPT, max_new_tokens=4).new_ids
+    del loaded
+    assert not unpacked.exists()
+
+
+def test_generate_refuses_bad_sampling_and_what_cannot_fit(artifact):
+    loaded = kvexport.load(artifact("tiny-llama", "onnx"))
+    with pytest.raises(kvexport.KvexportError, match="temperature must be a finite number"):
+        loaded.generate(PROMPT, temperature=float("nan"))
+    with pytest.raises(kvexport.KvexportError, match="exceeds the artifact's max_cache_len 64"):
+        loaded.generate(PROMPT, max_new_tokens=100)
+
+
+def test_chat_keeps_the_conversation_and_feeds_only_the_new_turn(artifact):
+    conversation = kvexport.load(artifact("tiny-qwen3", "onnx")).chat(system="Hi", max_new_tokens=3)
+    first = conversation.say("Hi")
+    second = conversation.say("Yo")
+    assert first.prefilled_tokens == len(first.prompt_ids)
+    assert second.prompt_ids[: first.conversation_tokens] == conversation.ids[: first.conversation_tokens]
+    assert second.prefilled_tokens == len(second.prompt_ids) - first.conversation_tokens and not second.reset
+
+
+def test_check_reports_pass_and_each_prompt(artifact):
+    report = kvexport.check(artifact("tiny-mistral", "onnx"), prompts=[PROMPT], max_new_tokens=NEW_TOKENS)
+    assert report.passed and len(report.prompts) == 1
+    assert report.prompts[0].match and report.prompts[0].new_tokens == NEW_TOKENS
+
+
+def readme_python_example() -> str:
+    text = README.read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    assert len(blocks) == 1, "the README has one Python example"
+    return blocks[0]
+
+
+@pytest.mark.slow
+def test_the_readme_s_python_example_runs_as_written(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    exec(compile(readme_python_example(), "README.md", "exec"), {})
