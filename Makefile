@@ -23,18 +23,25 @@ $(STAMP): requirements.txt pyproject.toml
 	touch $(STAMP)
 
 demo: install
+	@echo "== 1/3 export $(DEMO_MODEL) to ExecuTorch -> $(DEMO_DIR)"
 	$(BIN)/kvexport $(DEMO_MODEL) --target executorch -o $(DEMO_DIR) --max-cache-len 1024 --force
+	@echo "== 2/3 generate with the artifact alone (no transformers model)"
 	$(BIN)/kvexport run $(DEMO_DIR) --prompt "The three primary colors are" --max-new-tokens 48
+	@echo "== 3/3 check it token by token against eager transformers, past the sliding window"
 	$(BIN)/kvexport check $(DEMO_DIR)
+	@echo "== done: $(DEMO_DIR) holds the artifact (model.pte, model.ptd, tokenizer, kvexport.json); see README.md for what next"
+
+# One pytest-xdist worker per core; each real model's tests stay on one worker (xdist_group).
+PYTEST := $(BIN)/python -m pytest -q -ra -n $(shell nproc) --dist loadgroup
 
 test: install
-	$(BIN)/python -m pytest -q -ra --durations=15 tests
+	$(PYTEST) --durations=15 tests
 
 test-fast: install
-	$(BIN)/python -m pytest -q -ra -m "not slow" tests
+	$(PYTEST) -m "not slow" tests
 
 test-slow: install
-	$(BIN)/python -m pytest -q -ra -m slow tests
+	$(PYTEST) -m slow tests
 
 clean:
 	rm -rf build .pytest_cache

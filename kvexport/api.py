@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 from .errors import KvexportError
 
 if TYPE_CHECKING:
-    from .check.check import CheckReport
+    from .checker.check import CheckReport
     from .runtime.chat import Conversation
     from .runtime.generation import Generation
 
@@ -103,7 +103,7 @@ def check(
     than the one the artifact came from). ``.passed`` says whether it holds; ``.prompts`` has each
     prompt's comparison."""
     from .artifact.manifest import read_manifest
-    from .check.check import choose_prompts, run_check
+    from .checker.check import choose_prompts, run_check
     from .runtime.tokenizer import ArtifactTokenizer
 
     folder = Path(path)

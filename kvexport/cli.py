@@ -14,7 +14,7 @@ import typer
 
 from . import logs
 from .api import EXPORT_HASH_SEED
-from .errors import KvexportError
+from .errors import Interrupted, KvexportError
 
 app = typer.Typer(
     add_completion=False,
@@ -66,16 +66,22 @@ def export(
         Optional[str], typer.Option(help="hub id: download only this .gguf file of the repo and export it")
     ] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="no progress output")] = False,
+    profile: Annotated[
+        Optional[Path],
+        typer.Option(help="write the functions the export spent its time in to this file (cProfile; FILE.prof beside it)"),
+    ] = None,
     as_json: JsonFlag = False,
 ):
     """Export MODEL to an artifact folder (program, tokenizer, kvexport.json)."""
     from .api import export_in_this_process  # main() gave this process kvexport's hash seed
+    from .profile import profiled
 
-    result = export_in_this_process(
-        model, target, out, quiet=quiet, max_cache_len=max_cache_len, dtype=dtype, force=force, quantize=quantize,
-        quantize_embedding=quantize_embedding, quantize_lm_head=quantize_lm_head, prefill_chunk=prefill_chunk,
-        revision=revision, offline=offline, gguf_file=gguf_file,
-    )
+    with profiled(profile):
+        result = export_in_this_process(
+            model, target, out, quiet=quiet, max_cache_len=max_cache_len, dtype=dtype, force=force, quantize=quantize,
+            quantize_embedding=quantize_embedding, quantize_lm_head=quantize_lm_head, prefill_chunk=prefill_chunk,
+            revision=revision, offline=offline, gguf_file=gguf_file,
+        )
     if as_json:
         print(json.dumps({"folder": str(result.folder), "seconds": result.seconds, "peak_rss_mb": result.peak_rss_mb}))
 
@@ -147,7 +153,7 @@ def check(
     as_json: JsonFlag = False,
 ):
     """Compare the artifact with eager transformers' greedy generation; exit 0 only if all match."""
-    from .check.check import check_command
+    from .checker.check import check_command
 
     ok = check_command(folder, prompt, max_new_tokens, device, model, as_json)
     raise typer.Exit(0 if ok else 1)
@@ -181,16 +187,6 @@ def bench(ctx: typer.Context):
     from .bench.bench import main as bench_main
 
     raise typer.Exit(bench_main(ctx.args))
-
-
-class Interrupted(BaseException):
-    """Raised by the SIGINT and SIGTERM handler. It unwinds like KeyboardInterrupt, so ``finally``
-    and ``except BaseException`` blocks remove half-written output, but is not one: typer turns a
-    KeyboardInterrupt into a silent exit 130, and SIGTERM deserves its own code."""
-
-    def __init__(self, signum: int):
-        super().__init__(signum)
-        self.signum = signum
 
 
 def _interrupt(signum, frame):

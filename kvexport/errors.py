@@ -34,3 +34,14 @@ class ParityError(KvexportError):
     """The artifact does not generate what eager transformers generates."""
 
     exit_code = 1
+
+
+class Interrupted(BaseException):
+    """Raised by the SIGINT and SIGTERM handler of ``kvexport`` and ``python -m kvexport.device``. It
+    unwinds like KeyboardInterrupt, so ``finally`` and ``except BaseException`` blocks remove
+    half-written output (and an archive's unpacked copy), but is not one: typer turns a
+    KeyboardInterrupt into a silent exit 130, and SIGTERM deserves its own code (128 + 15)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum

@@ -6,7 +6,7 @@ measures a quantized kvexport artifact.
 
 ARTIFACT is a kvexport artifact of the same model: its tokenizer, default prompts, EOS ids and
 eager reference are used, so both programs are held to the same teacher-forced steps (256 on the
-short prompt, 32 on the long one, EOS never fed; ``kvexport.check.check``). OTHER.pte is
+short prompt, 32 on the long one, EOS never fed; ``kvexport.checker.check``). OTHER.pte is
 driven the way ExecuTorch's TextLLMRunner drives a program: ``forward(tokens[1, T], positions)``,
 where positions is ``[start]`` or one per token as the program's second input is shaped, in calls
 of at most its first input's length; a ``.ptd`` of the same name beside it is its data file.
@@ -57,7 +57,7 @@ class OtherProgram:
 
 def measure(artifact: Path, pte: Path) -> list[dict]:
     from kvexport.artifact.manifest import read_manifest
-    from kvexport.check import check
+    from kvexport.checker import check
     from kvexport.runtime.tokenizer import ArtifactTokenizer
 
     manifest = read_manifest(artifact)

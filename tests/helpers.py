@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
@@ -128,3 +129,9 @@ def edit_manifest(change, update_its_sum: bool = True):
             (folder / "kvexport.json.sha256").write_text(f"{sha256_file(folder / 'kvexport.json')}  kvexport.json\n")
 
     return damage
+
+
+def on_one_worker(group: str) -> pytest.MarkDecorator:
+    """Under pytest-xdist (make test), the tests of one group run on one worker, one after the other:
+    a module-scoped fixture they share (a real model loaded, quantized) is made once."""
+    return pytest.mark.xdist_group(group)

@@ -1,5 +1,5 @@
 """The Python API: the CLI's export, run and check as functions, the CLI's one-line errors as
-``KvexportError``, and the same bytes as the CLI whatever the caller's hash seed."""
+``KvexportError`` (that an API export has the CLI's bytes: tests/exporter/test_determinism.py)."""
 
 from __future__ import annotations
 
@@ -12,21 +12,9 @@ import pytest
 import kvexport
 from kvexport.artifact.archive import pack
 from tests.conftest import NEW_TOKENS, PROMPT
-from tests.exporter.test_determinism import file_sums, start_export
 from tests.test_cli import run_cli
 
 README = Path(kvexport.__file__).resolve().parent.parent / "README.md"
-
-
-def test_export_gives_the_cli_s_bytes_from_a_process_with_another_hash_seed(tmp_path, monkeypatch):
-    """tiny-gemma3 is the case where the hash seed reaches the program (rotary tables per layer type)."""
-    options = {"model": "tiny-gemma3", "target": "executorch", "dtype": "float32", "max_cache_len": 64, "prefill_chunk": 64}
-    cli = start_export(options, tmp_path / "cli", hash_seed="3")  # side by side: independent processes
-    monkeypatch.setenv("PYTHONHASHSEED", "7")
-    made = kvexport.export("tiny-gemma3", "executorch", tmp_path / "api", max_cache_len=64, quiet=True)
-    assert cli.wait(timeout=600) == 0
-    assert isinstance(made, kvexport.Artifact) and made.folder == tmp_path / "api"
-    assert file_sums(made.folder) == file_sums(tmp_path / "cli")
 
 
 def test_export_in_this_process_where_the_hash_seed_is_already_kvexport_s(artifact, tmp_path, monkeypatch):
@@ -104,3 +92,10 @@ def readme_python_example() -> str:
 def test_the_readme_s_python_example_runs_as_written(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     exec(compile(readme_python_example(), "README.md", "exec"), {})
+
+
+def test_kvexport_check_stays_the_function_once_the_checker_is_imported():
+    """The subpackage is `checker`: a subpackage named `check` would replace the function on import."""
+    import kvexport.checker.check  # noqa: F401
+
+    assert kvexport.check is kvexport.api.check

@@ -298,7 +298,7 @@ def test_run_json_fields(artifact, capsys):
     ids=["prompt-longer-than-cache", "prompt-plus-new-tokens-beyond-cache", "empty-prompt", "zero-new-tokens"],
 )
 def test_run_and_check_refuse_what_cannot_fit(artifact, capsys, command, prompt, extra, phrases, monkeypatch):
-    from kvexport.check import check
+    from kvexport.checker import check
     from kvexport.runtime import run
 
     # Refused before anything runs: loading the program would already be too late.
@@ -424,3 +424,132 @@ def test_executorch_s_native_log_lines_show_only_with_verbose(artifact, verbose)
     assert ("cpuinfo_utils.cpp" in done.stderr) == verbose, done.stderr
     if not verbose:
         assert done.stderr.strip().splitlines()[-1].startswith("[3 prompt tokens, 2 new;"), done.stderr
+
+
+def test_profile_writes_where_the_export_spent_its_time(tmp_path, capsys):
+    report = tmp_path / "profile.txt"
+    code, _, err = run_cli(capsys, "tiny-llama", "--target", "onnx", "-o", tmp_path / "out", "--max-cache-len", "16",
+                           "--quiet", "--profile", report)
+    assert code == 0, err
+    text = report.read_text()
+    assert "by cumulative time" in text and "by own time" in text
+    assert "export_model" in text and "lower" in text  # the pipeline's steps, by name
+    assert (tmp_path / "profile.txt.prof").stat().st_size > 0
+
+
+def _replace_listed_file(name, data: bytes):
+    """Replace a listed file and rewrite its entry and the sums, as a tool that knows the format would:
+    what is tested is the file itself."""
+    from kvexport.artifact.manifest import sha256_file
+
+    def damage(folder):
+        (folder / name).write_bytes(data)
+        entry = {"sha256": sha256_file(folder / name), "bytes": len(data)}
+        edit_manifest(lambda m: m["files"][name].update(entry))(folder)
+
+    return damage
+
+
+def _link_outside(name):
+    """The listed file as a symlink to a copy of itself outside the folder (same bytes: only the link is wrong)."""
+
+    def damage(folder):
+        outside = folder.parent / f"outside-{name}"
+        shutil.move(folder / name, outside)
+        (folder / name).symlink_to(outside)
+
+    return damage
+
+
+def _drop_input(name):
+    return edit_manifest(lambda m: m["interface"].update(inputs=[i for i in m["interface"]["inputs"] if i["name"] != name]))
+
+
+# A manifest edited (its sums rewritten) so that it no longer describes its program, or its files:
+# (artifact's target, damage, phrases). Before, each ended in a traceback or, for a negative
+# max_tokens_per_call, in all-zero token ids and exit 0.
+MISLEADING_ARTIFACTS = {
+    "onnx-tokens-per-call-negative": ("onnx", edit_manifest(lambda m: m["interface"].update(max_tokens_per_call=-1)),
+                                      ["'interface.max_tokens_per_call' should be a positive integer at most max_cache_len (64), not -1"]),
+    "onnx-cache-len-above-the-program-s": ("onnx", edit_manifest(lambda m: m.update(max_cache_len=128)),
+                                           ["kvexport.json says (by its layers[3]'s kv_heads, head_dim and max_cache_len) past_key_3 is [1, 1, 128, 16] but the program has [1, 1, 64, 16]", "re-export"]),
+    "onnx-vocab-size": ("onnx", edit_manifest(lambda m: m.update(vocab_size=50)),
+                        ["kvexport.json says (by its vocab_size) logits is [1, 50] but the program has [1, 100]"]),
+    "onnx-kv-heads": ("onnx", edit_manifest(lambda m: m["layers"][0].update(kv_heads=2)),
+                      ["past_key_0 is [1, 2, 12, 16] but the program has [1, 1, 12, 16]"]),
+    "onnx-window": ("onnx", edit_manifest(lambda m: [layer.update(window=8) for layer in m["layers"][:3]]),
+                    ["(by its layers[0]'s kv_heads, head_dim and window) past_key_0 is [1, 1, 16, 16]"]),
+    "onnx-a-layer-less": ("onnx", edit_manifest(lambda m: m["layers"].pop()),
+                          ["kvexport.json says the model has 3 layers but the program has 4"]),
+    "onnx-dtype": ("onnx", edit_manifest(lambda m: m.update(dtype="float16")),
+                   ["kvexport.json says its dtype is float16 but the program has logits of tensor(float)"]),
+    "onnx-inputs": ("onnx", _drop_input("total_length"), ["kvexport.json says the graph's inputs are"]),
+    "onnx-no-external-data": ("onnx", edit_manifest(lambda m: m.pop("external_data")),
+                              ["kvexport.json lacks external_data, which an ONNX artifact has"]),
+    "executorch-cache-len": ("executorch", edit_manifest(lambda m: m.update(max_cache_len=128)),
+                             ["kvexport.json says max_cache_len 128 but the program has 64 (get_max_context_len)", "re-export"]),
+    "executorch-vocab-size": ("executorch", edit_manifest(lambda m: m.update(vocab_size=50)),
+                              ["kvexport.json says vocab_size 50 but the program has 100 (get_vocab_size)"]),
+    "executorch-a-layer-less": ("executorch", edit_manifest(lambda m: m["layers"].pop()),
+                                ["kvexport.json says the number of layers is 3 but the program has 4 (get_n_layers)"]),
+    "executorch-tokens-per-call": ("executorch", edit_manifest(lambda m: m["interface"].update(max_tokens_per_call=32)),
+                                   ["says interface.max_tokens_per_call 32 but the program has 64 (get_max_seq_len)"]),
+    "executorch-dtype": ("executorch", edit_manifest(lambda m: m.update(dtype="float16")),
+                         ["kvexport.json says dtype float16 but the program has float32 logits"]),
+    "executorch-eos": ("executorch", edit_manifest(lambda m: m.update(eos_token_ids=[3])),
+                       ["kvexport.json says eos_token_ids 3 but the program has 97 (get_eos_ids)"]),
+    "unknown-source-kind": ("executorch", edit_manifest(lambda m: m["source"].update(kind="website")),
+                            ["'source.kind' should be 'preset' or 'alias' or 'folder' or 'gguf' or 'hub', not \"website\""]),
+    "tokenizer-not-listed": ("executorch", edit_manifest(lambda m: m["files"].pop("tokenizer.json")),
+                             ["kvexport.json does not list tokenizer.json among its files"]),
+    "tokenizer-corrupt": ("executorch", _replace_listed_file("tokenizer.json", b'{"model": 1}'),
+                          ["tokenizer.json is not a tokenizer the tokenizers library reads ("]),
+    "tokenizer-not-utf8": ("executorch", _replace_listed_file("tokenizer.json", b"\xff\xfe"),
+                           ["tokenizer.json is not UTF-8 text"]),
+    "tokenizer-config-corrupt": ("executorch", _replace_listed_file("tokenizer_config.json", b"{"),
+                                 ["tokenizer_config.json is not valid JSON ("]),
+    "tokenizer-a-link-outside": ("executorch", _link_outside("tokenizer.json"),
+                                 ["tokenizer.json is a symbolic link; an artifact's files must be regular files inside its folder"]),
+}
+
+
+@pytest.mark.parametrize("command", ["run", "check"])
+@pytest.mark.parametrize("case", list(MISLEADING_ARTIFACTS))
+def test_run_and_check_refuse_a_manifest_that_does_not_describe_the_artifact(artifact, tmp_path, capsys, monkeypatch,
+                                                                             command, case):
+    from kvexport.checker import check
+
+    target, damage, phrases = MISLEADING_ARTIFACTS[case]
+    monkeypatch.setattr(check, "load_reference", lambda *a, **k: pytest.fail("loaded the eager model"))
+    folder = tmp_path / "copy"
+    shutil.copytree(artifact("tiny-gemma3", target), folder)
+    damage(folder)
+    before = snapshot(tmp_path)
+    code, out, err = run_cli(capsys, command, folder, "--prompt", "hi", "--max-new-tokens", "4")
+    assert_one_line_error(code, err, *phrases)
+    assert out == "" and snapshot(tmp_path) == before
+
+
+def test_an_unlisted_chat_template_is_not_read(artifact, tmp_path, capsys):
+    """Only the files kvexport.json lists (and verifies) are read: a chat_template.jinja dropped in
+    beside them, or left there unlisted, is not the model's template."""
+    folder = tmp_path / "copy"
+    shutil.copytree(artifact("tiny-gemma3", "onnx"), folder)
+    edit_manifest(lambda m: m["files"].pop("chat_template.jinja"))(folder)
+    (folder / "chat_template.jinja").write_text("{{ raise_exception('an unlisted template ran') }}")
+    code, _, err = run_cli(capsys, "run", folder, "--prompt", "hi", "--chat", "--max-new-tokens", "2")
+    assert_one_line_error(code, err, "this model's tokenizer has no chat template")
+    assert "unlisted" not in err
+
+
+def test_a_cache_larger_than_memory_is_refused_before_loading(tmp_path, capsys, monkeypatch):
+    from kvexport.exporter import pipeline
+
+    assert pipeline.total_memory_bytes() > 2**20  # this machine's, as the OS says
+    monkeypatch.setattr(pipeline.sources, "load_model", lambda *a, **k: pytest.fail("loaded the model"))
+    # tiny-llama's cache: 4 layers x 2 (keys, values) x 2 heads x 16 dims x 4 bytes = 1 KiB a position.
+    monkeypatch.setattr(pipeline, "total_memory_bytes", lambda: 100 * 2**10)
+    code, _, err = run_cli(capsys, "tiny-llama", "-o", tmp_path / "out", "--max-cache-len", "512")
+    assert_one_line_error(code, err, "--max-cache-len 512: the KV cache alone needs 0.5 MiB, more than this machine's "
+                                     "0.1 MiB of memory; --max-cache-len 100 is the most whose cache fits")
+    assert list(tmp_path.iterdir()) == []

@@ -158,3 +158,58 @@ def test_the_stock_executorch_runner_option(artifact, capsys):
     assert done.stdout.startswith(expected["text"] + "\n")  # then the runner's stats line
     code = device.main([str(folder), *args, "--runner", "executorch", "--chat", "--seed", "1"])
     assert_one_line_error(code, capsys.readouterr().err, "ExecuTorch's runner has no --chat, --seed")
+
+
+_STOP_WHEN_LOADING = """
+import sys, time
+import kvexport.runtime.run as run
+def load_program(folder, *args, **kwargs):
+    print("loading", folder, file=sys.stderr, flush=True)
+    time.sleep(120)
+run.load_program = load_program
+"""
+
+
+@pytest.mark.parametrize(
+    "signum, code, message", [("SIGTERM", 143, "terminated (SIGTERM)"), ("SIGINT", 130, "interrupted")], ids=["SIGTERM", "SIGINT"]
+)
+def test_a_signal_removes_the_unpacked_archive_and_says_so(artifact, tmp_path, signum, code, message):
+    """SIGTERM (a service manager, a timeout) or Ctrl-C while the device runs an archive: the copy it
+    unpacked into the temporary folder is removed, one line says why it stopped, exit 128 + signal."""
+    import os
+    import signal
+
+    archive, _ = pack(artifact("tiny-gemma3", "onnx"), tmp_path / "tiny.tar")
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    script = _STOP_WHEN_LOADING + _RUN_DEVICE.format(allowed=ONNX_DEVICE_PACKAGES, blocked=set())
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script, str(archive), "--prompt", "Hello"],
+        stderr=subprocess.PIPE, text=True, env={**os.environ, "TMPDIR": str(tmp)},
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # as a terminal's Ctrl-C finds it
+    )
+    try:
+        line = proc.stderr.readline()
+        assert line.startswith(f"loading {tmp}/kvexport-"), line + proc.stderr.read()
+        assert any(tmp.iterdir())  # the unpacked copy
+        proc.send_signal(getattr(signal, signum))
+        err = proc.stderr.read()
+        proc.wait(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == code, err
+    assert err == f"kvexport: {message}\n"
+    assert list(tmp.iterdir()) == []
+
+
+def test_the_stock_runner_refuses_a_manifest_that_does_not_describe_the_pte(artifact, tmp_path, capsys):
+    """--runner executorch trusts the .pte, and kvexport's checks before it the manifest: the two must agree."""
+    import shutil
+
+    from tests.helpers import edit_manifest
+
+    folder = tmp_path / "copy"
+    shutil.copytree(artifact("tiny-gemma3"), folder)
+    edit_manifest(lambda m: m.update(max_cache_len=128))(folder)
+    code = device.main([str(folder), "--prompt", "Hello", "--runner", "executorch"])
+    assert_one_line_error(code, capsys.readouterr().err, "kvexport.json says max_cache_len 128 but the program has 64 (get_max_context_len)")

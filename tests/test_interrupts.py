@@ -138,3 +138,85 @@ def test_a_full_disk_while_lowering_gets_one_line(tmp_path, monkeypatch, capsys)
     assert exit_info.value.code == 2 and len(lines) == 1 and "Traceback" not in err, err
     assert "No space left on device while writing" in lines[0] and "free some space" in lines[0]
     assert tree(tmp_path) == before
+
+
+def _onnx_lower_on_a_full_disk(program, spec, folder):
+    """What onnx_program.save does on a full disk: numpy's tofile, which writes the external data
+    (onnx_ir), raises an OSError without an errno."""
+    (folder / "model.onnx.data").write_bytes(b"half the weights")
+    raise OSError("problem writing element 1024 to file")
+
+
+def test_a_full_disk_while_writing_onnx_gets_one_line(tmp_path, monkeypatch, capsys):
+    """Simulated: the ONNX lowering fails as numpy fails on a full disk, and the disk is full (the
+    staged folder's probe write gets ENOSPC)."""
+    import builtins
+    import errno
+
+    from kvexport.exporter.onnx import target as onnx
+
+    def full_disk_open(path, *args, **kwargs):
+        if str(path).endswith(".kvexport-space-probe"):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        return builtins.open(path, *args, **kwargs)
+
+    monkeypatch.setattr(onnx, "export", lambda model, max_cache_len, max_tokens_per_call: object())
+    monkeypatch.setattr(onnx, "lower", _onnx_lower_on_a_full_disk)
+    out = tmp_path / "out"
+    args = ["tiny-llama", "--target", "onnx", "-o", str(out), "--max-cache-len", "16", "--force"]
+    previous_artifact(out)
+    before = tree(tmp_path)
+    # The same error where the disk has room is not a full disk: a bug, with its traceback.
+    with pytest.raises(OSError, match="problem writing element"):
+        main(args)
+    assert tree(tmp_path) == before
+    monkeypatch.setattr(staging, "open", full_disk_open, raising=False)
+    with pytest.raises(SystemExit) as exit_info:
+        main(args)
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("kvexport: error:")]
+    assert exit_info.value.code == 2 and len(lines) == 1 and "Traceback" not in err, err
+    assert f"No space left on device while writing {out}; free some space" in lines[0]
+    assert tree(tmp_path) == before
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0, reason="mounting a small tmpfs needs root")
+def test_a_really_full_disk_while_writing_onnx_gets_one_line(tmp_path, capsys):
+    """A real full disk: a 256 KiB tmpfs, where tiny-llama's ONNX weights (640 KiB) do not fit."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(disk)], capture_output=True, check=False).returncode:
+        pytest.skip("no tmpfs can be mounted here (a container without CAP_SYS_ADMIN)")
+    try:
+        with pytest.raises(SystemExit) as exit_info:
+            main(["tiny-llama", "--target", "onnx", "-o", str(disk / "out"), "--max-cache-len", "16", "--quiet"])
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and "Traceback" not in err, err
+        assert f"kvexport: error: No space left on device while writing {disk / 'out'}; free some space" in err, err
+        assert list(disk.iterdir()) == []
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
+
+
+def test_an_export_that_finished_first_at_the_same_output_is_not_replaced(tmp_path, monkeypatch, capsys):
+    """Two exports to one -o at once: the one that finishes second is refused, not published over
+    the first (without --force)."""
+    from kvexport.exporter.executorch import target as executorch
+
+    out = tmp_path / "out"
+
+    def lower_while_another_export_finishes(program, spec, folder):
+        (folder / "model.pte").write_bytes(b"this export's program")
+        previous_artifact(out)  # the other export, started at the same time, publishes first
+        return {"program": "model.pte"}
+
+    monkeypatch.setattr(executorch, "export", lambda model, max_cache_len, max_tokens_per_call: object())
+    monkeypatch.setattr(executorch, "lower", lower_while_another_export_finishes)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["tiny-llama", "-o", str(out), "--max-cache-len", "16"])
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("kvexport: error:")]
+    assert exit_info.value.code == 2 and len(lines) == 1 and "Traceback" not in err, err
+    assert f"output {out} already exists: it appeared while this export ran" in lines[0]
+    assert (out / "model.pte").read_bytes() == b"the previous program"
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]

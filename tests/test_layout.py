@@ -13,13 +13,13 @@ PACKAGE = Path(kvexport.__file__).resolve().parent
 
 # Lowest first. A module may import from its own package or from a package of a lower rank.
 LAYERS = [
-    ["kvexport.errors", "kvexport.logs", "kvexport.version"],
+    ["kvexport.errors", "kvexport.logs", "kvexport.version", "kvexport.profile"],
     ["kvexport.progress"],
     ["kvexport.artifact"],
     ["kvexport.models"],
     ["kvexport.runtime"],
     ["kvexport.exporter"],
-    ["kvexport.check"],
+    ["kvexport.checker"],
     ["kvexport.bench", "kvexport.matrix"],
     ["kvexport.api"],
     ["kvexport.cli", "kvexport.device", "kvexport"],

@@ -3,7 +3,10 @@ target at max_cache_len 1024 and compared with eager transformers far past the w
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
+from pathlib import Path
 
 import pytest
 
@@ -11,7 +14,8 @@ from kvexport.cli import main
 from kvexport.models import sources
 from kvexport.runtime.tokenizer import ArtifactTokenizer
 
-from tests.helpers import eager_ids
+from tests.conftest import exported_once, shared_dir
+from tests.helpers import eager_ids, on_one_worker
 
 pytestmark = pytest.mark.slow
 
@@ -23,31 +27,53 @@ PARAGRAPH = (
 )
 
 
+def export_real(tmp_path_factory, name: str, target: str) -> Path:
+    """The real model exported for ``target`` at max_cache_len 1024, once per test run."""
+
+    def export(folder: Path) -> None:
+        with pytest.raises(SystemExit) as done:
+            main(["export", name, "--target", target, "-o", str(folder), "--max-cache-len", "1024", "--quiet", "--force"])
+        assert done.value.code == 0
+
+    return exported_once(tmp_path_factory, f"real-{name}-{target}", export)
+
+
+@functools.cache
+def eager_model(name: str):
+    return sources.load_model(sources.resolve(name))[0]
+
+
 @pytest.fixture(
     scope="module",
-    params=[(name, target) for target in ("executorch", "onnx") for name in ("gemma3-270m", "smollm2-135m")],
-    ids=lambda p: "-".join(p),
+    params=[
+        pytest.param((name, target), id=f"{name}-{target}", marks=on_one_worker(f"real-{name}-{target}"))
+        for target in ("executorch", "onnx") for name in ("gemma3-270m", "smollm2-135m")
+    ],
 )
 def real(request, tmp_path_factory):
     """(folder, eager model) for one real model and target."""
     name, target = request.param
-    folder = tmp_path_factory.mktemp("real") / f"{name}-{target}"
-    with pytest.raises(SystemExit) as done:
-        main(["export", name, "--target", target, "-o", str(folder), "--max-cache-len", "1024", "--quiet"])
-    assert done.value.code == 0
-    model, _ = sources.load_model(sources.resolve(name))
-    return folder, model
+    return export_real(tmp_path_factory, name, target), eager_model(name)
 
 
-_EAGER_IDS: dict[tuple, list[int]] = {}
+@pytest.fixture(scope="session")
+def reference_ids(tmp_path_factory):
+    """``reference_ids(model, prompt_ids, n)``: eager greedy ids, generated once per test run for both
+    targets (minutes on a CPU), whichever pytest-xdist worker asks first."""
+    from filelock import FileLock
 
+    folder = shared_dir(tmp_path_factory) / "eager-ids"
+    folder.mkdir(parents=True, exist_ok=True)
 
-def reference_ids(model, prompt_ids: list[int], n: int) -> list[int]:
-    """Eager greedy ids, generated once per model and prompt for both targets (minutes on a CPU)."""
-    key = (model.name_or_path, tuple(prompt_ids), n)
-    if key not in _EAGER_IDS:
-        _EAGER_IDS[key] = eager_ids(model, prompt_ids, n)
-    return _EAGER_IDS[key]
+    def get(model, prompt_ids: list[int], n: int) -> list[int]:
+        key = hashlib.sha256(json.dumps([model.name_or_path, prompt_ids, n]).encode()).hexdigest()[:16]
+        path = folder / f"{key}.json"
+        with FileLock(str(path) + ".lock"):
+            if not path.is_file():
+                path.write_text(json.dumps(eager_ids(model, prompt_ids, n)))
+            return json.loads(path.read_text())
+
+    return get
 
 
 def kvexport_run(capsys, folder, prompt, n) -> dict:
@@ -65,13 +91,13 @@ def long_prompt(tokenizer: ArtifactTokenizer, tokens: int) -> str:
     return text
 
 
-def test_700_new_tokens_after_a_short_prompt_match_eager(real, capsys):
+def test_700_new_tokens_after_a_short_prompt_match_eager(real, capsys, reference_ids):
     folder, model = real
     result = kvexport_run(capsys, folder, SHORT_PROMPT, 700)
     assert result["new_ids"] == reference_ids(model, result["prompt_ids"], 700)
 
 
-def test_150_new_tokens_after_a_prompt_longer_than_the_window_match_eager(real, capsys):
+def test_150_new_tokens_after_a_prompt_longer_than_the_window_match_eager(real, capsys, reference_ids):
     folder, model = real
     prompt = long_prompt(ArtifactTokenizer(folder), 800)
     result = kvexport_run(capsys, folder, prompt, 150)
@@ -152,3 +178,28 @@ def test_smollm2_in_float16_passes_check(tmp_path, capsys):
     report = json.loads(capsys.readouterr().out)
     assert done.value.code == 0 and report["ok"] and report["dtype"] == "float16", report
     assert all(p["match"] and p["compared_steps"] == p["new_tokens"] for p in report["prompts"])
+
+
+TURNS = ["What is the capital of France?", "And the capital of Italy?", "Which of the two cities is larger?"]
+
+
+def test_chat_feeds_only_each_new_turn_and_renders_transformers_ids(real):
+    """Three turns: each prompt is transformers' apply_chat_template of the whole conversation, and
+    the second and third turns prefill only what is new since the last call (the cache is kept)."""
+    from transformers import AutoTokenizer
+
+    import kvexport
+
+    folder, _ = real
+    reference = AutoTokenizer.from_pretrained(folder)
+    conversation = kvexport.load(folder).chat(max_new_tokens=32)
+    messages, cached = [], 0
+    for i, text in enumerate(TURNS):
+        messages.append({"role": "user", "content": text})
+        turn = conversation.say(text)
+        expected = reference.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)["input_ids"]
+        assert turn.prompt_ids == expected
+        if i:
+            assert not turn.reset and turn.prefilled_tokens == len(expected) - cached, turn
+        messages.append({"role": "assistant", "content": turn.text})
+        cached = turn.conversation_tokens

@@ -11,6 +11,7 @@ device.
 from __future__ import annotations
 
 import contextlib
+import errno
 import gzip
 import os
 import shutil
@@ -29,10 +30,20 @@ def pack(folder: Path, out: Path | None = None, force: bool = False) -> tuple[Pa
     folder = Path(folder).resolve()
     manifest = read_manifest(folder, verify=True)  # never pack a corrupt artifact
     out = Path(out) if out else folder.with_name(folder.name + ".tar")
-    if out.exists() and not force:
+    parent = out.absolute().parent
+    if not parent.is_dir():
+        raise InvalidOptionError(f"cannot write {out}: folder {parent} does not exist")
+    # The output's real place (its folder's symlinks resolved; a symlink as the output itself is replaced, not followed).
+    where = parent.resolve() / out.name
+    if where == folder or folder in where.parents:
+        raise InvalidOptionError(
+            f"output {out} is inside the artifact folder {folder}: the archive would replace or add to what it packs; "
+            "choose an -o outside it"
+        )
+    if out.is_dir():
+        raise InvalidOptionError(f"output {out} is a folder; -o names the archive file, e.g. {out / (folder.name + '.tar')}")
+    if (out.exists() or out.is_symlink()) and not force:
         raise InvalidOptionError(f"output {out} already exists; pass --force to replace it")
-    if not out.absolute().parent.is_dir():
-        raise InvalidOptionError(f"cannot write {out}: folder {out.absolute().parent} does not exist")
     mode = "w:gz" if out.name.endswith((".tar.gz", ".tgz")) else "w"
     # Written beside the output and renamed into place: an interrupted pack leaves no partial archive.
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
@@ -42,6 +53,13 @@ def pack(folder: Path, out: Path | None = None, force: bool = False) -> tuple[Pa
             for name in [*sums, *manifest["files"]]:  # the manifest first: it lists what follows
                 tar.add(folder / name, arcname=f"{folder.name}/{name}", recursive=False)
         os.replace(tmp, out)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        if e.filename is not None and Path(e.filename) not in (tmp, out):
+            raise  # not the archive: a file of the artifact that could not be read
+        hint = "free some space or choose another -o" if e.errno in (errno.ENOSPC, errno.EDQUOT) else "choose another -o"
+        raise InvalidOptionError(f"cannot write {out}: {e.strerror or e}; {hint}") from None
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
@@ -78,8 +96,15 @@ def _unpack(archive: Path, into: Path) -> Path:
     try:
         with tar:
             for member in tar:
-                parts = PurePosixPath(member.name).parts
-                if not member.isfile() or len(parts) != 2 or {".", ".."} & set(parts) or parts[0] != (top or parts[0]):
+                path = PurePosixPath(member.name)
+                parts = path.parts
+                if (
+                    not member.isfile()
+                    or path.is_absolute()
+                    or len(parts) != 2
+                    or {".", ".."} & set(parts)
+                    or parts[0] != (top or parts[0])
+                ):
                     raise ArtifactError(
                         f"{archive} is not a kvexport archive (unexpected member {member.name!r}); make it with kvexport pack"
                     )
@@ -90,6 +115,12 @@ def _unpack(archive: Path, into: Path) -> Path:
                     shutil.copyfileobj(src, dst, 1 << 20)
     except (tarfile.TarError, EOFError, zlib.error, gzip.BadGzipFile) as e:
         raise ArtifactError(f"{archive} is truncated or corrupt ({e}); copy it again or pack it again")
+    except OSError as e:  # where it is unpacked (TMPDIR): full, or a name it cannot take
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise ArtifactError(
+                f"cannot unpack {archive} into {into.parent}: {e.strerror}; free some space or set TMPDIR to a folder with room"
+            )
+        raise ArtifactError(f"cannot unpack {archive} into {into.parent} ({e.strerror or e}); is it an archive from kvexport pack?")
     if top is None:
         raise ArtifactError(f"{archive} is empty; make it with kvexport pack")
     return into / top

@@ -10,7 +10,7 @@ warms another's caches), the repeats interleaved round-robin across paths (so a 
 shared machine spreads over all of them):
 
 - ``eager``: transformers' ``generate`` (greedy, its DynamicCache) on MODEL, as ``kvexport check``
-  runs it (``kvexport.check.eager.greedy_generate``);
+  runs it (``kvexport.checker.eager.greedy_generate``);
 - ``run``: each ARTIFACT (any target or dtype) through kvexport's own loop, what ``kvexport run``
   does (``load_program`` + ``generation.generate``);
 - ``textllm``: each ``.pte`` ARTIFACT through ExecuTorch's C++ ``TextLLMRunner`` (its pybinding), its
@@ -123,7 +123,7 @@ def _timed(prompt_ids: list[int], new_tokens: int, t0: float, first: float, end:
 
 
 def work_eager(spec: dict) -> dict:
-    from kvexport.check.eager import greedy_generate
+    from kvexport.checker.eager import greedy_generate
     from kvexport.models import sources
 
     _set_torch_threads(spec["threads"])
@@ -432,7 +432,7 @@ def finish(jobs: list[dict], args) -> None:
 
 
 def ratios(jobs: list[dict]) -> dict:
-    """decode tok/s medians: every path against eager and against llama.cpp, TextLLMRunner against
+    """decode tokens/s medians: every path against eager and against llama.cpp, TextLLMRunner against
     kvexport run on the same .pte."""
     def med(job, key="decode_tokens_per_s"):
         s = job.get("summary", {}).get(key)
@@ -457,7 +457,7 @@ def ratios(jobs: list[dict]) -> dict:
 
 
 def _by_round(run: dict, textllm: dict) -> float | None:
-    """The median of each round's own ratio, run / TextLLMRunner decode tok/s: a round runs the two
+    """The median of each round's own ratio, run / TextLLMRunner decode tokens/s: a round runs the two
     back to back, so a spell of the host's slower speed, which can catch one path's runs more than
     the other's, mostly cancels (the ratio of medians above does not pair them)."""
     pairs = [(a.get("decode_tokens_per_s"), b.get("decode_tokens_per_s"))

@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..models.adapters import prepare_for_export
-from ..models.architecture import LayerSpec, layer_specs
+from ..models.adapters import fixed_rotary_frequencies, prepare_for_export
+from ..models.architecture import LayerSpec, check_rope, layer_specs
 from . import attention
 from .kv_cache import CallState, RingKVCache, StaticKVCache, additive_mask
 
@@ -47,6 +47,10 @@ class ExportableDecoder(nn.Module):
         # The bound of T; ExecuTorch plans activation memory for a call this long.
         self.max_tokens_per_call = max_tokens_per_call or max_cache_len
         self.specs = layer_specs(model.config)
+        # Rotary frequencies that transformers recomputes from the length are fixed to those eager
+        # uses up to max_cache_len, where that is one set for every position (else refused).
+        check_rope(model.config, max_cache_len)
+        fixed_rotary_frequencies(self.model, max_cache_len)
         self.dtype = next(model.parameters()).dtype
         self.caches = cache_builder(self.specs, max_cache_len, self.dtype)
         # Layers sharing a mask: one per (layer_type, ring or not), built once per call.

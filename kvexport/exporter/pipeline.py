@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import platform
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -161,9 +163,41 @@ def plan_export(options: ExportOptions, progress: Progress | None = None) -> Exp
     config = sources.load_config(source)
     specs = architecture.layer_specs(config)
     max_cache_len, max_positions = choose_max_cache_len(config, options.max_cache_len)
+    architecture.check_rope(config, max_cache_len)
     prefill_chunk = choose_prefill_chunk(max_cache_len, options.prefill_chunk)
     dtype_bytes = sources.DTYPES[options.dtype]
-    return ExportPlan(options, out, source, config, specs, max_cache_len, max_positions, dtype_bytes, prefill_chunk)
+    plan = ExportPlan(options, out, source, config, specs, max_cache_len, max_positions, dtype_bytes, prefill_chunk)
+    _refuse_a_cache_beyond_memory(plan)
+    return plan
+
+
+def total_memory_bytes() -> int | None:
+    """This machine's memory (None where the OS does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def _refuse_a_cache_beyond_memory(plan: ExportPlan) -> None:
+    """A KV cache larger than the machine's memory cannot be exported (nor run): refuse it before the
+    weights load, with the largest --max-cache-len that fits."""
+    memory = total_memory_bytes()
+    if not memory or plan.kv_cache_bytes <= memory:
+        return
+    low, high = 0, plan.max_cache_len  # the cache grows with max_cache_len: the largest that fits
+    while low < high:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if dataclasses.replace(plan, max_cache_len=mid).kv_cache_bytes <= memory else (low, mid - 1)
+    given = f"--max-cache-len {plan.max_cache_len}" if plan.options.max_cache_len else f"max_cache_len {plan.max_cache_len} (the default)"
+
+    def size(n: int) -> str:
+        return f"{n / 2**30:,.1f} GiB" if n >= 2**30 else f"{n / 2**20:,.1f} MiB"
+
+    raise InvalidOptionError(
+        f"{given}: the KV cache alone needs {size(plan.kv_cache_bytes)}, more than this machine's {size(memory)} of "
+        f"memory; --max-cache-len {low} is the most whose cache fits, and the weights need room too"
+    )
 
 
 def export_model(options: ExportOptions, progress: Progress | None = None) -> ExportResult:
@@ -186,7 +220,7 @@ def export_model(options: ExportOptions, progress: Progress | None = None) -> Ex
         if skipped:
             info["quantization"]["left_in_float"] = skipped
 
-    with staged_folder(plan.out) as folder:
+    with staged_folder(plan.out, options.force) as folder:
         with progress.step("export", f"torch.export, T dynamic (calls of 1 to {plan.prefill_chunk} tokens)"):
             program = target.export(model, plan.max_cache_len, plan.prefill_chunk)
         with progress.step("lower", options.target):

@@ -98,7 +98,7 @@ def _export(row: Row, model: str, folder: Path) -> dict:
 
 def _check(row: Row, folder: Path) -> dict:
     from ..artifact.manifest import read_manifest
-    from ..check.check import default_prompts, run_check
+    from ..checker.check import default_prompts, run_check
     from ..runtime.tokenizer import ArtifactTokenizer
 
     prompts = None

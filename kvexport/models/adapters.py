@@ -28,3 +28,55 @@ def _experts_as_batched_matmuls(model: nn.Module) -> None:
     can_set = getattr(model, "_can_set_experts_implementation", None)
     if can_set is not None and can_set():
         model.set_experts_implementation("batched_mm")
+
+
+def fixed_rotary_frequencies(model: nn.Module, max_cache_len: int) -> None:
+    """Rotary embeddings whose frequencies transformers recomputes from the sequence's length
+    (``dynamic_rope_update``: rope types ``dynamic`` and ``longrope``) keep the ones eager uses for
+    every sequence of at most ``max_cache_len`` tokens.
+
+    transformers decides at each forward call from ``max(position_ids) + 1``: dynamic NTK changes
+    nothing up to ``max_position_embeddings`` (its update is then a data-dependent branch that
+    ``torch.export`` cannot trace), longrope takes its short factors up to
+    ``original_max_position_embeddings`` (its update selects between the two sets). Up to those
+    lengths both rotate with the frequencies the model was built with, ``original_inv_freq``;
+    ``architecture.check_rope`` refuses a longer cache. A module whose own rope type is something
+    else (Hunyuan's ``ntk_alpha``) is left alone: transformers never updates it.
+    """
+    import types
+
+    import torch
+
+    from ..errors import UnsupportedModelError
+
+    for module in model.modules():
+        rope_forward = _under_dynamic_rope_update(getattr(type(module), "forward", None))
+        rope_types = getattr(module, "rope_type", None)
+        if rope_forward is None or rope_types is None:
+            continue
+        by_layer = rope_types.items() if isinstance(rope_types, dict) else [(None, rope_types)]
+        updated = [(layer, kind) for layer, kind in by_layer if "dynamic" in kind or kind == "longrope"]
+        for layer, kind in updated:
+            prefix = f"{layer}_" if layer else ""
+            params = module.config.rope_parameters[layer] if layer else module.config.rope_parameters
+            reach = module.original_max_seq_len if "dynamic" in kind else params["original_max_position_embeddings"]
+            if max_cache_len > reach:
+                raise UnsupportedModelError(
+                    f"rope type '{kind}' changes its frequencies past {reach} positions, within a cache of "
+                    f"{max_cache_len}; export with --max-cache-len {reach} or less"
+                )
+            getattr(module, f"{prefix}inv_freq").copy_(getattr(module, f"{prefix}original_inv_freq"))
+        if updated:
+            module.forward = types.MethodType(torch.no_grad()(rope_forward), module)
+
+
+def _under_dynamic_rope_update(forward):
+    """The function ``forward`` is ``dynamic_rope_update`` of (through other decorators), or None."""
+    from transformers.modeling_rope_utils import dynamic_rope_update
+
+    wrapper_code = dynamic_rope_update(lambda self, x, position_ids: None).__code__
+    while forward is not None:
+        if getattr(forward, "__code__", None) is wrapper_code:
+            return forward.__wrapped__
+        forward = getattr(forward, "__wrapped__", None)
+    return None

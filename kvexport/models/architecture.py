@@ -117,6 +117,47 @@ def check_supported(config) -> None:
         refuse("it has no attention heads (a state-space or recurrent model)")
 
 
+def rope_parameters(config) -> list[dict]:
+    """The text model's rotary-embedding parameters: one dict, or one per layer type where the config
+    nests them (Gemma 3's global and local layers)."""
+    params = getattr(text_config(config), "rope_parameters", None) or {}
+    if isinstance(params.get("rope_type", params.get("type")), str):
+        return [params]
+    return [p for p in params.values() if isinstance(p, dict)]
+
+
+def check_rope(config, max_cache_len: int) -> None:
+    """Refuse a rotary embedding whose rotation eager transformers changes with the sequence's length
+    within ``max_cache_len`` positions: one program with a KV cache rotates every position one way.
+
+    transformers fixes the frequencies when the model is built for every rope type but two, which
+    ``dynamic_rope_update`` recomputes at each forward call from ``max(position_ids) + 1``:
+    ``dynamic`` (NTK) rescales them only past ``max_position_embeddings``, which an export never
+    reaches (``--max-cache-len`` is at most that); ``longrope`` switches every position of the call
+    from its short factors to its long ones past ``original_max_position_embeddings``, and Phi-3's
+    generation then recomputes the whole cache with them. Within that length it is the short factors
+    throughout, exactly; past it no program can follow, so a longer cache is refused here.
+    """
+    text = text_config(config)
+    limit = getattr(text, "max_position_embeddings", None)
+    for params in rope_parameters(config):
+        rope_type = params.get("rope_type", params.get("type", "default"))
+        original = params.get("original_max_position_embeddings") or limit
+        if rope_type == "longrope" and original and max_cache_len > original:
+            raise UnsupportedModelError(
+                f"rope type 'longrope' cannot be exported exactly with a cache of {max_cache_len} positions: past "
+                f"original_max_position_embeddings ({original}) transformers switches every position, cached ones "
+                f"included, from the short to the long factors, which one program with a KV cache cannot; "
+                f"export with --max-cache-len {original} or less"
+            )
+        if "dynamic" in rope_type and limit and max_cache_len > limit:
+            raise UnsupportedModelError(
+                f"rope type '{rope_type}' cannot be exported exactly with a cache of {max_cache_len} positions: past "
+                f"max_position_embeddings ({limit}) transformers rescales every position's frequencies with the "
+                f"length, which one program cannot; export with --max-cache-len {limit} or less"
+            )
+
+
 def _causal_lm_class(model_type: str | None):
     """The class AutoModelForCausalLM builds for ``model_type``, or None."""
     import transformers

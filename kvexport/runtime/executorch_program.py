@@ -6,6 +6,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..artifact.manifest import program_mismatch
 from ..errors import ArtifactError, InvalidOptionError
 from ..logs import native_stderr_quiet
 from .programs import max_tokens_per_call
@@ -22,6 +23,7 @@ class ExecuTorchProgram:
         self._chunk = max_tokens_per_call(manifest)
         self._torch = torch
         self._path = path
+        check_program_file(path, manifest)  # before forward loads: its memory is planned for the program
         try:
             # trace_events: ExecuTorch's ETDump tracer times every kernel and delegate call
             # (scripts/profile_pte.py); off, the runtime records nothing.
@@ -29,7 +31,7 @@ class ExecuTorchProgram:
                 self._program = Runtime.get().load_program(path, data_path=weights, enable_etdump=trace_events)
                 self._method = self._program.load_method("forward")
         except Exception as e:  # the runtime raises a bare RuntimeError for any unreadable program
-            raise ArtifactError(f"ExecuTorch cannot load {path}: {e}")
+            raise ArtifactError(f"ExecuTorch cannot load {path}: {_first_line(e)}")
 
     def forward(self, tokens: list[int], start: int) -> np.ndarray:
         torch = self._torch
@@ -50,6 +52,69 @@ class ExecuTorchProgram:
     def reset(self) -> None:
         # Nothing to clear: a call at position 0 starts a new sequence (the masks ignore older state).
         pass
+
+
+# ExecuTorch's ScalarType codes of the manifest's dtypes.
+_SCALAR_TYPES = {6: "float32", 5: "float16", 15: "bfloat16"}
+
+
+def _program_facts(program) -> dict:
+    """What the ``.pte`` says of itself: its metadata methods (``get_max_context_len``, ...; see the
+    exporter's ``_constant_methods``), and its logits' shape and dtype. Read from a program object of
+    their own: the Python runtime shares one memory arena among a program's methods, so running a
+    metadata method there could overwrite the forward method's."""
+    facts = {}
+    for name in ("get_max_context_len", "get_max_seq_len", "get_vocab_size", "get_n_layers", "get_eos_ids", "get_bos_id"):
+        if name in program.method_names:
+            facts[name] = [int(v) for v in program.load_method(name).execute([])]
+    logits = program.metadata("forward").output_tensor_meta(0)
+    facts["logits_shape"], facts["logits_dtype"] = list(logits.sizes()), _SCALAR_TYPES.get(logits.dtype(), logits.dtype())
+    return facts
+
+
+def check_program_file(path: Path, manifest: dict) -> None:
+    """Refuse a ``.pte`` that the manifest does not describe (``check_against_program``), or that
+    ExecuTorch cannot read. Call ``register_kernels`` first."""
+    from executorch.runtime import Runtime
+
+    try:
+        with native_stderr_quiet():
+            facts = _program_facts(Runtime.get().load_program(path))
+    except Exception as e:  # the runtime raises a bare RuntimeError for any unreadable program
+        raise ArtifactError(f"ExecuTorch cannot load {path}: {_first_line(e)}")
+    check_against_program(manifest, facts)
+
+
+def _first_line(e: Exception) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
+
+
+def check_against_program(manifest: dict, facts: dict) -> None:
+    """Refuse a manifest that does not describe the program (``_program_facts``): a wrong cache length,
+    call length, vocabulary or layer count ends in a runtime failure mid-generation, or in a silently
+    wrong generation."""
+    said = {
+        "get_max_context_len": ("max_cache_len", [manifest["max_cache_len"]]),
+        "get_vocab_size": ("vocab_size", [manifest["vocab_size"]]),
+        "get_n_layers": ("the number of layers is", [len(manifest["layers"])]),
+        "get_eos_ids": ("eos_token_ids", sorted(manifest["eos_token_ids"])),
+    }
+    if manifest["format_version"] >= 4:  # before, a .pte took calls as long as the cache, whatever it said
+        said["get_max_seq_len"] = ("interface.max_tokens_per_call", [max_tokens_per_call(manifest)])
+    if manifest.get("bos_token_id") is not None:
+        said["get_bos_id"] = ("bos_token_id", [manifest["bos_token_id"]])
+    for method, (field, value) in said.items():
+        has = facts.get(method)
+        if has is not None and (sorted(has) if method == "get_eos_ids" else has) != value:
+            raise program_mismatch(field, _one(value), f"{_one(has)} ({method})")
+    if facts["logits_shape"][-1:] != [manifest["vocab_size"]]:
+        raise program_mismatch("vocab_size", manifest["vocab_size"], f"logits of shape {facts['logits_shape']}")
+    if facts["logits_dtype"] != manifest["dtype"]:
+        raise program_mismatch("dtype", manifest["dtype"], f"{facts['logits_dtype']} logits")
+
+
+def _one(values: list):
+    return values[0] if len(values) == 1 else values
 
 
 def register_kernels() -> None:

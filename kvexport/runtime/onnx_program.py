@@ -24,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..artifact.manifest import MANIFEST, program_mismatch
 from ..errors import ArtifactError, InvalidOptionError, PromptTooLongError
 from .programs import max_tokens_per_call
 
@@ -46,6 +47,62 @@ def _check_runs_on_cuda(manifest: dict) -> None:
             "attention lengths inside the graph, which onnxruntime-gpu gets wrong; re-export it with this "
             "kvexport, or run it with --device cpu"
         )
+
+
+# ONNX Runtime's element types of the manifest's dtypes.
+_ORT_TYPES = {"float32": "tensor(float)", "float16": "tensor(float16)", "bfloat16": "tensor(bfloat16)"}
+
+
+def _check_onnx_fields(manifest: dict) -> None:
+    """What an ONNX artifact's manifest has besides the fields every artifact has (``read_manifest``
+    checked their types where present): this runner names and sizes the buffers from them."""
+    lacks = [key for key in ("interface", "external_data") if key not in manifest]
+    lacks += [f"interface.{key}" for key in ("inputs", "outputs") if not lacks and key not in manifest["interface"]]
+    lacks += [
+        f"layers[{i}].{field}"
+        for i, layer in enumerate(manifest["layers"])
+        for field in ("index", "kv_heads", "head_dim")
+        if field not in layer
+    ]
+    if lacks:
+        raise ArtifactError(f"{MANIFEST} lacks {lacks[0]}, which an ONNX artifact has; the manifest was edited or damaged, re-export")
+
+
+def _check_against_graph(session, manifest: dict) -> None:
+    """Refuse a manifest that does not describe the graph: the buffers and logits this runner sizes
+    from it would not fit the graph's inputs (ONNX Runtime fails mid-generation), or, worse, would."""
+    graph = {t.name: t for t in session.get_inputs()}
+    outputs = {t.name: t for t in session.get_outputs()}
+    said = [entry["name"] for entry in manifest["interface"]["inputs"]]
+    if sorted(said) != sorted(graph):
+        raise program_mismatch("the graph's inputs are", ", ".join(said), ", ".join(graph))
+    layers = manifest["layers"]
+    in_graph = sum(name.startswith("past_key_") for name in graph)
+    if len(layers) != in_graph:
+        raise program_mismatch("the model has", f"{len(layers)} layers", f"{in_graph}")
+    if "logits" not in outputs:
+        raise program_mismatch("the graph has", "an output logits", "none")
+    expected_type = _ORT_TYPES[manifest["dtype"]]
+    if outputs["logits"].type != expected_type:
+        raise program_mismatch("its dtype is", manifest["dtype"], f"logits of {outputs['logits'].type}")
+    _check_shape("logits", [1, manifest["vocab_size"]], outputs["logits"].shape, "vocab_size")
+    for spec in layers:
+        rows = manifest["max_cache_len"] if spec["cache"] == "static" else 2 * spec["window"]
+        shape = [1, spec["kv_heads"], rows, spec["head_dim"]]
+        fields = f"layers[{spec['index']}]'s kv_heads, head_dim and " + ("max_cache_len" if spec["cache"] == "static" else "window")
+        for kv in ("key", "value"):
+            name = f"past_{kv}_{spec['index']}"
+            if name not in graph or f"present_{kv}_{spec['index']}" not in outputs:
+                raise program_mismatch("the graph has", name, "no such input")
+            if graph[name].type != expected_type:
+                raise program_mismatch("its dtype is", manifest["dtype"], f"{name} of {graph[name].type}")
+            _check_shape(name, shape, graph[name].shape, fields)
+
+
+def _check_shape(name: str, said: list[int], has: list, fields: str) -> None:
+    # A symbolic dimension (a name, or None) takes any size.
+    if len(said) != len(has) or any(isinstance(h, int) and h != s for s, h in zip(said, has)):
+        raise program_mismatch(f"(by its {fields}) {name} is", said, list(has))
 
 
 class _Buffer:
@@ -87,6 +144,7 @@ class OnnxProgram:
 
         if device not in ("cpu", "cuda"):
             raise InvalidOptionError(f"unknown device '{device}'; ONNX artifacts run on cpu or cuda")
+        _check_onnx_fields(manifest)
         inputs = {entry["name"] for entry in manifest["interface"]["inputs"]}
         if device == "cuda":
             _check_runs_on_cuda(manifest)
@@ -96,7 +154,6 @@ class OnnxProgram:
                 )
         self.manifest = manifest
         self._device = device
-        self._dtype = np.dtype(manifest["dtype"])
         self._max_cache_len = manifest["max_cache_len"]
         path = folder / manifest["program"]
         providers = ["CUDAExecutionProvider", "CPUExecutionProvider"] if device == "cuda" else ["CPUExecutionProvider"]
@@ -110,10 +167,12 @@ class OnnxProgram:
         try:
             self._session = ort.InferenceSession(str(path), options, providers=providers)
         except Exception as e:  # onnxruntime raises its own exception types for unreadable models
-            raise ArtifactError(f"ONNX Runtime cannot load {path}: {str(e).strip().splitlines()[0]}")
+            raise ArtifactError(f"ONNX Runtime cannot load {path}: {(str(e).strip().splitlines() or [type(e).__name__])[0]}")
         if device == "cuda" and self._session.get_providers()[0] != "CUDAExecutionProvider":
             # onnxruntime falls back to the CPU (with a warning) when CUDA or cuDNN cannot load.
             raise InvalidOptionError(f"--device cuda: ONNX Runtime could not start CUDA here; {_GPU_HINT}")
+        _check_against_graph(self._session, manifest)  # before any buffer is sized from the manifest
+        self._dtype = np.dtype(manifest["dtype"])
         self._layers = [_Layer(ort, spec, self._max_cache_len, self._dtype, device) for spec in manifest["layers"]]
         self._rings = [layer for layer in self._layers if layer.window is not None]
         self._window = min((layer.window for layer in self._rings), default=None)

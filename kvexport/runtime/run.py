@@ -58,7 +58,7 @@ def generate_text(program, tokenizer: ArtifactTokenizer, prompt_ids: list[int], 
 
 def run_command(folder: Path, manifest: dict, args: argparse.Namespace, sampling: Sampling) -> dict:
     """``kvexport run`` and ``python -m kvexport.device`` (``run_main``) with kvexport's own loop."""
-    tokenizer = ArtifactTokenizer(folder)
+    tokenizer = ArtifactTokenizer(folder, manifest)
     prompt_ids = encode_prompt(tokenizer, args.prompt, args.chat)
     check_fits(len(prompt_ids), args.max_new_tokens, manifest["max_cache_len"])  # before the program loads
     program = load_program(folder, manifest, args.device)

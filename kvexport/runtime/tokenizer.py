@@ -10,22 +10,68 @@ import json
 from datetime import datetime
 from pathlib import Path
 
+from ..artifact.manifest import MANIFEST, read_listed_file, read_manifest
 from ..errors import ArtifactError, KvexportError
+
+_DAMAGED = "the artifact is damaged, re-run kvexport export"
+
+
+def _first_line(e: Exception) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+
+
+def _named_template(template):
+    """The chat template of ``tokenizer_config.json``: a text, or (older transformers) a list of
+    named ones, of which the ``default`` one is used."""
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        return named.get("default")
+    return template
 
 
 class ArtifactTokenizer:
-    def __init__(self, folder: Path):
+    def __init__(self, folder: Path, manifest: dict | None = None):
+        """In an artifact, reads only the files ``kvexport.json`` lists, each checked against its sha256
+        as it is read (``manifest``: the folder's, already read; by default it is read here). A folder
+        without ``kvexport.json`` is a plain tokenizer folder (``save_pretrained``'s), read as it is."""
         from tokenizers import Tokenizer
 
         folder = Path(folder)
-        path = folder / "tokenizer.json"
-        if not path.is_file():
-            raise ArtifactError(f"{folder} has no tokenizer.json")
-        self._tok = Tokenizer.from_file(str(path))
-        config_path = folder / "tokenizer_config.json"
-        self.config = json.loads(config_path.read_text()) if config_path.is_file() else {}
-        template = folder / "chat_template.jinja"
-        self.chat_template = template.read_text() if template.is_file() else self.config.get("chat_template")
+        if manifest is None and ((folder / MANIFEST).exists() or (folder / MANIFEST).is_symlink()):
+            manifest = read_manifest(folder, verify=False)
+
+        def text(name: str) -> str | None:
+            if manifest is not None:
+                data = read_listed_file(folder, manifest, name)
+            else:
+                data = (folder / name).read_bytes() if (folder / name).is_file() else None
+            try:
+                return None if data is None else data.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ArtifactError(f"{folder / name} is not UTF-8 text ({e.reason} at byte {e.start}); {_DAMAGED}")
+
+        tokenizer = text("tokenizer.json")
+        if tokenizer is None:
+            raise ArtifactError(
+                f"{folder / MANIFEST} does not list tokenizer.json among its files; {_DAMAGED}"
+                if manifest is not None
+                else f"{folder} has no tokenizer.json"
+            )
+        try:
+            self._tok = Tokenizer.from_str(tokenizer)
+        except Exception as e:  # tokenizers raises a bare Exception for any file it cannot parse
+            raise ArtifactError(f"{folder / 'tokenizer.json'} is not a tokenizer the tokenizers library reads ({_first_line(e)}); {_DAMAGED}")
+        config = text("tokenizer_config.json")
+        try:
+            self.config = {} if config is None else json.loads(config)
+        except (json.JSONDecodeError, RecursionError) as e:
+            raise ArtifactError(f"{folder / 'tokenizer_config.json'} is not valid JSON ({_first_line(e)}); {_DAMAGED}")
+        if not isinstance(self.config, dict):
+            raise ArtifactError(f"{folder / 'tokenizer_config.json'} is not a JSON object; {_DAMAGED}")
+        template = text("chat_template.jinja")
+        self.chat_template = template if template is not None else _named_template(self.config.get("chat_template"))
+        if self.chat_template is not None and not isinstance(self.chat_template, str):
+            raise ArtifactError(f"{folder / 'tokenizer_config.json'}: its chat_template is not a template; {_DAMAGED}")
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids

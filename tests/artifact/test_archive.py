@@ -109,3 +109,59 @@ def test_pack_refuses_a_corrupt_folder_and_an_existing_archive(packed, tmp_path,
     assert not (tmp_path / "copy.tar").exists()
     with pytest.raises(InvalidOptionError, match="does not exist"):
         pack(folder, tmp_path / "no-such-folder" / "x.tar")
+
+
+@pytest.mark.parametrize(
+    "member",
+    ["/kvexport.json", "/x/kvexport.json", "x/../kvexport.json", "x/sub/kvexport.json"],
+    ids=["absolute", "absolute-in-a-folder", "up-a-folder", "in-a-subfolder"],
+)
+def test_a_member_outside_one_top_folder_is_refused_in_one_line(tmp_path, member):
+    with tarfile.open(tmp_path / "odd.tar", "w") as tar:
+        info = tarfile.TarInfo(member)
+        info.size = 2
+        tar.addfile(info, io.BytesIO(b"{}"))
+    with pytest.raises(ArtifactError, match="is not a kvexport archive .*unexpected member"):
+        with open_artifact(tmp_path / "odd.tar"):
+            pytest.fail("opened")
+
+
+def _snapshot(root) -> dict:
+    return {str(p.relative_to(root)): p.read_bytes() if p.is_file() else "dir" for p in sorted(root.rglob("*"))}
+
+
+@pytest.mark.parametrize(
+    "where",
+    ["a-file-of-it", "a-new-file-in-it", "the-folder-itself", "through-a-link-to-it"],
+)
+def test_pack_refuses_an_output_inside_the_artifact(packed, tmp_path, capsys, where):
+    """`kvexport pack DIR -o DIR/model.pte --force` replaced the program with the archive of itself."""
+    import shutil
+
+    folder, _ = packed
+    copy = tmp_path / "copy"
+    shutil.copytree(folder, copy)
+    (tmp_path / "link").symlink_to(copy)
+    out = {
+        "a-file-of-it": copy / "model.onnx",
+        "a-new-file-in-it": copy / "copy.tar",
+        "the-folder-itself": copy,
+        "through-a-link-to-it": tmp_path / "link" / "model.onnx",
+    }[where]
+    before = _snapshot(tmp_path)
+    code, _, err = run_cli(capsys, "pack", copy, "-o", out, "--force")
+    assert_one_line_error(code, err, "is inside the artifact folder", "choose an -o outside it")
+    assert _snapshot(tmp_path) == before
+
+
+def test_pack_to_a_place_it_cannot_write_gets_one_line(packed, tmp_path, capsys):
+    folder, _ = packed
+    # /sys refuses new files to root too (see test_cli's test_an_unwritable_output_is_refused_before_loading).
+    code, _, err = run_cli(capsys, "pack", folder, "-o", "/sys/kvexport.tar")
+    assert_one_line_error(code, err, "cannot write /sys/kvexport.tar", "choose another -o")
+    (tmp_path / "a-folder").mkdir()
+    (tmp_path / "a-folder" / "notes.txt").write_text("keep me")
+    code, _, err = run_cli(capsys, "pack", folder, "-o", tmp_path / "a-folder", "--force")
+    assert_one_line_error(code, err, "a-folder is a folder; -o names the archive file", "a-folder/")
+    assert (tmp_path / "a-folder" / "notes.txt").read_text() == "keep me"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-folder"]

@@ -91,6 +91,31 @@ def test_a_listed_file_that_is_missing_or_changed_is_refused(tmp_path):
         (lambda m: m["files"]["model.pte"].update(bytes="7"), "'files' should be"),
         (lambda m: m.update(program="other.pte"), "does not list its program file other.pte"),
         (lambda m: m.update(weights="model.ptd"), "does not list its weights file model.ptd"),
+        # Ranges, and fields that must agree with one another (issue 41, part 4).
+        (lambda m: m.update(interface={"max_tokens_per_call": -1}),
+         "'interface.max_tokens_per_call' should be a positive integer at most max_cache_len (8), not -1"),
+        (lambda m: m.update(interface={"max_tokens_per_call": 9}), "'interface.max_tokens_per_call' should be"),
+        (lambda m: m.update(interface={"inputs": ["tokens"]}), "'interface.inputs' should be a list of named tensors"),
+        (lambda m: m["layers"][1].update(kv_heads=0), "'layers[1].kv_heads' should be a positive integer, not 0"),
+        (lambda m: m["layers"][1].update(head_dim=2.5), "'layers[1].head_dim' should be a positive integer"),
+        (lambda m: m["layers"][1].update(slots=-8), "'layers[1].slots' should be a positive integer"),
+        (lambda m: m["layers"][1].update(index=0), "'layers[1].index' should be 1, its place in the list"),
+        (lambda m: m["layers"][0].update(window=None), "'layers[0].window' should be a window below max_cache_len (8)"),
+        (lambda m: m["layers"][0].update(window=8), "'layers[0].window' should be a window below max_cache_len (8)"),
+        (lambda m: m["layers"][1].update(window=4), "'layers[1].cache' should be \"ring\" for a window of 4"),
+        (lambda m: m.update(layers=[]), "'layers' should be a list of layer caches, one a layer"),
+        (lambda m: m["source"].update(kind="website"), "'source.kind' should be 'preset' or 'alias'"),
+        (lambda m: m["source"].update(path=["/x"]), "'source.path' should be text"),
+        (lambda m: m["source"].update(name=""), "'source.name' should be the model's name"),
+        (lambda m: m["files"]["model.pte"].update(sha256="x" * 64), "'files' should be"),
+        (lambda m: m["files"].update({"/etc/passwd": m["files"]["model.pte"]}), "'files' should be"),
+        (lambda m: m["files"].update({"kvexport.json": m["files"]["model.pte"]}), "'files' should be"),
+        (lambda m: m["files"].update({"a\0b": m["files"]["model.pte"]}), "'files' should be"),
+        (lambda m: m.update(versions={"executorch": 1.5}), "'versions' should be package -> version"),
+        (lambda m: m.update(quantization="8da4w"), "'quantization' should be the quantization scheme"),
+        (lambda m: m.update(bos_token_id=-1), "'bos_token_id' should be a token id"),
+        (lambda m: m.update(format_version=True), "has format version true"),
+        (lambda m: m.update(target=["onnx"]), "'target' should be 'executorch' or 'onnx', not [\"onnx\"]"),
     ],
     ids=[
         "cache-len-string",
@@ -103,6 +128,29 @@ def test_a_listed_file_that_is_missing_or_changed_is_refused(tmp_path):
         "file-size-string",
         "program-not-listed",
         "weights-not-listed",
+        "tokens-per-call-negative",
+        "tokens-per-call-above-the-cache",
+        "inputs-not-named",
+        "kv-heads-zero",
+        "head-dim-not-an-integer",
+        "slots-negative",
+        "index-out-of-place",
+        "ring-without-a-window",
+        "ring-window-not-below-the-cache",
+        "static-with-a-window-below-the-cache",
+        "no-layers",
+        "unknown-source-kind",
+        "source-path-not-text",
+        "source-without-a-name",
+        "sha256-not-hex",
+        "absolute-file-name",
+        "manifest-listing-itself",
+        "file-name-with-a-nul",
+        "version-not-text",
+        "quantization-not-a-table",
+        "negative-bos",
+        "format-version-bool",
+        "target-a-list",
     ],
 )
 def test_an_inconsistent_manifest_is_refused(tmp_path, change, phrase):
@@ -126,3 +174,59 @@ def test_a_changed_manifest_is_refused(tmp_path):
         artifact.read_manifest(out)
     (out / "kvexport.json.sha256").unlink()  # a folder exported before the manifest had its own sum
     assert artifact.read_manifest(out)["max_cache_len"] == 9
+
+
+def test_a_source_without_a_kind_is_still_read(tmp_path):
+    """Manifests name the source's kind since the hub came in; one without it is resolved by name."""
+    out = tmp_path / "out"
+    make_artifact(out)
+    manifest = json.loads((out / "kvexport.json").read_text())
+    del manifest["source"]["kind"]
+    (out / "kvexport.json").write_text(json.dumps(manifest))
+    (out / "kvexport.json.sha256").unlink()
+    assert "kind" not in artifact.read_manifest(out)["source"]
+
+
+@pytest.mark.parametrize("what", ["link-outside", "link-inside", "folder", "fifo", "manifest-link", "sum-link"])
+def test_a_listed_file_that_is_a_link_or_not_a_regular_file_is_refused(tmp_path, what):
+    """run reads (and pack copies) only regular files of the folder: never through a symlink to
+    elsewhere, never a FIFO or a device that would block or never end."""
+    import os
+    import shutil
+
+    out = tmp_path / "out"
+    make_artifact(out)
+    outside = tmp_path / "elsewhere.pte"
+    outside.write_bytes(b"program")  # the very bytes: the sha256 alone would not catch the link
+    if what == "link-outside":
+        (out / "model.pte").unlink()
+        (out / "model.pte").symlink_to(outside)
+    elif what == "link-inside":
+        os.replace(out / "model.pte", out / "real.pte")
+        (out / "model.pte").symlink_to("real.pte")
+    elif what == "folder":
+        (out / "model.pte").unlink()
+        (out / "model.pte").mkdir()
+    elif what == "fifo":
+        (out / "model.pte").unlink()
+        os.mkfifo(out / "model.pte")
+    else:
+        name = "kvexport.json" if what == "manifest-link" else "kvexport.json.sha256"
+        shutil.move(out / name, tmp_path / name)
+        (out / name).symlink_to(tmp_path / name)
+    phrase = "is not a regular file" if what in ("folder", "fifo") else "is a symbolic link"
+    with pytest.raises(ArtifactError, match=phrase):
+        artifact.read_manifest(out)
+    with pytest.raises(ArtifactError, match=phrase):
+        artifact.read_manifest(out, verify=False)
+
+
+def test_a_listed_file_is_read_as_it_was_verified(tmp_path):
+    out = tmp_path / "out"
+    make_artifact(out)
+    manifest = artifact.read_manifest(out)
+    assert artifact.read_listed_file(out, manifest, "model.pte") == b"program"
+    assert artifact.read_listed_file(out, manifest, "tokenizer.json") is None  # not listed: not read
+    (out / "model.pte").write_bytes(b"progrAm")  # changed after read_manifest verified it
+    with pytest.raises(ArtifactError, match="model.pte does not match the sha256"):
+        artifact.read_listed_file(out, manifest, "model.pte")

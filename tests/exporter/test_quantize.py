@@ -418,7 +418,7 @@ def test_check_reports_agreement_on_a_quantized_artifact(artifact, capsys):
 
 
 def test_teacher_forcing_on_a_float_artifact_agrees_fully(artifact):
-    from kvexport.check.check import check_prompt
+    from kvexport.checker.check import check_prompt
 
     model, tokenizer = build_preset("tiny-gemma3")
     ids = tokenizer(PROMPT).input_ids
@@ -428,7 +428,7 @@ def test_teacher_forcing_on_a_float_artifact_agrees_fully(artifact):
 
 
 def test_teacher_forcing_never_feeds_nor_counts_a_suppressed_token(artifact):
-    from kvexport.check.check import check_prompt
+    from kvexport.checker.check import check_prompt
 
     model, tokenizer = build_preset("tiny-gemma3")
     ids = tokenizer(PROMPT).input_ids
@@ -443,7 +443,7 @@ def test_teacher_forcing_never_feeds_nor_counts_a_suppressed_token(artifact):
 
 
 def test_teacher_forcing_goes_on_past_a_divergence(artifact):
-    from kvexport.check.check import check_prompt
+    from kvexport.checker.check import check_prompt
 
     model, tokenizer = build_preset("tiny-llama")  # another model's artifact: it diverges at once
     ids = tokenizer(PROMPT).input_ids

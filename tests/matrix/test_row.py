@@ -27,7 +27,7 @@ def test_a_quantized_row_is_checked_for_agreement(tmp_path):
 
 
 def test_a_check_whose_eager_logits_are_not_finite_says_so():
-    from kvexport.check.check import CheckReport, PromptReport
+    from kvexport.checker.check import CheckReport, PromptReport
 
     prompts = [PromptReport("a", 5, 8, compared_steps=8), PromptReport("b", 9, 8, match=False, eager_not_finite_at=3)]
     summary = check_summary(CheckReport("f", "onnx", "float32", "cpu", 0.05, prompts))

@@ -13,7 +13,7 @@ import pytest
 
 from kvexport.errors import InvalidOptionError, PromptTooLongError
 from kvexport.models.presets import build_preset
-from kvexport.check.check import LOGIT_TOLERANCE
+from kvexport.checker.check import LOGIT_TOLERANCE
 from kvexport.runtime.programs import load_program
 
 from tests.conftest import NEW_TOKENS, PROMPT, TEST_CACHE_LEN

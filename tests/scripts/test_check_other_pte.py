@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 
-from kvexport.check.check import run_check
+from kvexport.checker.check import run_check
 
 from tests.helpers import load_script
 

@@ -152,9 +152,27 @@ def fold_rotations_into_attention(path, max_cache_len: int) -> int:
             if None not in chains and chains[0].input[2:4] == chains[1].input[2:4]:
                 folds.append((node, chains))
     # The translation rotates token i by row i of the call's tables (position ids 0): those rows
-    # computed for a call of max_cache_len tokens at position 0 are the tables by position.
-    values = _evaluate(model, path, sorted({name for _, chains in folds for name in chains[0].input[1:4]}), max_cache_len)
-    folds = [(node, chains) for node, chains in folds if values is not None and not values[chains[0].input[1]].any()]
+    # computed for a call of max_cache_len tokens at position 0 are the tables by position, if a
+    # position's rotation does not depend on the call it is in. One-token calls at position 1 (0
+    # rotates by nothing) and at the last position must find those rows: where they do not (a
+    # rotation that changes with the call's length, as transformers' longrope does), the layers
+    # keep their own RotaryEmbedding nodes.
+    if not folds:
+        return 0
+    names = sorted({name for _, chains in folds for name in chains[0].input[1:4]})
+    values = _evaluate(model, path, names, max_cache_len)
+    probes = {row: _evaluate(model, path, names, 1, start=row) for row in {min(1, max_cache_len - 1), max_cache_len - 1}}
+
+    def row_of(table, row: int):
+        return table[0] if len(table) == 1 else table[row]  # a one-token call's own row, or a constant table's
+
+    def by_position(chain) -> bool:
+        return not values[chain.input[1]].any() and all(
+            probe is not None and np.allclose(values[name][row], row_of(probe[name], row), rtol=0, atol=1e-6)
+            for row, probe in probes.items() for name in chain.input[2:4]
+        )
+
+    folds = [(node, chains) for node, chains in folds if values is not None and by_position(chains[0])]
     if not folds:
         return 0
     tables = _add_tables(graph, {name: values[name] for _, chains in folds for name in chains[0].input[2:4]})
@@ -214,8 +232,8 @@ def _rotation_chain(producers, value):
     return node  # the RotaryEmbedding
 
 
-def _evaluate(model, path, names: list[str], tokens: int):
-    """The values of ``names`` in a call of ``tokens`` tokens at position 0, computed by the graph
+def _evaluate(model, path, names: list[str], tokens: int, start: int = 0):
+    """The values of ``names`` in a call of ``tokens`` tokens at position ``start``, computed by the graph
     itself (the nodes they depend on, run by ONNX Runtime); None where they depend on anything
     but the call's tokens and position."""
     import numpy as np
@@ -257,7 +275,7 @@ def _evaluate(model, path, names: list[str], tokens: int):
             opset_imports=model.opset_import, ir_version=model.ir_version,
         )  # fmt: skip
         session = ort.InferenceSession(sub.SerializeToString(), providers=["CPUExecutionProvider"])
-        feeds = {"tokens": np.zeros((1, tokens), np.int64), "input_pos": np.zeros((1,), np.int64)}
+        feeds = {"tokens": np.zeros((1, tokens), np.int64), "input_pos": np.array([start], np.int64)}
         values |= dict(zip(computed, session.run(None, {v.name: feeds[v.name] for v in inputs})))
     return values
 

@@ -172,7 +172,7 @@ def test_float16_pte_passes_check_where_the_ring_goes_through_custom_sdpa(artifa
     """tiny-mistral's sliding layers have several KV heads, so their ring is attended by
     ``llama::custom_sdpa`` with a mask, which the kernel takes in float32 only: a float16 mask made
     every float16 .pte of such a model fail at its first call."""
-    from kvexport.check.check import run_check
+    from kvexport.checker.check import run_check
 
     report = run_check(artifact("tiny-mistral", dtype="float16"))
     assert report.ok and report.dtype == "float16", report

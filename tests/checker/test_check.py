@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvexport.cli import main
-from kvexport.check.check import LOGIT_TOLERANCE, Float32Logits, check_half_precision_prompt, check_prompt
+from kvexport.checker.check import LOGIT_TOLERANCE, Float32Logits, check_half_precision_prompt, check_prompt
 
 
 def run_cli(capsys, *args) -> tuple[int, str, str]:
@@ -127,3 +127,39 @@ def test_where_eager_float16_overflows_a_float16_artifact_is_held_to_float32_eag
 
     alone = check_prompt(Float32Standin(full), half, prompt, 8, LOGIT_TOLERANCE["float16"], float32_logits=float32_logits)
     assert alone.eager_not_finite_at == 0 and not alone.match and alone.compared_steps == 0
+
+
+class DivergingStandin(Float32Standin):
+    """Exact until ``diverge_at``, where it takes eager's second choice by the smallest step that
+    flips it; before that, eager's top logit raised by ``off_before`` (which changes no choice)."""
+
+    def __init__(self, model, diverge_at: int, off_before: float):
+        super().__init__(model)
+        self.diverge_at, self.off_before, self.calls = diverge_at, off_before, 0
+
+    def forward(self, tokens: list[int], start: int) -> np.ndarray:
+        logits, step = super().forward(tokens, start).copy(), self.calls
+        self.calls += 1
+        top, second = np.argsort(logits)[::-1][:2]
+        if step < self.diverge_at:
+            logits[top] += self.off_before
+        elif step == self.diverge_at:
+            logits[second] = logits[top] + 1e-4
+        return logits
+
+
+@pytest.mark.parametrize("off_before, kind", [(0.0, "near-tie"), (2 * LOGIT_TOLERANCE["float32"], "mismatch")])
+def test_a_divergence_is_a_near_tie_only_where_the_logits_were_right_until_then(off_before, kind):
+    from kvexport.checker.check import _summary_line
+    from kvexport.models.presets import build_preset
+
+    model, tokenizer = build_preset("tiny-llama")
+    model.lm_head.weight.data *= 1e-3  # logits of ~0.02: every margin is within twice the tolerance
+    prompt = tokenizer("The capital of France is")["input_ids"]
+    tolerance = LOGIT_TOLERANCE["float32"]
+    report = check_prompt(DivergingStandin(model, 3, off_before), model, prompt, 6, tolerance)
+    assert not report.match and report.first_divergence == 3 and report.eager_margin <= 2 * tolerance
+    assert report.max_logit_diff == pytest.approx(off_before, abs=1e-4)
+    assert report.near_tie is (kind == "near-tie") and report.logits_ok is (kind == "near-tie")
+    report.prompt = "The capital of France is"
+    assert f"({kind})" in _summary_line(report, tolerance)

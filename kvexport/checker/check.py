@@ -239,7 +239,9 @@ def check_prompt(
             report.first_divergence = step
             report.eager_token, report.artifact_token = theirs, mine
             report.eager_margin = float(eager[theirs] - eager[mine])
-            report.near_tie = report.eager_margin <= 2 * tolerance
+            # A near-tie only where the logits were right until then and are at this step too: a
+            # small margin after logits already beyond the tolerance is the same mismatch showing.
+            report.near_tie = report.eager_margin <= 2 * tolerance and report.logits_ok and within
         if report.match or teacher_forcing:
             report.max_logit_diff = max(report.max_logit_diff, diff)
             report.logits_ok = report.logits_ok and within
