@@ -110,12 +110,13 @@ def lower(program: torch.export.ExportedProgram, spec: ProgramSpec, out_dir: Pat
     from executorch.exir.passes import MemoryPlanningPass
     from executorch.exir.passes.sym_shape_eval_pass import ConstraintBasedSymShapeEvalPass
 
+    from .xnnpack_passes import only_the_passes_that_apply
     from .xnnpack_rewrites import XnnpackFriendlyShapes, partitioner_configs
 
     _tag_weights_for_data_file(program)
     # XNNPACK's serialized weights wait here (inside the staged artifact) until model.ptd is written.
     with tempfile.TemporaryDirectory(dir=out_dir, prefix=".weights-") as spill:
-        with _weights_shared_on_deepcopy(program), _serialized_weights_on_disk(Path(spill)):
+        with _weights_shared_on_deepcopy(program), _serialized_weights_on_disk(Path(spill)), only_the_passes_that_apply():
             edge = to_edge_transform_and_lower(
                 program,
                 transform_passes=[XnnpackFriendlyShapes()],
