@@ -31,8 +31,9 @@ demo: install
 	$(BIN)/kvexport check $(DEMO_DIR)
 	@echo "== done: $(DEMO_DIR) holds the artifact (model.pte, model.ptd, tokenizer, kvexport.json); see README.md for what next"
 
-# One pytest-xdist worker per core; each real model's tests stay on one worker (xdist_group).
-PYTEST := $(BIN)/python -m pytest -q -ra -n $(shell nproc) --dist loadgroup
+# One pytest-xdist worker per core; each real model's tests stay on one worker (xdist_group). With
+# kvexport's hash seed the tests' exports give the CLI's bytes in the test process itself.
+PYTEST := PYTHONHASHSEED=0 $(BIN)/python -m pytest -q -ra -n $(shell nproc) --dist loadgroup
 
 test: install
 	$(PYTEST) --durations=15 tests

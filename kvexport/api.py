@@ -23,17 +23,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .errors import KvexportError
+from .exporter import EXPORT_HASH_SEED
 
 if TYPE_CHECKING:
     from .checker.check import CheckReport
     from .runtime.chat import Conversation
     from .runtime.generation import Generation
-
-# Exports run with this hash seed. transformers builds some graphs by iterating over a set of
-# strings (Gemma 3 computes its rotary tables per layer type in `set(config.layer_types)` order),
-# and that order follows Python's per-process hash seed: the traced program, and so the bytes of
-# the artifact, would differ from one run to the next.
-EXPORT_HASH_SEED = "0"
 
 
 def export(

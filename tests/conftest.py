@@ -78,8 +78,8 @@ def exported_once(tmp_path_factory, name: str, export) -> Path:
 def artifact(tmp_path_factory):
     """``artifact(name, target, quantize=None, quantize_embedding=None, quantize_lm_head=None,
     dtype="float32")`` -> folder, exported once per test run."""
-    from kvexport.exporter.pipeline import ExportOptions, choose_prefill_chunk, export_model
-    from kvexport.progress import Progress
+    import kvexport
+    from kvexport.exporter.pipeline import choose_prefill_chunk
 
     def get(name: str, target: str = "executorch", quantize: str | None = None, quantize_embedding: str | None = None,
             quantize_lm_head: str | None = None, dtype: str = "float32"):
@@ -92,8 +92,8 @@ def artifact(tmp_path_factory):
         if (kept := matrix_artifact(recorded)) is not None:
             return kept
 
-        def export(out: Path) -> None:
-            export_model(ExportOptions(name, target, out, TEST_CACHE_LEN, force=True, **options), Progress(quiet=True))
+        def export(out: Path) -> None:  # the CLI's bytes: in a child process unless this one has kvexport's hash seed
+            kvexport.export(name, target, out, max_cache_len=TEST_CACHE_LEN, force=True, quiet=True, **options)
 
         return exported_once(tmp_path_factory, f"{name}-{target}{suffix}", export)
 

@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from ..exporter import EXPORT_HASH_SEED
 from . import row as row_module
 from .spec import Row
 
@@ -78,8 +79,10 @@ def _run_child(row: Row, row_dir: Path) -> dict:
 
 def child_env() -> dict:
     """This environment, with the kvexport being run first on the path: the child runs the same code
-    even where an installed kvexport is elsewhere (a development checkout, a worktree)."""
+    even where an installed kvexport is elsewhere (a development checkout, a worktree); and with
+    kvexport's hash seed, so that a row's artifact has the bytes ``kvexport export`` gives."""
     env = dict(os.environ)
+    env["PYTHONHASHSEED"] = EXPORT_HASH_SEED
     root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join([root, *([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])])
     return env

@@ -35,3 +35,12 @@ def test_a_check_whose_eager_logits_are_not_finite_says_so():
     assert summary["check_reason"] == "eager's logits are not finite at new token 3 of prompt 1: nothing to compare with"
     quantized = CheckReport("f", "onnx", "float32", "cpu", 0.05, prompts, mode="agreement", min_agreement=0.95)
     assert check_summary(quantized)["check_ok"] is False  # prompt 1's agreement over its 0 steps does not count
+
+
+def test_a_row_exports_with_kvexport_s_hash_seed(monkeypatch):
+    """A row's process has the hash seed `kvexport export` runs under, so its artifact has the CLI's bytes."""
+    from kvexport.exporter import EXPORT_HASH_SEED
+    from kvexport.matrix.runner import child_env
+
+    monkeypatch.setenv("PYTHONHASHSEED", "7")
+    assert child_env()["PYTHONHASHSEED"] == EXPORT_HASH_SEED
