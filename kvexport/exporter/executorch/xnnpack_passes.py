@@ -2,7 +2,7 @@
 
 XNNPACK's ``preprocess`` runs its 17 passes on every delegated partition, and each pass ends by
 retracing the partition with fake tensors and symbolic shapes, whether it rewrote anything or
-not: that retracing is most of the time lowering takes (docs/performance.md). Eight of the passes
+not: a large share of an export's time goes there (docs/performance.md). Eight of the passes
 rewrite only nodes of a few operators (batch norm, convolution, PReLU, padding, ReLU-like
 activations, bilinear upsampling, the decomposed SDPA patterns); on a partition that holds none of
 them such a pass leaves the graph as it was, so it is left out there. The remaining passes run as
