@@ -134,38 +134,35 @@ def _running(pid: int) -> bool:
     return True
 
 
-def _hold_lock(folder: Path) -> int | None:
-    """An exclusive lock on the staged folder, held while this process lives (the kernel drops it
-    when the process dies, however it dies)."""
+def _try_lock(folder: Path) -> tuple[int | None, bool]:
+    """Open ``folder`` and try its exclusive lock without waiting: (the descriptor, None where it
+    cannot be opened or there are no locks; whether another process holds the lock)."""
     try:
         import fcntl
 
         fd = os.open(folder, os.O_RDONLY)
     except (ImportError, OSError):
-        return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        pass
-    return fd
-
-
-def _locked(folder: Path) -> bool:
-    try:
-        import fcntl
-
-        fd = os.open(folder, os.O_RDONLY)
-    except (ImportError, OSError):
-        return False
+        return None, False
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        return True
+        return fd, True
     except OSError:  # a file system without locks: the PID alone decides
-        return False
-    finally:
+        pass
+    return fd, False
+
+
+def _hold_lock(folder: Path) -> int | None:
+    """An exclusive lock on the staged folder, held while this process lives (the kernel drops it
+    when the process dies, however it dies)."""
+    return _try_lock(folder)[0]
+
+
+def _locked(folder: Path) -> bool:
+    fd, held_elsewhere = _try_lock(folder)
+    if fd is not None:
         os.close(fd)
-    return False
+    return held_elsewhere
 
 
 _PROBE_BYTES = 1 << 20
