@@ -93,10 +93,11 @@ def check(
     max_new_tokens: int | None = None,
     device: str = "cpu",
     model: str | None = None,
+    runner: str = "kvexport",
 ) -> CheckReport:
     """``kvexport check``: the artifact against eager transformers (``model``: another reference
-    than the one the artifact came from). ``.passed`` says whether it holds; ``.prompts`` has each
-    prompt's comparison."""
+    than the one the artifact came from; ``runner="genai"``: run it in onnxruntime-genai).
+    ``.passed`` says whether it holds; ``.prompts`` has each prompt's comparison."""
     from .artifact.manifest import read_manifest
     from .checker.check import choose_prompts, run_check
     from .runtime.tokenizer import ArtifactTokenizer
@@ -104,7 +105,7 @@ def check(
     folder = Path(path)
     manifest = read_manifest(folder)
     chosen = choose_prompts(manifest, ArtifactTokenizer(folder), prompts, max_new_tokens)
-    return run_check(folder, chosen, device, model)
+    return run_check(folder, chosen, device, model, runner=runner)
 
 
 class Artifact:

@@ -14,7 +14,7 @@ import typer
 
 from . import logs
 from .api import EXPORT_HASH_SEED
-from .errors import Interrupted, KvexportError
+from .errors import Interrupted, InvalidOptionError, KvexportError
 
 app = typer.Typer(
     add_completion=False,
@@ -98,6 +98,14 @@ def run(ctx: typer.Context):
     run_main(ctx.args, "kvexport run")
 
 
+GENAI_RUNNER_HELP = "what runs the artifact: kvexport's runner, or onnxruntime-genai (ONNX artifacts)"
+
+
+def _check_runner(runner: str) -> None:
+    if runner not in ("kvexport", "genai"):
+        raise InvalidOptionError(f"unknown --runner '{runner}'; choose kvexport or genai")
+
+
 @app.command()
 def chat(
     artifact: Annotated[Path, typer.Argument(metavar="DIR|ARCHIVE", help="artifact folder, or archive from kvexport pack")],
@@ -110,13 +118,15 @@ def chat(
     top_p: Annotated[float, typer.Option("--top-p", metavar="P", help="nucleus sampling threshold")] = 1.0,
     seed: Annotated[Optional[int], typer.Option(metavar="S", help="sampling seed")] = None,
     device: Annotated[str, typer.Option(metavar="cpu|cuda", help="cpu or cuda (float16 ONNX artifacts)")] = "cpu",
+    runner: Annotated[str, typer.Option(metavar="kvexport|genai", help=GENAI_RUNNER_HELP)] = "kvexport",
     as_json: Annotated[bool, typer.Option("--json", help="one JSON object per reply on stdout, no streamed text")] = False,
 ):
     """Chat with the artifact in its chat template, one user turn per line (/reset starts over, /exit ends);
     the cache is kept across turns, so each turn feeds only its new tokens."""
     from .runtime.chat import chat_command
 
-    ok = chat_command(artifact, system, max_new_tokens, temperature, top_p, seed, device, as_json)
+    _check_runner(runner)
+    ok = chat_command(artifact, system, max_new_tokens, temperature, top_p, seed, device, as_json, runner)
     raise typer.Exit(0 if ok else 2)
 
 
@@ -150,12 +160,14 @@ def check(
     model: Annotated[
         Optional[str], typer.Option("--model", help="eager reference: any export MODEL, a hub id downloaded if not cached [default: the model the artifact came from; a hub model at its recorded commit]")
     ] = None,
+    runner: Annotated[str, typer.Option(metavar="kvexport|genai", help=GENAI_RUNNER_HELP)] = "kvexport",
     as_json: JsonFlag = False,
 ):
     """Compare the artifact with eager transformers' greedy generation; exit 0 only if all match."""
     from .checker.check import check_command
 
-    ok = check_command(folder, prompt, max_new_tokens, device, model, as_json)
+    _check_runner(runner)
+    ok = check_command(folder, prompt, max_new_tokens, device, model, as_json, runner)
     raise typer.Exit(0 if ok else 1)
 
 

@@ -135,3 +135,19 @@ def on_one_worker(group: str) -> pytest.MarkDecorator:
     """Under pytest-xdist (make test), the tests of one group run on one worker, one after the other:
     a module-scoped fixture they share (a real model loaded, quantized) is made once."""
     return pytest.mark.xdist_group(group)
+
+
+def genai_greedy(folder: Path, prompt_ids: list[int], n: int) -> list[int]:
+    """onnxruntime-genai's own greedy generator on the folder, as an app runs it (EOS masked until n)."""
+    import onnxruntime_genai as og
+
+    model = og.Model(str(folder))
+    params = og.GeneratorParams(model)
+    params.set_search_options(max_length=len(prompt_ids) + n, min_length=len(prompt_ids) + n, do_sample=False)
+    generator = og.Generator(model, params)
+    generator.append_tokens(np.array(prompt_ids, dtype=np.int32))
+    ids = []
+    while not generator.is_done():
+        generator.generate_next_token()
+        ids.append(int(generator.get_next_tokens()[0]))
+    return ids

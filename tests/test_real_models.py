@@ -15,7 +15,7 @@ from kvexport.models import sources
 from kvexport.runtime.tokenizer import ArtifactTokenizer
 
 from tests.conftest import exported_once, shared_dir
-from tests.helpers import eager_ids, on_one_worker
+from tests.helpers import eager_ids, genai_greedy, on_one_worker
 
 pytestmark = pytest.mark.slow
 
@@ -103,6 +103,18 @@ def test_150_new_tokens_after_a_prompt_longer_than_the_window_match_eager(real, 
     result = kvexport_run(capsys, folder, prompt, 150)
     assert len(result["prompt_ids"]) > 512
     assert result["new_ids"] == reference_ids(model, result["prompt_ids"], 150)
+
+
+@pytest.mark.parametrize("prompt_tokens, n", [(None, 700), (800, 150)], ids=["short-700", "long-150"])
+def test_onnx_in_onnxruntime_genai_matches_eager(real, reference_ids, prompt_tokens, n):
+    """The ONNX folder as it is in onnxruntime-genai (og.Model, its own cache and greedy search):
+    eager's ids after a short prompt and after one longer than the window."""
+    folder, model = real
+    if json.loads((folder / "kvexport.json").read_text())["target"] != "onnx":
+        pytest.skip("onnxruntime-genai runs ONNX artifacts")
+    tokenizer = ArtifactTokenizer(folder)
+    prompt_ids = tokenizer.encode(long_prompt(tokenizer, prompt_tokens) if prompt_tokens else SHORT_PROMPT)
+    assert genai_greedy(folder, prompt_ids, n) == reference_ids(model, prompt_ids, n)
 
 
 def test_executorch_text_llm_runner_generates_eager_text(real):

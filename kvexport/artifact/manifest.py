@@ -19,9 +19,9 @@ TARGETS = ("executorch", "onnx")
 # a flipped digit in it (a cache length, a window) would otherwise go unnoticed.
 MANIFEST_SUM = "kvexport.json.sha256"
 FORMAT = "kvexport-artifact"
-FORMAT_VERSION = 5  # what each version changed: CHANGELOG.md#artifact-format
+FORMAT_VERSION = 6  # what each version changed: CHANGELOG.md#artifact-format
 # The versions each target still runs (a version that changed only the other target's files).
-_READABLE_VERSIONS = {"executorch": (1, 2, 3, 4, 5), "onnx": (3, 4, 5)}
+_READABLE_VERSIONS = {"executorch": (1, 2, 3, 4, 5, 6), "onnx": (6,)}
 # Where an artifact's model came from (``models.sources.ModelSource.kind``): check loads it again.
 SOURCE_KINDS = ("preset", "alias", "folder", "gguf", "hub")
 _EDITED = "the manifest was edited or damaged, re-run kvexport export"
@@ -91,7 +91,7 @@ def read_manifest(folder: Path, verify: bool = True) -> dict:
         if not valid(manifest[key]):
             raise ArtifactError(f"{path}: '{key}' should be {expected}, not {_shown(manifest[key])}; {_EDITED}")
     _check_details(path, manifest)
-    for key in ("program", "weights", "external_data"):  # the files a runtime opens
+    for key in ("program", "weights", "external_data", "genai_config"):  # the files a runtime opens
         name = manifest.get(key)
         if name is not None and (not isinstance(name, str) or name not in manifest["files"]):
             shown = name if isinstance(name, str) and name.isprintable() else _shown(name)

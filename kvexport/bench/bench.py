@@ -2,8 +2,8 @@
 measured in one run.
 
     kvexport bench MODEL ARTIFACT [ARTIFACT ...] [--prompt-tokens 128] [--new-tokens 128]
-        [--repeats 3] [--threads 2] [--json OUT.json] [--markdown OUT.md] [--paths eager,run,textllm,llama]
-        [--llama-python PYTHON] [--pte OTHER.pte ...]
+        [--repeats 3] [--threads 2] [--json OUT.json] [--markdown OUT.md] [--paths eager,run,textllm,genai,llama]
+        [--llama-python PYTHON] [--pte OTHER.pte ...] [--genai-folder OTHER_DIR ...]
 
 Paths, each measured in a fresh subprocess per repeat (so peak RSS is that path's alone and no path
 warms another's caches), the repeats interleaved round-robin across paths (so a burst of load on a
@@ -17,6 +17,12 @@ shared machine spreads over all of them):
   timing from the ``Stats`` it hands to ``stats_callback``; so is each ``--pte`` file, another
   exporter's program of the same model (optimum-executorch's, say), with the first ARTIFACT's
   tokenizer and BOS (a ``.ptd`` of the same name beside it is its data file);
+- ``genai``: each ONNX ARTIFACT in onnxruntime-genai, its own generator (``og.Generator``:
+  ``append_tokens`` with the prompt, then ``generate_next_token``), what an app embedding genai
+  does; so is each ``--genai-folder``, another exporter's genai folder of the same model
+  (onnxruntime-genai's model builder's, say), with the first ARTIFACT's prompt ids; every folder's
+  generator has the first ARTIFACT's ``max_cache_len`` as its ``max_length`` (which also sizes
+  genai's buffers);
 - ``llama``: llama.cpp (``llama-cpp-python``) on MODEL's GGUF file, when ``llama_cpp`` imports in
   ``--llama-python`` (default: this interpreter); otherwise reported as not installed.
 
@@ -45,7 +51,8 @@ by up to a quarter per path, so a ratio near 1 needs more than one run.
 Threads: ``torch.set_num_threads(N)`` (eager, and torch ops anywhere); ExecuTorch's threadpool
 (XNNPACK and the LLM custom ops, one pool per process shared by kvexport's runner and
 TextLLMRunner) is reset to N with ``executorch.extension.pybindings.portable_lib._unsafe_reset_threadpool``;
-ONNX Runtime gets ``intra_op_num_threads=N`` (inter-op 1); llama.cpp ``n_threads = n_threads_batch = N``.
+ONNX Runtime gets ``intra_op_num_threads=N`` (inter-op 1), in onnxruntime-genai through its
+config's session options; llama.cpp ``n_threads = n_threads_batch = N``.
 """
 
 from __future__ import annotations
@@ -64,7 +71,7 @@ REPO = Path(__file__).resolve().parents[2]
 if (REPO / "kvexport").is_dir() and str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))  # this checkout's kvexport, not another installed one
 
-PATHS = ("eager", "run", "textllm", "llama")
+PATHS = ("eager", "run", "textllm", "genai", "llama")
 WARMUP_NEW_TOKENS = 4
 _FILLER = (
     "The history of computing is a story of people who wanted machines to do arithmetic faster than any "
@@ -120,6 +127,17 @@ def _timed(prompt_ids: list[int], new_tokens: int, t0: float, first: float, end:
         "decode_s": end - first,
         "decode_steps": n_new - 1,
     }
+
+
+def _warm_then_measure(generate, ids: list[int], n: int, load_s: float) -> dict:
+    """``generate(count, stamps)`` (a stamp per new token) once short to warm up, then measured."""
+    generate(WARMUP_NEW_TOKENS, [])
+    stamps: list[float] = []
+    t0 = time.perf_counter()
+    new_ids = generate(n, stamps)
+    end = time.perf_counter()
+    return {**_timed(ids, n, t0, stamps[0], end, len(new_ids)), "prefill_s": stamps[0] - t0, "load_s": load_s,
+            "new_ids": new_ids}
 
 
 def work_eager(spec: dict) -> dict:
@@ -225,6 +243,37 @@ def work_textllm(spec: dict) -> dict:
     }
 
 
+def work_genai(spec: dict) -> dict:
+    import numpy as np
+    import onnxruntime_genai as og
+
+    threads = spec["threads"]
+    t = time.perf_counter()
+    config = og.Config(spec.get("genai_folder") or spec["artifact"])
+    config.clear_providers()  # the CPU
+    options = {"intra_op_num_threads": threads, "inter_op_num_threads": 1}
+    config.overlay(json.dumps({"model": {"decoder": {"session_options": options}}}))
+    model = og.Model(config)
+    load_s = time.perf_counter() - t
+    ids, n = spec["prompt_ids"], spec["new_tokens"]
+
+    def generate(count: int, stamps: list[float]) -> list[int]:
+        params = og.GeneratorParams(model)
+        # max_length also sizes genai's sliding buffers (below the window, the kernel refuses them):
+        # the cache's length, the same for every folder. EOS is masked until min_length.
+        params.set_search_options(max_length=spec["max_length"], min_length=len(ids) + count, do_sample=False)
+        generator = og.Generator(model, params)
+        generator.append_tokens(np.array(ids, dtype=np.int32))
+        out: list[int] = []
+        while len(out) < count:
+            generator.generate_next_token()
+            out.append(int(generator.get_next_tokens()[0]))
+            stamps.append(time.perf_counter())
+        return out
+
+    return _warm_then_measure(generate, ids, n, load_s)
+
+
 def work_llama(spec: dict) -> dict:
     """llama.cpp on the GGUF; runs in --llama-python, which need not have kvexport's dependencies."""
     import numpy as np
@@ -251,16 +300,10 @@ def work_llama(spec: dict) -> dict:
                 return out
             llm.eval([out[-1]])
 
-    generate(WARMUP_NEW_TOKENS, [])
-    stamps: list[float] = []
-    t0 = time.perf_counter()
-    new_ids = generate(n, stamps)
-    end = time.perf_counter()
-    return {**_timed(ids, n, t0, stamps[0], end, len(new_ids)), "prefill_s": stamps[0] - t0, "load_s": load_s,
-            "new_ids": new_ids, "llama_cpp_version": __version__}
+    return {**_warm_then_measure(generate, ids, n, load_s), "llama_cpp_version": __version__}
 
 
-WORKERS = {"eager": work_eager, "run": work_run, "textllm": work_textllm, "llama": work_llama}
+WORKERS = {"eager": work_eager, "run": work_run, "textllm": work_textllm, "genai": work_genai, "llama": work_llama}
 
 
 def worker_main(spec_path: str) -> int:
@@ -329,6 +372,15 @@ def plan_jobs(args, manifests: dict[str, dict], gguf: str | None, llama_version:
         if "textllm" in wanted and manifest["target"] == "executorch":
             jobs.append({"path": "textllm", "label": f"ExecuTorch TextLLMRunner · {name} ({describe(manifest)})",
                          "artifact": folder, "python": sys.executable})
+        if "genai" in wanted and manifest["target"] == "onnx":
+            jobs.append({"path": "genai", "label": f"onnxruntime-genai · {name} ({describe(manifest)})",
+                         "artifact": folder, "max_length": manifest["max_cache_len"], "python": sys.executable})
+    if "genai" in wanted:
+        first, manifest = next(iter(manifests.items()))
+        for other in args.genai_folder:
+            jobs.append({"path": "genai", "label": f"onnxruntime-genai · {other.name} (another exporter's)",
+                         "artifact": first, "genai_folder": str(other.resolve()), "max_length": manifest["max_cache_len"],
+                         "python": sys.executable})
     if "textllm" in wanted:
         tokenizer_of = next(iter(manifests))
         for pte in args.pte:
@@ -561,6 +613,8 @@ def parse_args(argv):
     parser.add_argument("--llama-python", default=sys.executable, help="interpreter that has llama_cpp [default: this one]")
     parser.add_argument("--pte", type=Path, action="append", default=[],
                         help="another exporter's .pte of MODEL, run through TextLLMRunner (repeatable)")
+    parser.add_argument("--genai-folder", type=Path, action="append", default=[],
+                        help="another exporter's onnxruntime-genai folder of MODEL, run through genai (repeatable)")
     parser.add_argument("--json", type=Path, help="write the full report here")
     parser.add_argument("--markdown", type=Path, help="write the table here too")
     args = parser.parse_args(argv)
@@ -575,6 +629,9 @@ def parse_args(argv):
     for pte in args.pte:
         if not pte.is_file():
             parser.error(f"--pte {pte}: no such file")
+    for folder in args.genai_folder:
+        if not (folder / "genai_config.json").is_file():
+            parser.error(f"--genai-folder {folder}: no genai_config.json there")
     return args
 
 

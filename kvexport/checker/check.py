@@ -93,6 +93,7 @@ class CheckReport:
     # tokens fed to both, top-1 agreement of at least min_agreement at every prompt.
     mode: str = "exact"
     min_agreement: float = 1.0
+    runner: str = "kvexport"  # what ran the artifact: kvexport's runner, or onnxruntime-genai ("genai")
 
     @property
     def passed(self) -> bool:
@@ -273,6 +274,7 @@ def run_check(
     device: str = "cpu",
     model_name: str | None = None,
     on_prompt=None,
+    runner: str = "kvexport",
 ) -> CheckReport:
     from ..artifact.manifest import read_manifest
 
@@ -284,7 +286,7 @@ def run_check(
     for _, ids, n in encoded:  # refuse before loading anything heavy
         check_fits(len(ids), n, manifest["max_cache_len"])
     # ExecuTorch runs on the CPU whatever --device says; --device places the eager reference (and ONNX).
-    program = load_program(folder, manifest, device if manifest["target"] == "onnx" else "cpu")
+    program = load_program(folder, manifest, device if manifest["target"] == "onnx" else "cpu", runner)
     model = load_reference(manifest, model_name, device)
     tolerance = LOGIT_TOLERANCE[manifest["dtype"]]
     half = manifest["dtype"] != "float32" and not quantized
@@ -301,7 +303,8 @@ def run_check(
         if on_prompt:
             on_prompt(report)
     mode, min_agreement = ("agreement", MIN_QUANTIZED_AGREEMENT) if quantized else ("exact", 1.0)
-    return CheckReport(str(folder), manifest["target"], manifest["dtype"], device, tolerance, reports, mode, min_agreement)
+    return CheckReport(str(folder), manifest["target"], manifest["dtype"], device, tolerance, reports, mode, min_agreement,
+                       runner)
 
 
 def _scheme(quantization: dict) -> str:
@@ -378,7 +381,7 @@ def choose_prompts(manifest: dict, tokenizer: ArtifactTokenizer, prompts: list[s
     return chosen
 
 
-def check_command(folder, prompts, max_new_tokens, device, model_name, as_json) -> bool:
+def check_command(folder, prompts, max_new_tokens, device, model_name, as_json, runner: str = "kvexport") -> bool:
     from ..artifact.manifest import read_manifest
 
     folder = Path(folder)
@@ -397,13 +400,15 @@ def check_command(folder, prompts, max_new_tokens, device, model_name, as_json) 
             + ("; a step beyond it or with another token is judged against float32 eager, net of eager's own rounding"
                if manifest["dtype"] != "float32" else "")
         )
-        print(f"checking {folder} ({manifest['target']}, {manifest['dtype']}) against eager transformers on {device}; {rule}", file=sys.stderr)
+        ran_by = " in onnxruntime-genai" if runner == "genai" else ""
+        print(f"checking {folder} ({manifest['target']}, {manifest['dtype']}){ran_by} against eager transformers on {device}; {rule}", file=sys.stderr)
     report = run_check(
         folder,
         chosen,
         device,
         model_name,
         on_prompt=None if as_json else lambda r: print(_summary_line(r, tolerance, min_agreement)),
+        runner=runner,
     )
     if as_json:
         print(json.dumps(report.to_dict()))

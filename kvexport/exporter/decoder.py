@@ -75,14 +75,15 @@ class ExportableDecoder(nn.Module):
         return next(iter(masks.values()))
 
     def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
-        return self.last_logits(tokens, input_pos)
+        positions = input_pos[:1] + torch.arange(tokens.shape[1], device=tokens.device)
+        return self.logits_at(tokens, positions)
 
-    def last_logits(self, tokens: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
-        """Run the model on ``tokens`` at ``input_pos``, through our caches and masks."""
+    def logits_at(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Run the model on ``tokens`` at ``positions``, through our caches and masks; the last
+        position's logits."""
         # The bound is stated here rather than in a bounded export Dim: a named Dim with a max
         # makes torch.export reject a spurious guard from transformers' repeat_kv reshape.
         torch._check(tokens.shape[1] <= self.max_tokens_per_call)
-        positions = input_pos[:1] + torch.arange(tokens.shape[1], device=tokens.device)
         out = self.model(
             input_ids=tokens,
             attention_mask=self.masks(positions),

@@ -332,10 +332,11 @@ def _manifest_info(plan: ExportPlan, model, tokenizer) -> dict:
 
 
 def _program_spec(plan: ExportPlan, info: dict) -> ProgramSpec:
+    text = architecture.text_config(plan.config)
     return ProgramSpec(
         dtype=plan.options.dtype, max_cache_len=plan.max_cache_len, max_tokens_per_call=plan.prefill_chunk,
         layers=info["layers"], vocab_size=info["vocab_size"], bos_token_id=info["bos_token_id"],
-        eos_token_ids=info["eos_token_ids"],
+        eos_token_ids=info["eos_token_ids"], hidden_size=text.hidden_size, num_attention_heads=text.num_attention_heads,
     )
 
 

@@ -29,6 +29,8 @@ class ProgramSpec:
     vocab_size: int
     bos_token_id: int | None
     eos_token_ids: list[int]
+    hidden_size: int
+    num_attention_heads: int
 
 
 class Target(Protocol):

@@ -53,8 +53,9 @@ def missing_rows(report: dict) -> list[int]:
 
 
 def all_passed(report: dict, whole_matrix: bool = False) -> bool:
-    """Every row passed (and, for ``whole_matrix``, every row of the matrix is there)."""
-    passed = all(row["status"] == "pass" for row in report["rows"])
+    """Every row passed, in onnxruntime-genai too where it ran there (and, for ``whole_matrix``,
+    every row of the matrix is there)."""
+    passed = all(row["status"] == "pass" and row.get("genai", {}).get("status", "pass") == "pass" for row in report["rows"])
     return passed and not (whole_matrix and missing_rows(report))
 
 
@@ -111,8 +112,8 @@ def to_markdown(report: dict) -> str:
         f"{report['host']['cpus']} CPUs.",
         "",
         "| # | model | family | target | dtype | max_cache_len | status | tokens vs eager | max \\|logit diff\\| "
-        "| export s | export peak RSS MB | artifact MB | decode tok/s |",
-        "|---:|---|---|---|---|---:|---|---|---:|---:|---:|---:|---:|",
+        "| in genai | export s | export peak RSS MB | artifact MB | decode tok/s |",
+        "|---:|---|---|---|---|---:|---|---|---:|---|---:|---:|---:|---:|",
     ]
     for row in report["rows"]:
         cells = [
@@ -127,17 +128,19 @@ def to_markdown(report: dict) -> str:
             # Blank where the check never ran (the row failed before it); a quantized row's agreement.
             _agreement_or_divergence(row) if "max_logit_diff" in row else "",
             _number(row.get("max_logit_diff"), ".1e") if "max_logit_diff" in row else "",
+            STATUS_MARK[row["genai"]["status"]] if "genai" in row else "",
             _number(row.get("export_seconds"), ".1f"),
             _number(row.get("export_peak_rss_mb"), ".0f"),
             _number(row.get("artifact_mb"), ".2f"),
             _number(row.get("decode_tokens_per_s"), ".1f"),
         ]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
-    failures = [row for row in report["rows"] if row["status"] != "pass"]
+    failures = [(row, row["failure"]) for row in report["rows"] if row["status"] != "pass"]
+    failures += [(row, row["genai"]["failure"]) for row in report["rows"] if row.get("genai", {}).get("status", "pass") != "pass"]
     if failures:
         lines += ["", "## Failures", ""]
-        for row in failures:
-            failure = row["failure"] or {}
+        for row, failure in failures:
+            failure = failure or {}
             lines.append(f"- **#{row['index']} {row['model']} × {row['target']}** ({failure.get('stage')}): {failure.get('reason')}")
     missing = missing_rows(report)
     if missing:

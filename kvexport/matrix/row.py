@@ -1,5 +1,5 @@
 """One matrix row, in a child process of its own: export, check against eager transformers, and a
-short run for the decode speed.
+short run for the decode speed; an ONNX row is checked in onnxruntime-genai too (``genai``).
 
 A process per row gives each row its own peak memory (the export's peak is this process's peak
 when the export ends: it has done nothing else yet), and a crash, a hang or an out-of-memory kill
@@ -39,6 +39,8 @@ def run_row(row: Row, row_dir: Path) -> dict:
         result.update(check)
         stage = "run"
         result.update(_decode_speed(row, row_dir / ARTIFACT_DIR))
+        if row.target == "onnx":
+            result["genai"] = _genai_check(row, row_dir / ARTIFACT_DIR)
         result["status"] = "pass" if check["check_ok"] else "fail"
         if not check["check_ok"]:
             result["failure"] = {"stage": "check", "reason": check.pop("check_reason")}
@@ -96,7 +98,7 @@ def _export(row: Row, model: str, folder: Path) -> dict:
     }
 
 
-def _check(row: Row, folder: Path) -> dict:
+def _check(row: Row, folder: Path, runner: str = "kvexport") -> dict:
     from ..artifact.manifest import read_manifest
     from ..checker.check import default_prompts, run_check
     from ..runtime.tokenizer import ArtifactTokenizer
@@ -105,7 +107,19 @@ def _check(row: Row, folder: Path) -> dict:
     if row.check_new_tokens:
         defaults = default_prompts(read_manifest(folder, verify=False), ArtifactTokenizer(folder))
         prompts = [(text, row.check_new_tokens) for text, _ in defaults]
-    return check_summary(run_check(folder, prompts))
+    return check_summary(run_check(folder, prompts, runner=runner))
+
+
+def _genai_check(row: Row, folder: Path) -> dict:
+    """The same check with onnxruntime-genai running the artifact: ``status`` pass or fail (with
+    the reason), or error where genai could not run it."""
+    try:
+        check = _check(row, folder, runner="genai")
+    except Exception as e:  # genai's own refusal or crash: the reason is the column's cell
+        lines = str(e).strip().splitlines()
+        return {"status": "error", "failure": {"stage": "genai", "reason": lines[0] if lines else type(e).__name__}}
+    failure = None if check["check_ok"] else {"stage": "genai check", "reason": check["check_reason"]}
+    return {"status": "pass" if check["check_ok"] else "fail", "failure": failure, "max_logit_diff": check["max_logit_diff"]}
 
 
 def check_summary(report) -> dict:

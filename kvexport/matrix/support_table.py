@@ -27,11 +27,14 @@ def render(report: dict) -> str:
     """The generated section, markers excluded."""
     v = report["versions"]
     # A column per target, or per target and dtype when the matrix has more than one dtype.
+    # An ONNX row checked in onnxruntime-genai too gives that result a column of its own.
     by_dtype = len({row["dtype"] for row in report["rows"]}) > 1
-    columns = list(dict.fromkeys(_column(row, by_dtype) for row in report["rows"]))
     cells: dict[tuple[str, tuple], list[dict]] = {}
     for row in report["rows"]:
         cells.setdefault((row["model"], _column(row, by_dtype)), []).append(row)
+        if "genai" in row:
+            cells.setdefault((row["model"], (*_column(row, by_dtype), "in genai")), []).append(row["genai"])
+    columns = list(dict.fromkeys(column for _, column in cells))
     families = {row["model"]: row.get("family") for row in report["rows"] if row.get("family")}
     configured = {row["model"] for row in report["rows"] if row.get("tiny_config")}  # [models.NAME] in the file
     models = sorted((families.get(m, "?"), m, m in configured) for m in {row["model"] for row in report["rows"]})

@@ -267,7 +267,7 @@ def _read_line(stdin, interactive: bool) -> str | None:
 
 
 def chat_command(artifact: Path, system: str | None, max_new_tokens: int | None, temperature: float, top_p: float,
-                 seed: int | None, device: str, as_json: bool) -> bool:
+                 seed: int | None, device: str, as_json: bool, runner: str = "kvexport") -> bool:
     """``kvexport chat``: one user turn per line of stdin. True if every turn got its reply."""
     from ..artifact.archive import open_artifact
     from .programs import load_program
@@ -280,7 +280,7 @@ def chat_command(artifact: Path, system: str | None, max_new_tokens: int | None,
     with open_artifact(artifact) as (folder, manifest):
         tokenizer = ArtifactTokenizer(folder)
         require_chat_template(tokenizer)  # before the program loads
-        conversation = Conversation(load_program(folder, manifest, device), tokenizer, manifest, system, sampling,
+        conversation = Conversation(load_program(folder, manifest, device, runner), tokenizer, manifest, system, sampling,
                                     max_new_tokens)
         if interactive:
             import readline  # noqa: F401  line editing and history for input()

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from ..errors import InvalidOptionError
 
-RUNNERS = ("kvexport", "executorch")
+RUNNERS = ("kvexport", "executorch", "genai")
 DEVICES = ("cpu", "cuda")
 
 
@@ -37,7 +37,8 @@ def run_parser(prog: str) -> OneLineParser:
     parser.add_argument("--seed", type=int, metavar="S", help="sampling seed")
     parser.add_argument("--device", default="cpu", metavar="cpu|cuda", help="cpu or cuda (float16 ONNX artifacts) [default: cpu]")
     parser.add_argument("--runner", choices=RUNNERS, default="kvexport",
-                        help="executorch: ExecuTorch's own TextLLMRunner (.pte only) [default: kvexport]")
+                        help="executorch: ExecuTorch's own TextLLMRunner (.pte only); genai: onnxruntime-genai "
+                        "(ONNX only) [default: kvexport]")
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     parser.add_argument("--verbose", action="store_true",
                         help="let third-party libraries' log lines (ExecuTorch's native layer) through")

@@ -35,10 +35,16 @@ _RUNNERS = {"executorch": "executorch_program", "onnx": "onnx_program"}
 _RUNTIME_PACKAGE = {"executorch": "executorch", "onnx": "onnxruntime"}
 
 
-def load_program(folder: Path, manifest: dict | None = None, device: str = "cpu") -> Program:
+def load_program(folder: Path, manifest: dict | None = None, device: str = "cpu", runner: str = "kvexport") -> Program:
+    """``runner``: ``kvexport`` (this package's runner for the artifact's target) or ``genai``
+    (onnxruntime-genai, ONNX artifacts)."""
     folder = Path(folder)
     manifest = manifest or read_manifest(folder)
     target = manifest["target"]
+    if runner == "genai":
+        from . import genai_program
+
+        return genai_program.load(folder, manifest, device)
     module = importlib.import_module(f"{__package__}.{_RUNNERS[target]}")
     try:
         return module.load(folder, manifest, device)

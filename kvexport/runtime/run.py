@@ -57,11 +57,12 @@ def generate_text(program, tokenizer: ArtifactTokenizer, prompt_ids: list[int], 
 
 
 def run_command(folder: Path, manifest: dict, args: argparse.Namespace, sampling: Sampling) -> dict:
-    """``kvexport run`` and ``python -m kvexport.device`` (``run_main``) with kvexport's own loop."""
+    """``kvexport run`` and ``python -m kvexport.device`` (``run_main``) with kvexport's own loop, on
+    kvexport's runner or onnxruntime-genai's."""
     tokenizer = ArtifactTokenizer(folder, manifest)
     prompt_ids = encode_prompt(tokenizer, args.prompt, args.chat)
     check_fits(len(prompt_ids), args.max_new_tokens, manifest["max_cache_len"])  # before the program loads
-    program = load_program(folder, manifest, args.device)
+    program = load_program(folder, manifest, args.device, args.runner)
     stream = None if args.json else TextStream(tokenizer)
     result = generate_text(program, tokenizer, prompt_ids, args.max_new_tokens, args.ignore_eos, args.chat, sampling,
                            on_token=stream)

@@ -50,17 +50,17 @@ def test_manifest_checks(tmp_path):
     (out / "kvexport.json").write_text(json.dumps(manifest))
     with pytest.raises(ArtifactError, match="format version 99"):
         artifact.read_manifest(out)
-    # Version 1 to 3 ExecuTorch artifacts still run; version 1 and 2 ONNX graphs had other cache interfaces.
-    for version in (1, 2, 3):
+    # Every ExecuTorch version still runs; ONNX graphs before 6 had kvexport's own cache interface.
+    for version in (1, 2, 3, 4, 5, 6):
         manifest["format_version"], manifest["target"] = version, "executorch"
         (out / "kvexport.json").write_text(json.dumps(manifest))
         assert artifact.read_manifest(out, verify=False)["format_version"] == version
         manifest["target"] = "onnx"
         (out / "kvexport.json").write_text(json.dumps(manifest))
-        if version == 3:  # version 3 ONNX graphs still run (on the CPU): 4 changed only ExecuTorch programs
+        if version == 6:
             assert artifact.read_manifest(out, verify=False)["format_version"] == version
             continue
-        with pytest.raises(ArtifactError, match=f"format version {version}, this kvexport reads 3 or 4 or 5 for onnx artifacts; re-export"):
+        with pytest.raises(ArtifactError, match=f"format version {version}, this kvexport reads 6 for onnx artifacts; re-export"):
             artifact.read_manifest(out, verify=False)
     (out / "kvexport.json").write_text("{not json")
     with pytest.raises(ArtifactError, match="not valid JSON"):

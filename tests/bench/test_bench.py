@@ -19,18 +19,22 @@ def test_bench_measures_every_path(artifact, tmp_path, capsys):
     other.mkdir()
     for name in ("model.pte", "model.ptd"):
         shutil.copy(pte / name, other / name)
+    # And another exporter's onnxruntime-genai folder: the ONNX artifact without kvexport's manifest.
+    other_genai = tmp_path / "other-genai"
+    shutil.copytree(onnx, other_genai, ignore=shutil.ignore_patterns("kvexport.json*"))
     out = tmp_path / "bench.json"
     code = bench.main(["tiny-gemma3", str(pte), str(onnx), "--prompt-tokens", "8", "--new-tokens", "6",
                        "--repeats", "1", "--threads", "1", "--json", str(out), "--markdown", str(tmp_path / "b.md"),
-                       "--pte", str(other / "model.pte")])
+                       "--pte", str(other / "model.pte"), "--genai-folder", str(other_genai)])
     assert code == 0
     report = json.loads(out.read_text())
     table = capsys.readouterr().out
     assert table.strip() == (tmp_path / "b.md").read_text().strip() and "| path |" in table
 
-    paths = {(p["path"], Path(p.get("pte") or p.get("artifact") or "").name or None): p for p in report["paths"]}
+    paths = {(p["path"], Path(p.get("pte") or p.get("genai_folder") or p.get("artifact") or "").name or None): p
+             for p in report["paths"]}
     assert set(paths) == {("eager", None), ("run", pte.name), ("run", onnx.name), ("textllm", pte.name),
-                          ("textllm", "model.pte"), ("llama", None)}
+                          ("textllm", "model.pte"), ("genai", onnx.name), ("genai", "other-genai"), ("llama", None)}
     assert "no GGUF" in paths["llama", None]["skipped"]  # a preset has no GGUF file
     assert report["protocol"] == {**report["protocol"], "prompt_tokens": 8, "new_tokens": 6, "threads": 1}
     for key, job in paths.items():
@@ -49,6 +53,7 @@ def test_bench_measures_every_path(artifact, tmp_path, capsys):
     # fp32 artifacts generate eager's tokens; TextLLMRunner prints kvexport run's text.
     assert paths["run", pte.name]["same_tokens_as_eager"] == 6
     assert paths["run", onnx.name]["same_tokens_as_eager"] == 6
+    assert paths["genai", onnx.name]["same_tokens_as_eager"] == paths["genai", "other-genai"]["same_tokens_as_eager"] == 6
     assert paths["textllm", pte.name]["same_text_as_run"] is True
     assert paths["textllm", "model.pte"]["label"].endswith("other/model.pte")
     assert "same_text_as_run" not in paths["textllm", "model.pte"]  # not kvexport run's program
@@ -56,10 +61,10 @@ def test_bench_measures_every_path(artifact, tmp_path, capsys):
     textllm_decode = (paths["textllm", pte.name]["summary"]["decode_tokens_per_s"] or {}).get("median")
     assert set(report["ratios"]["run_vs_textllm"]) == ({str(pte)} if textllm_decode else set())
     other_decode = (paths["textllm", "model.pte"]["summary"]["decode_tokens_per_s"] or {}).get("median")
-    assert len(report["ratios"]["decode_vs_eager"]) == 2 + bool(textllm_decode) + bool(other_decode)
+    assert len(report["ratios"]["decode_vs_eager"]) == 4 + bool(textllm_decode) + bool(other_decode)
     assert report["ratios"]["decode_vs_llama"] == {} and "| decode × llama.cpp |" in table  # llama.cpp skipped
-    # Other load sampled before each of the 5 runs (Linux), and the header says how much there was.
-    assert report["machine"]["background_busy"]["n"] == 5 and "CPUs busy between runs" in table
+    # Other load sampled before each of the 7 runs (Linux), and the header says how much there was.
+    assert report["machine"]["background_busy"]["n"] == 7 and "CPUs busy between runs" in table
 
 
 def test_bench_prompt_has_exactly_the_requested_tokens(artifact):

@@ -68,9 +68,20 @@ def test_markdown_has_a_line_per_row_and_the_failures_reasons():
     text = to_markdown(report([row(0), row(1, target="onnx", status="error")], total=2))
     lines = text.splitlines()
     assert "2 rows: 1 pass, 0 fail, 1 error" in text
-    assert any(l.startswith("| 0 | tiny-llama | llama | executorch | float32 | 64 | ✓ pass | — | 2.0e-04 | 40.0 | 520 | 0.40 | 900.0 |") for l in lines)
+    assert any(l.startswith("| 0 | tiny-llama | llama | executorch | float32 | 64 | ✓ pass | — | 2.0e-04 |  | 40.0 | 520 | 0.40 | 900.0 |") for l in lines)
     assert any(l.startswith("| 1 | tiny-llama | llama | onnx | float32 | 64 | ✗ error |  |") for l in lines)
     assert "- **#1 tiny-llama × onnx** (export): target 'onnx' is not built" in text
+
+
+def test_an_onnx_row_shows_its_result_in_onnxruntime_genai():
+    """The genai check has a column of its own; its failure is listed, and fails the matrix."""
+    passed = row(0, target="onnx", genai={"status": "pass", "failure": None, "max_logit_diff": 1e-5})
+    failed = row(1, target="onnx", genai={"status": "fail", "failure": {"stage": "genai check", "reason": "tokens diverge"}})
+    lines = to_markdown(report([passed, failed], total=2)).splitlines()
+    assert any(l.startswith("| 0 | tiny-llama | llama | onnx | float32 | 64 | ✓ pass | — | 2.0e-04 | ✓ pass |") for l in lines)
+    assert any(l.startswith("| 1 | tiny-llama | llama | onnx | float32 | 64 | ✓ pass | — | 2.0e-04 | ✗ fail |") for l in lines)
+    assert "- **#1 tiny-llama × onnx** (genai check): tokens diverge" in lines
+    assert all_passed(report([passed], total=1)) and not all_passed(report([passed, failed], total=2))
 
 
 def test_a_quantized_row_shows_its_scheme_and_agreement():
@@ -124,6 +135,17 @@ def test_support_table_has_a_column_per_target_and_dtype_when_the_matrix_has_two
     section = support_table.render(report(rows))
     assert "| family | model | ExecuTorch float32 | ONNX float32 | ExecuTorch float16 | ONNX float16 |" in section
     assert "| llama | `tiny-llama` | ✓ | ✓ | ✓ | ✗ fail in check: tokens diverge |" in section
+
+
+def test_support_table_has_a_column_for_onnxruntime_genai():
+    rows = [row(0), row(1, target="onnx", genai={"status": "pass", "failure": None}),
+            row(2, model="tiny-gpt-oss", family="gpt_oss"),
+            row(3, model="tiny-gpt-oss", family="gpt_oss", target="onnx",
+                genai={"status": "error", "failure": {"stage": "genai", "reason": "genai cannot load it"}})]
+    section = support_table.render(report(rows))
+    assert "| family | model | ExecuTorch | ONNX | ONNX in genai |" in section
+    assert "| llama | `tiny-llama` | ✓ | ✓ | ✓ |" in section
+    assert "| gpt_oss | `tiny-gpt-oss` | ✓ | ✓ | ✗ error in genai: genai cannot load it |" in section
 
 
 def test_support_table_check_fails_when_the_readme_says_otherwise(tmp_path, capsys):

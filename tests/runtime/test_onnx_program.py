@@ -28,9 +28,9 @@ FP16_PROVIDERS_ATOL = LOGIT_TOLERANCE["float16"]
 
 def test_decode_writes_new_rows_in_place_and_binds_the_cache_once(artifact, monkeypatch):
     """No copy of the cache per step: every buffer is bound once as its layer's past and present
-    (GroupQueryAttention writes the new rows in place); per step only the small inputs are bound.
-    A ring buffer's rows stay contiguous in positions: ring_start follows the rows in use and,
-    when a call would pass the last row, the last W - 1 rows move to the top first."""
+    (GroupQueryAttention writes the new rows in place); per step only input_ids and the attention
+    mask are bound. A sliding layer's buffer is the window: the kernel keeps the newest positions
+    at its first rows and the runner never moves one."""
     bound = []
     for method in ("bind_input", "bind_output"):
         original = getattr(ort.IOBinding, method)
@@ -41,36 +41,25 @@ def test_decode_writes_new_rows_in_place_and_binds_the_cache_once(artifact, monk
 
         monkeypatch.setattr(ort.IOBinding, method, record)
 
-    program = load_program(artifact("tiny-gemma3", "onnx"))  # layers 0-2: rings of 6; layer 3: static
-    static, ring = program._layers[3].buffers["key"], program._layers[0].buffers["key"]
+    program = load_program(artifact("tiny-gemma3", "onnx"))  # layers 0-2: windows of 6; layer 3: full
+    static, window = program._layers[3].buffers["key"], program._layers[0].buffers["key"]
     # tiny Gemma 3 has one KV head, like Gemma 3 270M
-    assert static.array.shape == (1, 1, TEST_CACHE_LEN, 16) and ring.array.shape == (1, 1, 12, 16)
+    assert static.array.shape == (1, 1, TEST_CACHE_LEN, 16) and window.array.shape == (1, 1, 6, 16)
     at_load = {name: (shape, ptr) for name, shape, ptr in bound}
-    assert at_load["past_key_0"] == at_load["present_key_0"] == ([1, 1, 12, 16], ring.ptr)
-    assert at_load["past_key_3"] == at_load["present_key_3"] == ([1, 1, TEST_CACHE_LEN, 16], static.ptr)
+    assert at_load["past_key_values.0.key"] == at_load["present.0.key"] == ([1, 1, 6, 16], window.ptr)
+    assert at_load["past_key_values.3.key"] == at_load["present.3.key"] == ([1, 1, TEST_CACHE_LEN, 16], static.ptr)
 
-    ring_starts = []
-    run = ort.InferenceSession.run_with_iobinding
-
-    def record_ring_start(session, binding, *args):
-        ring_starts.append(int(program._ring_start[0]))
-        return run(session, binding, *args)
-
-    monkeypatch.setattr(ort.InferenceSession, "run_with_iobinding", record_ring_start)
     prompt = list(range(10, 20))
-    program.forward(prompt, 0)  # 10 tokens: two calls of at most W = 6
-    assert ring_starts == [0, 6]
-    ring_starts.clear()
+    bound.clear()
+    program.forward(prompt, 0)  # 10 tokens, longer than the window, in one call
+    assert {name: shape for name, shape, _ in bound} == {"input_ids": [1, 10], "attention_mask": [1, 10]}
     for pos in range(len(prompt), len(prompt) + 8):
         bound.clear()
-        before = ring.array.copy()
+        before = window.array.copy()
         program.forward([42], pos)
-        calls = {name for name, _, _ in bound}
-        assert calls == {"tokens", "input_pos", "ring_start", "total_length", "ring_total_length"}
-        assert (program._totals["total_length"], program._totals["ring_total_length"]) == (pos + 1, ring_starts[-1] + 1)
-        if pos == 12:  # rows 0..11 in use: rows 7..11 (positions 7..11) moved to 0..4 first
-            assert np.array_equal(ring.array[:, :, :5], before[:, :, 7:12])
-    assert ring_starts == [10, 11, 5, 6, 7, 8, 9, 10]
+        assert {name: shape for name, shape, _ in bound} == {"input_ids": [1, 1], "attention_mask": [1, pos + 1]}
+        # the window slid by one row: the newest position went to the last row, the oldest left
+        assert np.array_equal(window.array[:, :, :5], before[:, :, 1:]) and not np.array_equal(window.array, before)
     written = np.abs(static.array[0]).sum(axis=(0, 2)) > 0
     assert written[: len(prompt) + 8].all() and not written[len(prompt) + 8:].any()
 
@@ -128,20 +117,20 @@ def test_cuda_without_onnxruntime_gpu_says_so(artifact, capsys):
     assert_one_line_error(code, err, "--device cuda", "onnxruntime-gpu")
 
 
-def test_cuda_takes_float16_graphs_that_get_their_lengths_as_inputs(artifact, capsys, tmp_path):
+def test_cuda_takes_float16_graphs_only(artifact, capsys):
     """What onnxruntime-gpu 1.31 got wrong on an H100 is refused before anything loads, with or
     without a GPU here: a float32 graph (its CUDA GroupQueryAttention is float16 only; the CPU
-    fallback read a wrong cache after the first step), and a graph of format version 4 or older,
-    which computes the kernels' total lengths itself (it still runs on the CPU)."""
+    fallback read a wrong cache after the first step)."""
     code, _, err = run_cli(capsys, "run", artifact("tiny-gemma3", "onnx"), "--prompt", "Hi", "--device", "cuda")
     assert_one_line_error(code, err, "--device cuda runs float16 ONNX artifacts; this one is float32", "--dtype float16")
+
+
+def test_an_onnx_artifact_of_an_earlier_format_is_refused_in_one_line(artifact, capsys, tmp_path):
     older = tmp_path / "older"
-    shutil.copytree(artifact("tiny-gemma3", "onnx", dtype="float16"), older)
-    edit_manifest(lambda m: m.update(format_version=4))(older)
-    code, _, err = run_cli(capsys, "run", older, "--prompt", "Hi", "--device", "cuda")
-    assert_one_line_error(code, err, "(format version 4) computes its attention lengths inside the graph", "re-export it")
-    code, out, _ = run_cli(capsys, "run", older, "--prompt", "Hi", "--max-new-tokens", "2", "--json")
-    assert code == 0 and len(json.loads(out)["new_ids"]) == 2
+    shutil.copytree(artifact("tiny-gemma3", "onnx"), older)
+    edit_manifest(lambda m: m.update(format_version=5))(older)
+    code, _, err = run_cli(capsys, "run", older, "--prompt", "Hi")
+    assert_one_line_error(code, err, "format version 5", "re-export")
 
 
 def test_an_unknown_device_is_refused(artifact, capsys):
@@ -155,13 +144,13 @@ def test_an_unknown_device_is_refused(artifact, capsys):
 def test_cuda_generation_matches_the_cpu_providers(artifact, name):
     """The float16 graph on ONNX Runtime's CUDA provider (buffers in GPU memory) against the same
     graph on the CPU provider, which the other tests hold to eager transformers: past the window,
-    with prefills split across ring moves."""
+    prompts in one call and in several."""
     _, tokenizer = build_preset(name)
     ids = tokenizer(PROMPT).input_ids
     folder = artifact(name, "onnx", dtype="float16")
     program = load_program(folder, device="cuda")
     assert program._layers[0].buffers["key"].value.device_name() == "cuda"
-    for chunks in ([len(ids)], [3, 7, 11, 23]):  # multi-token ring calls take the device round trip
+    for chunks in ([len(ids)], [3, 7, 11, 23]):
         expected = greedy_with(load_program(folder).forward, ids, NEW_TOKENS, chunks=chunks)
         got = greedy_with(program.forward, ids, NEW_TOKENS, chunks=chunks)
         assert_generation_matches(got, expected, FP16_PROVIDERS_ATOL, f"cuda, chunks {chunks}")

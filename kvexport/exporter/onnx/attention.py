@@ -1,50 +1,59 @@
 """The ONNX graph's layers: the runtime's cache buffers in and out, attention as ONNX Runtime's
-``GroupQueryAttention`` (``com.microsoft``, the kernel onnxruntime-genai's models use).
+``GroupQueryAttention`` (``com.microsoft``), the kernel onnxruntime-genai's own models use, on the
+buffers onnxruntime-genai allocates.
 
-- Full attention (``ExternalStaticLayer``): the runner's buffer is head-major
-  ``[1, kv_heads, max_cache_len, head_dim]``; the graph takes the whole buffer as ``past`` and
-  returns it, with the call's rows written at positions ``P .. P+T-1``, as ``present``. A runner
-  that binds both to the same memory (ONNX Runtime's shared past/present buffer) has the rows
-  written in place, and the kernel reads only the first ``P + T`` rows: decode cost follows the
-  filled length, not ``max_cache_len``.
-- Sliding window (``ExternalRingLayer``): the same kernel and layout over a buffer of ``2W``
-  rows (``local_window_size`` W), shared past/present too. The runner keeps the rows contiguous
-  in positions and passes ``ring_start``, the row the call's first token goes to: when a call
-  would run past the last row, it first moves the last ``W - 1`` rows to the top (once every ~W
-  tokens). The kernel reads only the window, and only the filled part of it.
+- Full attention (``ExternalStaticLayer``): the buffer is head-major
+  ``[1, kv_heads, max_cache_len, head_dim]``, row i holding position i. The graph takes the whole
+  buffer as ``past`` and returns it, with the call's rows written at positions ``P .. P+T-1``, as
+  ``present``. A runner that binds both to the same memory (``past_present_share_buffer``) has the
+  rows written in place, and the kernel reads only the first ``P + T`` rows.
+- Sliding window (``ExternalWindowLayer``): the same kernel with ``local_window_size`` W and
+  ``sliding_window_cache=1`` over a buffer of W rows (or more: onnxruntime-genai adds a slack).
+  The kernel keeps the newest positions in order at the buffer's first rows and evicts the
+  oldest itself, so the runner never moves a row; a call may be longer than the window.
 
-In PyTorch this is the op ``kvexport::group_query_attention``, a plain implementation of the
+Both read the call's lengths as onnxruntime-genai's builder derives them from ``attention_mask``
+(ones, ``[1, P + T]``): ``seqlens_k`` = sum - 1 and ``total_sequence_length`` = its width
+(``lengths_from_mask``). Soft-capping (Gemma 2) is the kernel's ``softcap`` and attention sinks
+(gpt-oss) its ``head_sink``, so every family runs the same node.
+
+In PyTorch the node is the op ``kvexport::group_query_attention``, a plain implementation of the
 kernel's semantics (what the decoder runs eagerly); ``ONNX_TRANSLATIONS`` maps it to the node for
 ``torch.onnx.export``.
-
-A family whose attention needs more than softmax(QK^T·scale + mask)·V (soft-capping, attention
-sinks) keeps the same interface and runs its own eager attention instead of the kernel.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..attention import family_eager_attention, plain_softmax_attention
+from ...errors import UnsupportedModelError
 
 
-def _attention(query, keys, values, num_heads: int, kv_num_heads: int, scale: float, bias):
-    """softmax(Q K^T · scale + bias) V in float32 for ``query [1, T, num_heads * D]`` and
-    head-major ``keys``/``values [kv_num_heads, K, D]``; returns ``[1, T, num_heads * D]``."""
+def _attention(query, keys, values, num_heads: int, kv_num_heads: int, scale: float, bias, softcap: float, sinks):
+    """softmax(softcap(Q K^T · scale) + bias) V in float32 for ``query [1, T, num_heads * D]`` and
+    head-major ``keys``/``values [kv_num_heads, K, D]``; ``sinks [num_heads]`` (or None) join each
+    head's softmax as one more logit whose value is dropped. Returns ``[1, T, num_heads * D]``."""
     t = query.shape[1]
     d = query.shape[2] // num_heads
     group = num_heads // kv_num_heads
     q = query[0].view(t, num_heads, d).transpose(0, 1).float()
-    scores = q @ keys.repeat_interleave(group, dim=0).float().transpose(1, 2) * scale + bias
-    out = scores.softmax(dim=-1) @ values.repeat_interleave(group, dim=0).float()
+    scores = q @ keys.repeat_interleave(group, dim=0).float().transpose(1, 2) * scale
+    if softcap > 0:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores + bias
+    if sinks is not None:
+        sink = sinks.float().view(num_heads, 1, 1).expand(num_heads, t, 1)
+        weights = torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1]
+    else:
+        weights = scores.softmax(dim=-1)
+    out = weights @ values.repeat_interleave(group, dim=0).float()
     return out.transpose(0, 1).reshape(1, t, num_heads * d).to(query.dtype)
 
 
-def _causal_bias(start: int, end: int, window: int) -> torch.Tensor:
-    """Query ``start + i`` sees key rows ``0 .. start + i``, the last ``window`` of them when
-    ``window`` > 0 (the kernel's own causal mask and ``local_window_size``)."""
-    rows, queries = torch.arange(end)[None, :], torch.arange(start, end)[:, None]
-    visible = (rows <= queries) & ((rows > queries - window) if window > 0 else True)
+def _visible(key_positions: torch.Tensor, query_positions: torch.Tensor, window: int) -> torch.Tensor:
+    """Additive bias: query q sees key k iff k <= q and, with a window, k > q - window."""
+    k, q = key_positions[None, :], query_positions[:, None]
+    visible = (k <= q) & ((k > q - window) if window > 0 else True)
     return torch.zeros(visible.shape).masked_fill(~visible, float("-inf"))
 
 
@@ -57,32 +66,47 @@ def group_query_attention(
     past_value: torch.Tensor,
     seqlens_k: torch.Tensor,
     total_length: torch.Tensor,
+    sinks: torch.Tensor | None,
     num_heads: int,
     kv_num_heads: int,
     scale: float,
     local_window: int,
+    softcap: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``GroupQueryAttention`` with past and present in one buffer, batch 1.
 
     ``query [1, T, num_heads * D]``, ``key``/``value [1, T, kv_num_heads * D]``, ``past_*``
-    ``[1, kv_num_heads, S, D]``, ``total_length`` = R + T (0-d int32), ``seqlens_k`` = ``[R + T - 1]``:
-    the call's rows go to ``R .. R+T-1``. ``local_window`` > 0: each query sees only the last
-    ``local_window`` rows up to its own. Returns ``(out [1, T, num_heads * D], present_key,
-    present_value)``, presents shaped as the pasts.
+    ``[1, kv_num_heads, C, D]``, ``total_length`` = P + T (0-d int32), ``seqlens_k`` = ``[P + T - 1]``.
+    ``local_window`` <= 0: row i holds position i, the call's rows go to ``P .. P+T-1``.
+    ``local_window`` W > 0 (``sliding_window_cache``): rows ``0 .. min(P, C)-1`` hold the newest
+    positions before the call in order; the present holds the newest ``min(P + T, C)`` the same way,
+    and each query sees the last W positions up to its own. Returns ``(out [1, T, num_heads * D],
+    present_key, present_value)``, presents shaped as the pasts.
     """
     t = query.shape[1]
     end = int(total_length)
     start = end - t
+    new_k = key[0].view(t, kv_num_heads, -1).transpose(0, 1)
+    new_v = value[0].view(t, kv_num_heads, -1).transpose(0, 1)
     present_key, present_value = past_key.clone(), past_value.clone()
-    present_key[0, :, start:end] = key[0].view(t, kv_num_heads, -1).transpose(0, 1)
-    present_value[0, :, start:end] = value[0].view(t, kv_num_heads, -1).transpose(0, 1)
-    keys, values = present_key[0, :, :end], present_value[0, :, :end]
-    out = _attention(query, keys, values, num_heads, kv_num_heads, scale, _causal_bias(start, end, local_window))
+    if local_window > 0:
+        capacity = past_key.shape[2]
+        held = min(start, capacity)
+        keys, values = torch.cat([past_key[0, :, :held], new_k], 1), torch.cat([past_value[0, :, :held], new_v], 1)
+        kept = min(held + t, capacity)
+        present_key[0, :, :kept], present_value[0, :, :kept] = keys[:, -kept:], values[:, -kept:]
+        key_positions = torch.arange(start - held, end)
+    else:
+        present_key[0, :, start:end], present_value[0, :, start:end] = new_k, new_v
+        keys, values = present_key[0, :, :end], present_value[0, :, :end]
+        key_positions = torch.arange(end)
+    bias = _visible(key_positions, torch.arange(start, end), local_window)
+    out = _attention(query, keys, values, num_heads, kv_num_heads, scale, bias, softcap, sinks)
     return out, present_key, present_value
 
 
 @group_query_attention.register_fake
-def _(query, key, value, past_key, past_value, seqlens_k, total_length, num_heads, kv_num_heads, scale, local_window):
+def _(query, key, value, past_key, past_value, seqlens_k, total_length, sinks, num_heads, kv_num_heads, scale, local_window, softcap):
     return torch.empty_like(query), torch.empty_like(past_key), torch.empty_like(past_value)
 
 
@@ -110,6 +134,8 @@ def _onnx_schema():
             param("cos_cache", "T", optional=True),
             param("sin_cache", "T", optional=True),
             param("position_ids", "P", optional=True),
+            param("attention_bias", "T", optional=True),
+            param("head_sink", "T", optional=True),
         ],
         outputs=[param("output", "T"), param("present_key", "T"), param("present_value", "T")],
         type_constraints=[
@@ -122,23 +148,26 @@ def _onnx_schema():
             OpSchema.Attribute("kv_num_heads", OpSchema.AttrType.INT, ""),
             OpSchema.Attribute("scale", OpSchema.AttrType.FLOAT, ""),
             OpSchema.Attribute("local_window_size", OpSchema.AttrType.INT, ""),
+            OpSchema.Attribute("sliding_window_cache", OpSchema.AttrType.INT, ""),
+            OpSchema.Attribute("softcap", OpSchema.AttrType.FLOAT, ""),
         ],
     )
 
 
 def _group_query_attention_onnx(
-    query, key, value, past_key, past_value, seqlens_k, total_length,
-    num_heads: int, kv_num_heads: int, scale: float, local_window: int,
+    query, key, value, past_key, past_value, seqlens_k, total_length, sinks,
+    num_heads: int, kv_num_heads: int, scale: float, local_window: int, softcap: float,
 ):  # fmt: skip
     import onnxscript
 
     op = onnxscript.values.Op(onnxscript.values.Opset("com.microsoft", 1), "GroupQueryAttention", _onnx_schema())
-    # A full-attention node has no local_window_size: that is how the rotary fold tells them apart.
-    window = {"local_window_size": local_window} if local_window > 0 else {}
-    return op(
-        query, key, value, past_key, past_value, seqlens_k, total_length,
-        num_heads=num_heads, kv_num_heads=kv_num_heads, scale=scale, **window,
-    )  # fmt: skip
+    attributes = {"num_heads": num_heads, "kv_num_heads": kv_num_heads, "scale": scale}
+    if local_window > 0:
+        attributes |= {"local_window_size": local_window, "sliding_window_cache": 1}
+    if softcap > 0:
+        attributes["softcap"] = softcap
+    optional = (None, None, None, None, sinks) if sinks is not None else ()  # cos, sin, position_ids, bias, sinks
+    return op(query, key, value, past_key, past_value, seqlens_k, total_length, *optional, **attributes)
 
 
 ONNX_TRANSLATIONS = {torch.ops.kvexport.group_query_attention.default: _group_query_attention_onnx}
@@ -154,105 +183,78 @@ def _kernel_inputs(query, key, value, scaling):
 
 class _BufferLayer:
     """A layer whose buffer lives in the runner, head-major ``[1, kv_heads, rows, head_dim]``:
-    past in, present (= past with the call's rows written) out, which a runner binds to the same
-    memory. The call's rows go to ``first_row(call) ..``; ``window`` > 0 limits what each query sees.
+    past in, present out, which a runner binds to the same memory. ``window`` > 0: a sliding
+    layer's window-sized buffer (see the module's docstring).
 
     Not an ``nn.Module``: it holds only the tensors of the call being traced, no state.
     """
 
-    window = None
-
-    def __init__(self):
+    def __init__(self, window: int | None = None):
+        self.window = window
         self.past_k = self.past_v = self.present_k = self.present_v = None
 
-    def first_row(self, call) -> torch.Tensor:
-        raise NotImplementedError
+    def bind(self, past_k: torch.Tensor, past_v: torch.Tensor) -> None:
+        self.past_k, self.past_v = past_k, past_v
 
-    def attend(self, module, query, key, value, mask, call, scaling=None, **kwargs):
+    def key_positions(self, positions: torch.Tensor) -> torch.Tensor:
+        """For transformers' mask, which the kernel does not read (it masks by its lengths)."""
+        return torch.arange(self.past_k.shape[2], device=positions.device)
+
+    def attend(self, module, query, key, value, mask, call, scaling=None, softcap=None, s_aux=None, dropout=0.0, **kwargs):
+        if dropout:
+            raise UnsupportedModelError("attention dropout in the exported model: export a model in eval mode")
         t = query.shape[2]
-        first = self.first_row(call)  # [1]
-        if not plain_softmax_attention(kwargs):
-            rows = first + torch.arange(t, device=first.device)
-            self.present_k = self.past_k.index_copy(2, rows, key)
-            self.present_v = self.past_v.index_copy(2, rows, value)
-            return family_eager_attention(module)(
-                module, query, self.present_k, self.present_v, mask, scaling=scaling, **kwargs
-            )
         (q, k, v), heads, kv_heads, scale = _kernel_inputs(query, key, value, scaling)
-        last = first + (t - 1)  # the call's last row
-        lengths = last.to(torch.int32), (last[0] + 1).to(torch.int32)  # seqlens_k, total_length
+        last = call.positions[-1:]  # P + T - 1: the kernel's lengths (the graph reads them from the mask)
+        seqlens_k, total_length = last.to(torch.int32), (last[0] + 1).to(torch.int32)
         out, self.present_k, self.present_v = torch.ops.kvexport.group_query_attention(
-            q, k, v, self.past_k, self.past_v, *lengths, heads, kv_heads, scale, self.window or -1
-        )
+            q, k, v, self.past_k, self.past_v, seqlens_k, total_length, s_aux,
+            heads, kv_heads, scale, self.window or -1, float(softcap or 0.0),
+        )  # fmt: skip
         return out.view(1, t, heads, -1), None
 
 
 class ExternalStaticLayer(_BufferLayer):
     """A full-attention layer: ``max_cache_len`` rows, row i holds position i."""
 
-    def bind(self, past_k: torch.Tensor, past_v: torch.Tensor, ring_start: torch.Tensor | None) -> None:
-        self.past_k, self.past_v = past_k, past_v
 
-    def first_row(self, call) -> torch.Tensor:
-        return call.positions[:1]
-
-    def key_positions(self, positions: torch.Tensor) -> torch.Tensor:
-        """Every row of the buffer (the fallback's mask covers them all)."""
-        return torch.arange(self.past_k.shape[2], device=positions.device)
+class ExternalWindowLayer(_BufferLayer):
+    """A sliding layer: a buffer of ``window`` rows (the runner may give more), the newest
+    positions in order from row 0."""
 
 
-class ExternalRingLayer(_BufferLayer):
-    """A sliding layer: ``2W`` rows that the runner keeps contiguous in positions, the call's
-    first token at row ``ring_start`` (a graph input), so row r holds position
-    ``P - ring_start + r``. Rows ``ring_start - W + 1 .. ring_start - 1`` hold the window before
-    the call; rows before those and after the call's hold anything finite, which attention never
-    sees (outside every query's window, or past the kernel's lengths).
-    """
-
-    def __init__(self, window: int):
-        super().__init__()
-        self.window = window
-        self.ring_start = None
-
-    def bind(self, past_k: torch.Tensor, past_v: torch.Tensor, ring_start: torch.Tensor | None) -> None:
-        self.past_k, self.past_v, self.ring_start = past_k, past_v, ring_start
-
-    def first_row(self, call) -> torch.Tensor:
-        return self.ring_start
-
-    def key_positions(self, positions: torch.Tensor) -> torch.Tensor:
-        return positions[:1] - self.ring_start + torch.arange(self.past_k.shape[2], device=positions.device)
-
-
-# The kernel's total_sequence_length (input 6) is a host-memory input on ONNX Runtime's CUDA
-# provider. Computed in the graph (input_pos + T), the value's chain runs on the GPU and is copied
-# back for it, and onnxruntime-gpu 1.31 then feeds the kernel a wrong value (docs/onnx.md). So the
-# runtime passes each total as a graph input, in host memory, as it does input_pos.
-TOTAL_LENGTH_INPUTS = {"static": "total_length", "ring": "ring_total_length"}
-
-
-def lengths_as_inputs(path) -> None:
+def lengths_from_mask(path) -> None:
     """Rewrite the ONNX model at ``path`` (its external data untouched) so that every
-    ``GroupQueryAttention`` node reads its ``total_sequence_length`` from a graph input:
-    ``total_length`` (= input_pos + T) for full-attention nodes, ``ring_total_length``
-    (= ring_start + T) for sliding ones; a graph without such nodes is left as it is."""
+    ``GroupQueryAttention`` node reads ``seqlens_k`` = int32(ReduceSum(attention_mask) - 1) and
+    ``total_sequence_length`` = int32(attention_mask's width), as onnxruntime-genai's builder
+    writes them; the traced graph's own position arithmetic then goes."""
+    import numpy as np
     import onnx
-    from onnx import TensorProto, helper
+    from onnx import TensorProto, helper, numpy_helper
 
     from .graph import prune
 
     model = onnx.load(str(path), load_external_data=False)
     graph = model.graph
-    used = set()
-    for node in graph.node:
-        if node.op_type == "GroupQueryAttention" and node.domain == "com.microsoft":
-            kind = "ring" if any(a.name == "local_window_size" for a in node.attribute) else "static"
-            node.input[6] = TOTAL_LENGTH_INPUTS[kind]
-            used.add(kind)
-    if not used:
+    attention = [n for n in graph.node if n.op_type == "GroupQueryAttention" and n.domain == "com.microsoft"]
+    if not attention:
         return
-    for kind in ("static", "ring"):
-        if kind in used:
-            graph.input.append(helper.make_tensor_value_info(TOTAL_LENGTH_INPUTS[kind], TensorProto.INT32, []))
+    graph.initializer.extend([
+        numpy_helper.from_array(np.array([1], np.int64), "mask_sum_axes"),
+        numpy_helper.from_array(np.array(1, np.int64), "mask_one"),
+    ])  # fmt: skip
+    lengths = [
+        helper.make_node("ReduceSum", ["attention_mask", "mask_sum_axes"], ["mask_sum"], name="mask_sum", keepdims=0),
+        helper.make_node("Sub", ["mask_sum", "mask_one"], ["mask_sum_minus_one"], name="mask_sum_minus_one"),
+        helper.make_node("Cast", ["mask_sum_minus_one"], ["seqlens_k"], name="seqlens_k", to=TensorProto.INT32),
+        helper.make_node("Shape", ["attention_mask"], ["mask_shape"], name="mask_shape"),
+        helper.make_node("Gather", ["mask_shape", "mask_one"], ["mask_width"], name="mask_width", axis=0),
+        helper.make_node("Cast", ["mask_width"], ["total_sequence_length"], name="total_sequence_length", to=TensorProto.INT32),
+    ]
+    for node in attention:
+        node.input[5], node.input[6] = "seqlens_k", "total_sequence_length"
+    nodes = [*lengths, *graph.node]
+    del graph.node[:]
+    graph.node.extend(nodes)
     prune(graph)
     onnx.save(model, str(path))

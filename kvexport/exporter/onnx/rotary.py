@@ -125,12 +125,11 @@ def rotary_as_kernel(model: torch.nn.Module):
             module.apply_rotary_pos_emb = original
 
 
-# After the export: a full-attention layer's two RotaryEmbedding nodes become its
-# GroupQueryAttention's own rotation (``do_rotary``), as onnxruntime-genai's models do. A static
-# layer's kernel derives each token's position from its lengths (``seqlens_k`` = P + T - 1) and
-# reads ``cos``/``sin`` tables indexed by position, so the tables get ``max_cache_len`` rows. A
-# ring layer's (a node with ``local_window_size``) lengths count rows of its ring buffer, not
-# positions: its rotations stay separate nodes.
+# After the export: each layer's two RotaryEmbedding nodes become its GroupQueryAttention's own
+# rotation (``do_rotary``), as onnxruntime-genai's models do. The kernel derives each token's
+# position from its lengths (``seqlens_k`` = P + T - 1; absolute positions on a sliding layer's
+# window-sized buffer too) and reads ``cos``/``sin`` tables indexed by position, so the tables get
+# ``max_cache_len`` rows.
 
 
 def fold_rotations_into_attention(path, max_cache_len: int) -> int:
@@ -146,8 +145,7 @@ def fold_rotations_into_attention(path, max_cache_len: int) -> int:
     ranks = {v.name: len(v.type.tensor_type.shape.dim) for v in [*graph.input, *graph.value_info] if v.type.tensor_type.HasField("shape")}
     folds = []  # (attention node, its query's and key's chains)
     for node in graph.node:
-        static_layer = all(a.name != "local_window_size" for a in node.attribute)
-        if node.op_type == "GroupQueryAttention" and node.domain == "com.microsoft" and static_layer:
+        if node.op_type == "GroupQueryAttention" and node.domain == "com.microsoft":
             chains = [_rotation_chain(producers, node.input[i]) for i in (0, 1)]
             if None not in chains and chains[0].input[2:4] == chains[1].input[2:4]:
                 folds.append((node, chains))
@@ -180,7 +178,11 @@ def fold_rotations_into_attention(path, max_cache_len: int) -> int:
     for node, chains in folds:
         for slot, rotation in zip((0, 1), chains):
             node.input[slot] = _sequence_first(rotation.input[0], producers, ranks, added.setdefault(node.name, []))
-        node.input.extend(tables[name] for name in chains[0].input[2:4])
+        cos_sin = [tables[name] for name in chains[0].input[2:4]]
+        if len(node.input) > 7:  # the node has later inputs (head_sink): cos and sin are its empty slots 7, 8
+            node.input[7], node.input[8] = cos_sin
+        else:
+            node.input.extend(cos_sin)
         node.attribute.append(helper.make_attribute("do_rotary", 1))
     if any(added.values()):
         graph.initializer.append(numpy_helper.from_array(np.array([0, 0, -1], np.int64), _FLAT_SHAPE))
@@ -253,7 +255,7 @@ def _evaluate(model, path, names: list[str], tokens: int, start: int = 0):
         if name in producers:
             stack.extend(i for i in producers[name].input if i)
     inputs = [v for v in graph.input if v.name in needed]
-    if {v.name for v in inputs} - {"tokens", "input_pos"}:
+    if {v.name for v in inputs} - {"input_ids", "attention_mask"}:
         return None
     constants = []
     for name in needed & set(initializers):
@@ -275,7 +277,7 @@ def _evaluate(model, path, names: list[str], tokens: int, start: int = 0):
             opset_imports=model.opset_import, ir_version=model.ir_version,
         )  # fmt: skip
         session = ort.InferenceSession(sub.SerializeToString(), providers=["CPUExecutionProvider"])
-        feeds = {"tokens": np.zeros((1, tokens), np.int64), "input_pos": np.array([start], np.int64)}
+        feeds = {"input_ids": np.zeros((1, tokens), np.int64), "attention_mask": np.ones((1, start + tokens), np.int64)}
         values |= dict(zip(computed, session.run(None, {v.name: feeds[v.name] for v in inputs})))
     return values
 

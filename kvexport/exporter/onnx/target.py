@@ -1,15 +1,17 @@
-"""ONNX target: ``model.onnx`` + ``model.onnx.data``, with the KV cache owned by the runtime.
+"""ONNX target: ``model.onnx`` + ``model.onnx.data`` + ``genai_config.json``, a folder that
+onnxruntime-genai loads as it is (``og.Model(folder)``) and kvexport's own runner runs too.
 
-ONNX graphs hold no mutable state, so the cache crosses the graph boundary (see
-``ExternalCacheDecoder``, ``onnx_attention``): each layer is one ``GroupQueryAttention`` node that
-takes the runtime's whole buffer and returns it with the call's rows written (in place when both
-are bound to the same memory); a sliding layer's buffer has ``2 * window`` rows, which the runtime
-keeps contiguous in positions, and the node reads only the window.
+ONNX graphs hold no mutable state, so the cache crosses the graph boundary in onnxruntime-genai's
+convention (see ``ExternalCacheDecoder``, ``attention``): ``input_ids``, an ``attention_mask`` of
+ones whose width is the positions so far, and per layer a key and a value buffer that the runtime
+allocates and binds as both past and present; each layer is one ``GroupQueryAttention`` node,
+a sliding layer's over a window-sized buffer that the kernel itself keeps.
 ``kvexport.json``'s ``interface`` says how, for any runtime.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -19,7 +21,7 @@ from ...errors import UnsupportedModelError
 from ..quantization import Quantization
 from ..targets import ProgramSpec
 from .attention import ONNX_TRANSLATIONS as ATTENTION_TRANSLATIONS
-from .attention import lengths_as_inputs
+from .attention import lengths_from_mask
 from .decoder import ExternalCacheDecoder, export_external_cache_decoder
 from .quantize import ACCURACY_LEVEL, BLOCK, FINE_BLOCK, table_block
 from .rotary import ONNX_TRANSLATIONS as ROTARY_TRANSLATIONS
@@ -30,15 +32,20 @@ PROGRAM_FILE = "model.onnx"
 # cannot hold more than 2 GB.
 DATA_FILE = "model.onnx.data"
 SUPPORTED_DTYPES = ("float32", "float16")
-RUNTIME_PACKAGES = ("onnx", "onnxruntime", "onnxscript")
+RUNTIME_PACKAGES = ("onnx", "onnxruntime", "onnxscript", "onnxruntime_genai")
 # --quantize applies to the written graph.
 QUANTIZES_MODULE = False
-# A sliding layer's buffer has 2 * window rows, kept contiguous in positions (see interface).
-RING_WINDOWS = 2
+# A sliding layer's buffer has window rows (onnxruntime-genai adds a slack of its own).
+RING_WINDOWS = 1
+GENAI_CONFIG = "genai_config.json"
 
 # Symbolic dimensions of the graph's inputs and outputs.
 SYMBOLS = {
-    "T": "tokens in this call: 1 <= T <= max_tokens_per_call, and input_pos[0] + T <= max_cache_len",
+    "T": "tokens in this call: 1 <= T <= max_tokens_per_call",
+    "total": "positions so far, this call's included: P + T <= max_cache_len",
+    "cache_rows": "rows of a full-attention layer's buffer: at least P + T (kvexport's runner: max_cache_len; "
+    "onnxruntime-genai: the generation's max_length)",
+    "window_rows": "rows of a sliding layer's buffer: at least its window (kvexport's runner: the window)",
 }
 
 
@@ -51,23 +58,27 @@ def export(model: torch.nn.Module, max_cache_len: int, max_tokens_per_call: int)
     is the interface's limit, which runners keep to (``interface``)."""
     decoder = ExternalCacheDecoder(model, max_cache_len)
     windows = {layer.window for layer in decoder.caches if layer.window}
-    if len(windows) > 1:  # one ring_start serves every ring
+    if len(windows) > 1:  # genai_config.json has one sliding_window section
         raise UnsupportedModelError(
             f"sliding layers with different windows ({sorted(windows)}): the ONNX target supports one window per model"
         )
+    if len({(spec.kv_heads, spec.head_dim) for spec in decoder.specs}) > 1:  # genai_config.json has one of each
+        raise UnsupportedModelError("layers with different KV head counts or head sizes: the ONNX target needs one of each")
     with rotary_as_kernel(decoder.model):
         return export_external_cache_decoder(decoder)
 
 
+# onnxruntime-genai's names (genai_config.json's inputs / outputs templates).
+PAST, PRESENT = "past_key_values.{index}.{kv}", "present.{index}.{kv}"
+
+
 def io_names(layers: list[dict]) -> tuple[list[str], list[str]]:
     """Graph input and output names, in ``ExternalCacheDecoder.forward``'s order."""
-    inputs, outputs = ["tokens", "input_pos"], ["logits"]
-    if any(layer["cache"] == "ring" for layer in layers):
-        inputs.append("ring_start")
+    inputs, outputs = ["input_ids", "attention_mask"], ["logits"]
     for layer in layers:
         for kv in ("key", "value"):
-            inputs.append(f"past_{kv}_{layer['index']}")
-            outputs.append(f"present_{kv}_{layer['index']}")
+            inputs.append(PAST.format(index=layer["index"], kv=kv))
+            outputs.append(PRESENT.format(index=layer["index"], kv=kv))
     return inputs, outputs
 
 
@@ -92,21 +103,66 @@ def lower(program: torch.export.ExportedProgram, spec: ProgramSpec, out_dir: Pat
     )
     if spec.dtype == "float32":
         _fuse_norms(onnx_program.model)
-    _tidy(onnx_program.model)
+    _tidy(onnx_program.model, spec.layers)
     _drop_identity_reshapes(onnx_program.model)
     path = out_dir / PROGRAM_FILE
     onnx_program.save(path, external_data=True)
     del onnx_program
+    lengths_from_mask(path)
     fold_rotations_into_attention(path, spec.max_cache_len)
-    lengths_as_inputs(path)
     _check(path)
     graph = onnx.load(str(path), load_external_data=False)
+    (out_dir / GENAI_CONFIG).write_text(json.dumps(genai_config(spec), indent=2) + "\n")
     return {
         "program": PROGRAM_FILE,
         "external_data": DATA_FILE,
+        "genai_config": GENAI_CONFIG,
         "opset": _opset(graph),
         "interface": interface(graph, spec),
     }
+
+
+def genai_config(spec: ProgramSpec) -> dict:
+    """onnxruntime-genai's description of the folder: the graph's names, the cache's shape, and
+    greedy search to ``max_cache_len``. Its sliding layers get window-sized buffers it never slides
+    itself (the kernel evicts), and ``past_present_share_buffer`` binds each present to its past."""
+    layers = spec.layers
+    sliding = [layer["index"] for layer in layers if layer["cache"] == "ring"]
+    eos = spec.eos_token_ids or [-1]  # -1: no end-of-sequence token
+    decoder = {
+        "session_options": {"log_id": "onnxruntime-genai", "provider_options": []},
+        "filename": PROGRAM_FILE,
+        "head_size": layers[0]["head_dim"],
+        "hidden_size": spec.hidden_size,
+        "inputs": {"input_ids": "input_ids", "attention_mask": "attention_mask",
+                   "past_key_names": PAST.format(index="%d", kv="key"), "past_value_names": PAST.format(index="%d", kv="value")},
+        "outputs": {"logits": "logits",
+                    "present_key_names": PRESENT.format(index="%d", kv="key"), "present_value_names": PRESENT.format(index="%d", kv="value")},
+        "num_attention_heads": spec.num_attention_heads,
+        "num_hidden_layers": len(layers),
+        "num_key_value_heads": layers[0]["kv_heads"],
+    }  # fmt: skip
+    if sliding:
+        window = next(layer["window"] for layer in layers if layer["cache"] == "ring")
+        decoder["sliding_window"] = {"window_size": window, "layers": sliding,
+                                     "slide_key_value_cache": False, "slide_inputs": False}  # fmt: skip
+    return {
+        "model": {
+            "bos_token_id": spec.bos_token_id if spec.bos_token_id is not None else eos[0],
+            "eos_token_id": eos if len(eos) > 1 else eos[0],
+            "pad_token_id": eos[0],
+            "context_length": spec.max_cache_len,
+            "vocab_size": spec.vocab_size,
+            "type": "decoder",
+            "decoder": decoder,
+        },
+        "search": {
+            "do_sample": False, "num_beams": 1, "num_return_sequences": 1, "top_k": 1, "top_p": 1.0,
+            "temperature": 1.0, "repetition_penalty": 1.0, "length_penalty": 1.0, "diversity_penalty": 0.0,
+            "no_repeat_ngram_size": 0, "early_stopping": True, "min_length": 0,
+            "max_length": spec.max_cache_len, "past_present_share_buffer": True,
+        },
+    }  # fmt: skip
 
 
 def quantize_files(out_dir: Path, spec: ProgramSpec, quantization: Quantization) -> dict:
@@ -216,13 +272,18 @@ def _check(path: Path) -> None:
         raise UnsupportedModelError(f"the exported ONNX model does not pass onnx.checker ({first}); nothing was written")
 
 
-def _tidy(model) -> None:
-    """Rename the exporter's symbol for the call's length (``s27``, ``s27 + 6``, ...) to ``T``
-    everywhere in the graph, and drop the export's stack traces from the nodes."""
+def _tidy(model, layers: list[dict]) -> None:
+    """Rename the exporter's symbols (``s27``, ``s27 + 6``, ...) everywhere in the graph: the
+    call's length to ``T``, the mask's width to ``total``, a sliding buffer's rows to
+    ``window_rows``; and drop the export's stack traces from the nodes."""
     import onnx_ir as ir
 
     inputs = {v.name: v for v in model.graph.inputs}
-    names = {str(inputs["tokens"].shape[1]): "T"}
+    names = {str(inputs["input_ids"].shape[1]): "T", str(inputs["attention_mask"].shape[1]): "total"}
+    rings = {layer["index"] for layer in layers if layer["cache"] == "ring"}
+    for value in model.graph.inputs:
+        if (match := _CACHE_NAME.fullmatch(value.name)) and isinstance(value.shape[2], ir.SymbolicDim):
+            names[str(value.shape[2])] = "window_rows" if int(match.group(2)) in rings else "cache_rows"
     pattern = re.compile(r"\b(" + "|".join(map(re.escape, names)) + r")\b")
 
     def rename(dim):
@@ -266,63 +327,53 @@ def _drop_identity_reshapes(model) -> int:
 
 
 _ONNX_DTYPES = {1: "float32", 10: "float16", 16: "bfloat16", 7: "int64", 6: "int32"}
+_CACHE_NAME = re.compile(r"(past_key_values|present)\.(\d+)\.(key|value)")
 
 
 def _describe(value, layers_by_index: dict) -> dict:
     dims = [d.dim_param or d.dim_value for d in value.type.tensor_type.shape.dim]
     entry = {"name": value.name, "dtype": _ONNX_DTYPES[value.type.tensor_type.elem_type], "shape": dims}
-    match = re.fullmatch(r"(past|present)_(key|value)_(\d+)", value.name)
-    if value.name == "tokens":
+    match = _CACHE_NAME.fullmatch(value.name)
+    if value.name == "input_ids":
         entry["meaning"] = "token ids of this call"
-    elif value.name == "input_pos":
-        entry["meaning"] = "position of tokens[0, 0] = P, the positions already in the cache (0 starts a sequence)"
-    elif value.name == "ring_start":
-        entry["meaning"] = "row of every sliding layer's buffer that takes tokens[0, 0] (see cache.ring)"
-    elif value.name == "total_length":
-        entry["meaning"] = "input_pos[0] + T, in host memory: the full-attention kernels' total_sequence_length"
-    elif value.name == "ring_total_length":
-        entry["meaning"] = "ring_start[0] + T, in host memory: the sliding kernels' total_sequence_length"
+    elif value.name == "attention_mask":
+        entry["meaning"] = "ones, one per position so far (P + T): its width tells the graph where the call starts"
     elif value.name == "logits":
         entry["meaning"] = "logits of the call's last position"
     elif match:
-        kind, kv, index = match.group(1), match.group(2), int(match.group(3))
+        kind, index, kv = match.group(1), int(match.group(2)), match.group(3)
         layer = layers_by_index[index]
         entry["layer"] = index
-        if layer["cache"] == "static" and kind == "past":
+        if kind == "past" and layer["cache"] == "static":
             entry["meaning"] = f"the layer's whole {kv} buffer (rows 0 .. P-1 filled)"
-        elif layer["cache"] == "static":
-            entry["meaning"] = f"the {kv} buffer with rows P .. P+T-1 written: bind it to the past's memory"
         elif kind == "past":
-            entry["meaning"] = f"the layer's whole {kv} ring buffer ({layer['slots']} rows, see cache.ring)"
+            entry["meaning"] = f"the layer's whole {kv} window buffer (the newest min(P, rows) positions from row 0)"
         else:
-            entry["meaning"] = f"the {kv} ring buffer with rows ring_start .. ring_start+T-1 written: bind it to the past's memory"
+            entry["meaning"] = f"the {kv} buffer with this call written: bind it to the past's memory"
     return entry
 
 
 def interface(graph, spec: ProgramSpec) -> dict:
     """The graph's inputs and outputs, and how a runtime drives the cache: enough for any runtime."""
     layers_by_index = {layer["index"]: layer for layer in spec.layers}
-    windows = [layer["window"] for layer in spec.layers if layer["cache"] == "ring"]
     return {
         "inputs": [_describe(v, layers_by_index) for v in graph.graph.input],
         "outputs": [_describe(v, layers_by_index) for v in graph.graph.output],
         "symbols": SYMBOLS,
         "calls": "contiguous: each call starts where the previous one ended; start at 0 for a new sequence",
-        # --prefill-chunk; and a ring buffer has 2W rows and a call may start at row W - 1: W more rows fit.
-        "max_tokens_per_call": min([spec.max_tokens_per_call, *windows]),
+        # --prefill-chunk: kvexport's runner splits a longer prompt; the graph itself takes any T.
+        "max_tokens_per_call": spec.max_tokens_per_call,
+        "convention": f"onnxruntime-genai's ({GENAI_CONFIG}): past_present_share_buffer, sliding layers "
+        "with slide_key_value_cache false",
         "cache": {
-            "owner": "the runtime: per layer, a key and a value buffer allocated once and filled with zeros "
-            "(a masked slot still enters attention with weight 0, so it must hold finite numbers)",
-            "layout": "static: [1, kv_heads, max_cache_len, head_dim]; ring: [1, kv_heads, 2 * window, head_dim] "
+            "owner": "the runtime: per layer, a key and a value buffer allocated once and filled with zeros",
+            "layout": "static: [1, kv_heads, cache_rows, head_dim]; ring: [1, kv_heads, window_rows, head_dim] "
             "(head-major, ONNX Runtime's GroupQueryAttention)",
-            "static": "past = the whole buffer; present = the same buffer with rows P .. P+T-1 written "
-            "(ONNX Runtime's GroupQueryAttention): bind present to the past's memory and it is written in place, "
-            "reading rows 0 .. P+T-1 only; a runtime that does not alias them passes present as the next past",
-            "ring": "the same, with the call's rows at ring_start .. ring_start+T-1 and the node reading only the "
-            "window: rows ring_start-window+1 .. ring_start-1 must hold positions P-window+1 .. P-1. The runtime "
-            "keeps R, the rows in use: R = 0 when P = 0; before a call with R + T > 2 * window, it moves rows "
-            "R-window+1 .. R-1 to 0 .. window-2 in every ring buffer and sets R = window - 1; it passes "
-            "ring_start = R and adds T after the call",
-            "new_sequence": "call with input_pos 0 (and ring_start 0): nothing needs clearing, attention ignores older contents",
+            "static": "past = the whole buffer; present = the same buffer with rows P .. P+T-1 written: bind present "
+            "to the past's memory and it is written in place, reading rows 0 .. P+T-1 only; a runtime that does "
+            "not alias them passes present as the next past",
+            "ring": "the same binding; GroupQueryAttention with sliding_window_cache keeps the newest positions in "
+            "order from row 0 and evicts the oldest itself: the runtime never moves a row",
+            "new_sequence": "call with an attention_mask of width T (P = 0): nothing needs clearing",
         },
     }

@@ -55,49 +55,73 @@ def test_folder_layout_and_manifest_describe_the_graph(artifact):
         assert [(e["name"], e["shape"]) for e in described] == [(v.name, dims(v)) for v in actual]
         assert all(e["meaning"] for e in described)
     by_name = {e["name"]: e for e in interface["inputs"] + interface["outputs"]}
-    assert by_name["tokens"]["shape"] == [1, "T"] and by_name["input_pos"]["shape"] == [1]
-    assert (by_name["ring_start"]["dtype"], by_name["ring_start"]["shape"]) == ("int64", [1])
-    for total in ("total_length", "ring_total_length"):  # in host memory, for onnxruntime-gpu
-        assert (by_name[total]["dtype"], by_name[total]["shape"]) == ("int32", [])
-    assert (by_name["logits"]["dtype"], by_name["logits"]["shape"]) == ("float32", [1, manifest["vocab_size"]])
+    # onnxruntime-genai's interface: its input names, an attention mask as wide as the positions so far.
+    assert (by_name["input_ids"]["dtype"], by_name["input_ids"]["shape"]) == ("int64", [1, "T"])
+    assert (by_name["attention_mask"]["dtype"], by_name["attention_mask"]["shape"]) == ("int64", [1, "total"])
+    assert (by_name["logits"]["dtype"], by_name["logits"]["shape"]) == ("float32", [1, 1, manifest["vocab_size"]])
     for layer in manifest["layers"]:
         i, heads, dim = layer["index"], layer["kv_heads"], layer["head_dim"]
+        # Head-major whole buffers in and out (GroupQueryAttention), as many rows as the runtime gives:
+        # kvexport's runner max_cache_len for a full layer and the window for a sliding one.
+        rows = "window_rows" if layer["cache"] == "ring" else "cache_rows"
+        assert layer["slots"] == (layer["window"] if layer["cache"] == "ring" else TEST_CACHE_LEN)
         for kv in ("key", "value"):
-            # Head-major whole buffers in and out (GroupQueryAttention): 2W rows for a ring.
-            rows = 2 * layer["window"] if layer["cache"] == "ring" else TEST_CACHE_LEN
-            assert layer["slots"] == rows
-            assert by_name[f"past_{kv}_{i}"]["shape"] == by_name[f"present_{kv}_{i}"]["shape"] == [1, heads, rows, dim]
+            past, present = by_name[f"past_key_values.{i}.{kv}"], by_name[f"present.{i}.{kv}"]
+            assert past["shape"] == present["shape"] == [1, heads, rows, dim]
     assert [layer["cache"] for layer in manifest["layers"]] == ["ring", "ring", "ring", "static"]
-    assert interface["max_tokens_per_call"] == manifest["layers"][0]["window"]
-    assert set(interface["symbols"]) == {"T"}
+    assert manifest["kv_cache_bytes"] == sum(2 * 4 * layer["kv_heads"] * layer["slots"] * layer["head_dim"] for layer in manifest["layers"])
+    assert interface["max_tokens_per_call"] == manifest["interface"]["max_tokens_per_call"] == TEST_CACHE_LEN
+    assert set(interface["symbols"]) == {"T", "total", "cache_rows", "window_rows"}
     assert {"layout", "static", "ring"} <= set(interface["cache"])
+
+
+def test_genai_config_describes_the_folder(artifact):
+    """What onnxruntime-genai reads: the graph's names, the heads, the sliding layers with buffers it
+    never slides itself, past and present sharing one buffer, the cache's length."""
+    folder = artifact("tiny-gemma3", "onnx")
+    manifest = read_manifest(folder)
+    assert manifest["genai_config"] == "genai_config.json" and "genai_config.json" in manifest["files"]
+    config = json.loads((folder / "genai_config.json").read_text())
+    decoder = config["model"]["decoder"]
+    tiny = preset_config("tiny-gemma3")
+    assert decoder["filename"] == "model.onnx"
+    assert (decoder["num_hidden_layers"], decoder["num_attention_heads"], decoder["num_key_value_heads"], decoder["head_size"],
+            decoder["hidden_size"]) == (4, tiny.num_attention_heads, 1, 16, tiny.hidden_size)
+    assert decoder["inputs"]["past_key_names"] % 3 == "past_key_values.3.key"
+    assert decoder["outputs"]["present_value_names"] % 0 == "present.0.value"
+    assert decoder["sliding_window"] == {"window_size": 6, "layers": [0, 1, 2], "slide_key_value_cache": False,
+                                         "slide_inputs": False}
+    assert config["model"]["context_length"] == config["search"]["max_length"] == TEST_CACHE_LEN
+    assert config["search"]["past_present_share_buffer"] is True
+    assert (config["model"]["bos_token_id"], config["model"]["eos_token_id"]) == (manifest["bos_token_id"], *manifest["eos_token_ids"])
 
 
 def test_every_layer_attends_with_one_group_query_attention_node(artifact):
     """Each node takes and returns the graph's cache buffers directly (so a runner binding present
-    to past's memory gets rows written in place); a static layer's rotates its own query and key,
-    a ring's has the window as its local_window_size, its query and key already rotated."""
-    folder = artifact("tiny-gemma3", "onnx")  # layers 0-2: rings; layer 3: static
+    to past's memory gets rows written in place), reads its lengths from the attention mask as
+    onnxruntime-genai's builder writes them, and rotates its own query and key; a sliding layer's
+    has the window as its local_window_size and keeps its window-sized buffer itself."""
+    folder = artifact("tiny-gemma3", "onnx")  # layers 0-2: sliding; layer 3: full
     graph = onnx.load(str(folder / "model.onnx"), load_external_data=False).graph
     nodes = [n for n in graph.node if n.op_type == "GroupQueryAttention"]
     layers = read_manifest(folder)["layers"]
     heads = preset_config("tiny-gemma3").num_attention_heads
+    producers = {out: node for node in graph.node for out in node.output}
     assert len(nodes) == len(layers) and all(n.domain == "com.microsoft" for n in nodes)
     for node, layer in zip(nodes, layers):
         i = layer["index"]
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
         assert (attrs["num_heads"], attrs["kv_num_heads"]) == (heads, layer["kv_heads"])
-        assert list(node.input[3:5]) == [f"past_key_{i}", f"past_value_{i}"]
-        # total_sequence_length straight from a graph input: ONNX Runtime's CUDA kernel reads it
-        # from host memory, and computed on the GPU it arrived wrong there (see lengths_as_inputs).
-        assert node.input[6] == ("total_length" if layer["cache"] == "static" else "ring_total_length")
-        assert list(node.output[1:]) == [f"present_key_{i}", f"present_value_{i}"]
+        assert list(node.input[3:5]) == [f"past_key_values.{i}.key", f"past_key_values.{i}.value"]
+        assert list(node.output[1:]) == [f"present.{i}.key", f"present.{i}.value"]
+        seqlens, total = producers[node.input[5]], producers[node.input[6]]
+        assert producers[producers[seqlens.input[0]].input[0]].op_type == "ReduceSum"
+        assert producers[producers[total.input[0]].input[0]].op_type == "Shape"
+        assert len(node.input) == 9 and attrs["do_rotary"] == 1  # then its own cos/sin tables
         if layer["cache"] == "static":
-            assert len(node.input) == 9 and attrs["do_rotary"] == 1  # then its own cos/sin tables
-            assert "local_window_size" not in attrs
+            assert "local_window_size" not in attrs and "sliding_window_cache" not in attrs
         else:
-            assert len(node.input) == 7 and attrs["local_window_size"] == layer["window"]
-            assert "do_rotary" not in attrs
+            assert (attrs["local_window_size"], attrs["sliding_window_cache"]) == (layer["window"], 1)
 
 
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-gemma3"])
@@ -130,18 +154,16 @@ def _op_counts(folder) -> collections.Counter:
 @pytest.mark.parametrize("name, norms", [("tiny-llama", 2 * 4 + 1), ("tiny-gemma3", 6 * 4 + 1)])
 def test_norms_and_rotations_are_onnx_runtime_kernels(artifact, name, norms):
     """Every RMS norm is one (Skip)SimplifiedLayerNormalization node (Gemma 3: four per layer plus
-    the per-head q/k norms; then the final one); a full-attention layer's GroupQueryAttention
-    rotates its own query and key, and a ring layer rotates with one RotaryEmbedding node each."""
+    the per-head q/k norms; then the final one); every layer's GroupQueryAttention rotates its own
+    query and key, a sliding layer's too (its kernel counts positions, not rows)."""
     folder = artifact(name, "onnx")
     ops = _op_counts(folder)
     assert ops["SimplifiedLayerNormalization"] + ops["SkipSimplifiedLayerNormalization"] == norms
     assert ops["Pow"] == 0 and ops["Neg"] == 0  # no norm or rotate_half left as loose ops
-    layers = read_manifest(folder)["layers"]
-    rings = sum(layer["cache"] == "ring" for layer in layers)
-    assert ops["RotaryEmbedding"] == 2 * rings
+    assert ops["RotaryEmbedding"] == 0
     graph = onnx.load(str(folder / "model.onnx"), load_external_data=False).graph
     rotating = [n for n in graph.node if n.op_type == "GroupQueryAttention" and _attributes(n).get("do_rotary") == 1]
-    assert len(rotating) == len(layers) - rings
+    assert len(rotating) == len(read_manifest(folder)["layers"])
 
 
 @pytest.mark.parametrize("name, layer_type", [("tiny-llama", None), ("tiny-gemma3", "full_attention")])
@@ -162,7 +184,8 @@ def test_rotating_attention_reads_transformers_rotary_tables(artifact, name, lay
         cos, sin = model.model.rotary_emb(x, positions, *([layer_type] if layer_type else []))
     half = cos.shape[-1] // 2
     for node in graph.node:
-        if node.op_type == "GroupQueryAttention" and _attributes(node).get("do_rotary") == 1:
+        full = "local_window_size" not in _attributes(node)
+        if node.op_type == "GroupQueryAttention" and _attributes(node).get("do_rotary") == 1 and full:
             got_cos, got_sin = tables[node.input[7]], tables[node.input[8]]
             assert got_cos.shape == (TEST_CACHE_LEN, half)
             np.testing.assert_allclose(got_cos, cos[0, :, :half].numpy(), atol=1e-6, rtol=0)
@@ -173,32 +196,22 @@ def _attributes(node) -> dict:
     return {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
 
 
-def test_a_ring_with_one_kv_head_matches_eager_past_the_window(tmp_path):
-    """Gemma 3 270M has one kv head (the tiny presets have two): its ring buffers go to
-    GroupQueryAttention as they are, and the artifact still matches eager past the window."""
-    from kvexport.exporter.pipeline import ExportOptions, export_model
-    from kvexport.models.presets import PRESETS, build_tiny, tiny_config
-    from kvexport.progress import Progress
-
-    model_type, overrides = PRESETS["tiny-gemma3"]
-    model, tokenizer = build_tiny(tiny_config(model_type, {**overrides, "num_key_value_heads": 1}))
-    model.save_pretrained(tmp_path / "hf")
-    tokenizer.save_pretrained(tmp_path / "hf")
-    folder = tmp_path / "onnx"
-    export_model(ExportOptions(str(tmp_path / "hf"), "onnx", folder, TEST_CACHE_LEN), Progress(quiet=True))
-
+def test_a_sliding_buffer_goes_to_group_query_attention_as_it_is(artifact):
+    """tiny-gemma3 has one KV head, as Gemma 3 270M: each sliding layer's buffer is read by its
+    GroupQueryAttention node alone (its parity past the window: the first test)."""
+    folder = artifact("tiny-gemma3", "onnx")
     graph = onnx.load(str(folder / "model.onnx"), load_external_data=False).graph
-    rings = [f"past_{kv}_{layer['index']}" for layer in read_manifest(folder)["layers"] if layer["cache"] == "ring" for kv in ("key", "value")]
+    layers = read_manifest(folder)["layers"]
+    rings = [f"past_key_values.{layer['index']}.{kv}" for layer in layers if layer["cache"] == "ring" for kv in ("key", "value")]
     readers = {name: [n.op_type for n in graph.node if name in n.input] for name in rings}
     assert rings and all(ops == ["GroupQueryAttention"] for ops in readers.values()), readers
-    ids = tokenizer(PROMPT).input_ids
-    got = greedy_with(load_program(folder).forward, ids, NEW_TOKENS)
-    assert_generation_matches(got, eager_reference(model, ids, NEW_TOKENS), FP32_LOGIT_ATOL, "one kv head")
+    assert {layer["kv_heads"] for layer in layers} == {1}
 
 
 def test_prefill_chunk_below_the_window_limits_each_call(tmp_path, artifact, monkeypatch):
-    """ONNX Runtime sizes memory per call, so --prefill-chunk is the interface's limit (with the
-    window's): the runner prefills in calls of at most that many tokens, with eager's result."""
+    """ONNX Runtime sizes memory per call, so --prefill-chunk is the interface's limit: the runner
+    prefills in calls of at most that many tokens, with eager's result; without it a call may be
+    longer than the window."""
     from kvexport.exporter.pipeline import ExportOptions, export_model
     from kvexport.progress import Progress
     from kvexport.runtime.onnx_program import OnnxProgram
@@ -206,8 +219,7 @@ def test_prefill_chunk_below_the_window_limits_each_call(tmp_path, artifact, mon
     folder = tmp_path / "chunk4"
     export_model(ExportOptions("tiny-gemma3", "onnx", folder, TEST_CACHE_LEN, prefill_chunk=4), Progress(quiet=True))
     assert read_manifest(folder)["interface"]["max_tokens_per_call"] == 4
-    window = read_manifest(folder)["layers"][0]["window"]
-    assert read_manifest(artifact("tiny-gemma3", "onnx"))["interface"]["max_tokens_per_call"] == window == 6
+    assert read_manifest(artifact("tiny-gemma3", "onnx"))["interface"]["max_tokens_per_call"] == TEST_CACHE_LEN
 
     calls = []
     original = OnnxProgram._call
@@ -220,15 +232,27 @@ def test_prefill_chunk_below_the_window_limits_each_call(tmp_path, artifact, mon
 
 
 def test_a_family_with_its_own_rotation_exports_it_as_is(artifact):
-    # GPT-OSS rotates with its own function: the swap leaves it alone (its parity is the test above).
-    assert _op_counts(artifact("tiny-gpt-oss", "onnx"))["RotaryEmbedding"] == 0
+    # GPT-OSS rotates with its own function: the swap leaves it alone (its parity is the first test).
+    graph = onnx.load(str(artifact("tiny-gpt-oss", "onnx") / "model.onnx"), load_external_data=False).graph
+    assert not any(n.op_type == "RotaryEmbedding" for n in graph.node)
+    assert not any(_attributes(n).get("do_rotary") for n in graph.node if n.op_type == "GroupQueryAttention")
 
 
-def test_soft_capped_attention_falls_back_to_the_family_attention(artifact):
-    # Gemma 2 soft-caps its attention scores, which GroupQueryAttention is not asked to do here.
-    graph = onnx.load(str(artifact("tiny-gemma2", "onnx") / "model.onnx"), load_external_data=False).graph
-    assert not any(n.op_type == "GroupQueryAttention" for n in graph.node)
-    assert any(n.op_type == "Tanh" for n in graph.node)
+@pytest.mark.parametrize("name, attribute, input_slot", [("tiny-gemma2", "softcap", None), ("tiny-gpt-oss", None, 11)])
+def test_soft_capping_and_sinks_are_the_kernel_s_own(artifact, name, attribute, input_slot):
+    """Gemma 2's soft-capped scores are GroupQueryAttention's ``softcap``, gpt-oss's attention
+    sinks its ``head_sink`` input: every layer one node, the only one that reads its cache."""
+    graph = onnx.load(str(artifact(name, "onnx") / "model.onnx"), load_external_data=False).graph
+    nodes = [n for n in graph.node if n.op_type == "GroupQueryAttention"]
+    assert len(nodes) == 4
+    pasts = {v.name for v in graph.input if v.name.startswith("past_key_values.")}
+    assert {n.op_type for n in graph.node if pasts & set(n.input)} == {"GroupQueryAttention"}
+    # One Tanh left in Gemma 2: its final logits' soft-cap, after the last layer.
+    assert sum(n.op_type == "Tanh" for n in graph.node) == (1 if name == "tiny-gemma2" else 0)
+    if attribute:
+        assert all(_attributes(n)[attribute] == preset_config(name).attn_logit_softcapping for n in nodes)
+    if input_slot:
+        assert all(len(n.input) > input_slot and n.input[input_slot] for n in nodes)
 
 
 def test_float16_export_is_within_the_float16_tolerance(tmp_path, capsys):

@@ -1,0 +1,67 @@
+"""What both ONNX runners (kvexport's, onnxruntime-genai's) check, beyond what ``read_manifest``
+does: an artifact's ``genai_config.json`` against its ``kvexport.json`` (the graph leaves each cache
+buffer's rows to the runtime, so what sizes them is checked against the config written with the
+graph, which onnxruntime-genai sizes them from), what the GPU takes, and each call."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ..artifact.manifest import program_mismatch, read_listed_file
+from ..errors import ArtifactError, InvalidOptionError, PromptTooLongError
+
+
+def check_call(tokens: list[int], start: int, next_start: int, max_cache_len: int) -> None:
+    """A call an external-cache runner takes: some tokens, inside the cache, where the sequence is
+    (or at 0, a new one)."""
+    end = start + len(tokens)
+    if not tokens:
+        raise InvalidOptionError("forward needs at least one token")
+    if end > max_cache_len:
+        raise PromptTooLongError(f"positions {start}..{end - 1} do not fit in the artifact's max_cache_len {max_cache_len}")
+    if start not in (0, next_start):
+        raise InvalidOptionError(
+            f"calls must be contiguous: this one starts at {start}, the sequence is at {next_start} "
+            "(start at 0 for a new sequence)"
+        )
+
+
+GPU_HINT = "install onnxruntime-gpu (pip install 'kvexport[gpu]') on a machine with an NVIDIA GPU, or use --device cpu"
+
+
+def check_runs_on_cuda(manifest: dict) -> None:
+    """What onnxruntime-gpu 1.31 gets wrong on CUDA (docs/onnx.md), refused before it runs."""
+    if manifest["dtype"] != "float16":
+        # Its CUDA GroupQueryAttention takes float16 (and bfloat16) only: a float32 graph's
+        # attention runs on the CPU provider, with copies across, and every step after the first
+        # reads a wrong cache.
+        raise InvalidOptionError(
+            f"--device cuda runs float16 ONNX artifacts; this one is {manifest['dtype']}: "
+            "export it with --dtype float16 for the GPU, or run it with --device cpu"
+        )
+
+
+def check_against_genai_config(folder: Path, manifest: dict) -> None:
+    """Refuse a manifest whose cache disagrees with the config (the graph's rotary tables have
+    ``context_length`` rows), or a config that is not onnxruntime-genai's, in one line."""
+    name = manifest["genai_config"]
+    try:
+        config = json.loads(read_listed_file(folder, manifest, name))
+        context, decoder = config["model"]["context_length"], config["model"]["decoder"]
+        sliding = decoder.get("sliding_window") or {}
+        facts = [
+            ("max_cache_len", manifest["max_cache_len"], context, "context_length"),
+            ("KV heads", sorted({layer["kv_heads"] for layer in manifest["layers"]}), [decoder["num_key_value_heads"]],
+             "num_key_value_heads"),
+            ("head_dim", sorted({layer["head_dim"] for layer in manifest["layers"]}), [decoder["head_size"]], "head_size"),
+            ("the sliding layers", [layer["index"] for layer in manifest["layers"] if layer["cache"] == "ring"],
+             sliding.get("layers", []), "sliding_window.layers"),
+            ("windows", sorted({layer["window"] for layer in manifest["layers"] if layer["cache"] == "ring"}),
+             [sliding["window_size"]] if sliding else [], "sliding_window.window_size"),
+        ]
+    except (TypeError, ValueError, KeyError, AttributeError) as e:  # not JSON, or not genai's layout
+        raise ArtifactError(f"{folder / name} is not an onnxruntime-genai config ({type(e).__name__}); re-run kvexport export")
+    for what, says, has, field in facts:
+        if says != has:
+            raise program_mismatch(what, says, f"{has} ({name}'s {field})")

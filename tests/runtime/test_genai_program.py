@@ -1,0 +1,92 @@
+"""ONNX artifacts in onnxruntime-genai, the stock runtime: ``og.Model`` on the folder as it is,
+against eager transformers for every preset; ``--runner genai`` in run, check and the device runner."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from kvexport.models.presets import build_preset
+from kvexport.runtime.programs import load_program
+
+from tests.conftest import NEW_TOKENS, PROMPT, TEST_CACHE_LEN
+from tests.helpers import FP32_LOGIT_ATOL, assert_generation_matches, eager_reference, genai_greedy, greedy_with
+from tests.runtime.test_onnx_program import _WITHOUT_TORCH
+from tests.test_cli import assert_one_line_error, run_cli
+
+
+def test_genai_matches_eager_past_the_window(tiny, artifact):
+    """Every preset (windows of 6, a 44-token prompt and 16 new tokens), Gemma 2's soft-capping
+    and gpt-oss's sinks included, through genai's own cache and calls."""
+    name, model, tokenizer = tiny
+    ids = tokenizer(PROMPT).input_ids
+    program = load_program(artifact(name, "onnx"), runner="genai")
+    got = greedy_with(program.forward, ids, NEW_TOKENS)
+    assert_generation_matches(got, eager_reference(model, ids, NEW_TOKENS), FP32_LOGIT_ATOL, f"{name} in genai")
+
+
+def test_genai_s_own_greedy_search_gives_eager_s_tokens(artifact):
+    """What an app does: genai's generator picks the tokens itself (no kvexport code in the loop),
+    to the cache's last position."""
+    model, tokenizer = build_preset("tiny-gemma3")
+    ids = tokenizer(PROMPT).input_ids
+    new = TEST_CACHE_LEN - len(ids)
+    expected, _ = eager_reference(model, ids, new)
+    assert genai_greedy(artifact("tiny-gemma3", "onnx"), ids, new) == expected
+
+
+def test_a_new_sequence_and_chunks_in_genai(artifact):
+    model, tokenizer = build_preset("tiny-mistral")
+    program = load_program(artifact("tiny-mistral", "onnx"), runner="genai")
+    greedy_with(program.forward, tokenizer("something else entirely, and long").input_ids, 10)
+    ids = tokenizer(PROMPT).input_ids
+    got = greedy_with(program.forward, ids, NEW_TOKENS, chunks=[3, 7, 11, 23])
+    assert_generation_matches(got, eager_reference(model, ids, NEW_TOKENS), FP32_LOGIT_ATOL, "chunks after another sequence")
+
+
+def test_run_and_check_with_runner_genai(artifact, capsys):
+    folder = artifact("tiny-gemma3", "onnx")
+    args = ("run", folder, "--prompt", PROMPT, "--max-new-tokens", NEW_TOKENS, "--ignore-eos", "--json")
+    code, out, err = run_cli(capsys, *args, "--runner", "genai")
+    assert code == 0, err
+    in_genai = json.loads(out)
+    code, out, err = run_cli(capsys, *args)
+    assert code == 0, err
+    assert in_genai["new_ids"] == json.loads(out)["new_ids"]
+    code, out, err = run_cli(capsys, "check", folder, "--runner", "genai", "--json")
+    report = json.loads(out)
+    assert code == 0 and report["ok"] and report["runner"] == "genai", report
+
+
+def test_runner_genai_is_for_onnx_artifacts(artifact, capsys):
+    code, _, err = run_cli(capsys, "run", artifact("tiny-llama", "executorch"), "--prompt", "Hi", "--runner", "genai")
+    assert_one_line_error(code, err, "--runner genai runs ONNX artifacts; this one is executorch")
+    code, _, err = run_cli(capsys, "check", artifact("tiny-llama", "onnx"), "--runner", "tensorrt")
+    assert_one_line_error(code, err, "unknown --runner 'tensorrt'; choose kvexport or genai")
+
+
+@pytest.mark.parametrize("dtype", ["float16"])
+def test_float16_in_genai(artifact, capsys, dtype):
+    code, out, err = run_cli(capsys, "check", artifact("tiny-gemma3", "onnx", dtype=dtype), "--runner", "genai",
+                             "--max-new-tokens", "12", "--json")
+    assert code == 0, err
+    assert json.loads(out)["ok"]
+
+
+def test_runner_genai_needs_neither_torch_nor_transformers(artifact):
+    folder = artifact("tiny-qwen3", "onnx")
+    args = ["run", str(folder), "--prompt", PROMPT, "--max-new-tokens", str(NEW_TOKENS), "--ignore-eos", "--json"]
+    done = subprocess.run([sys.executable, "-c", _WITHOUT_TORCH, *args, "--runner", "genai"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    expected, _ = greedy_with(load_program(folder).forward, json.loads(done.stdout)["prompt_ids"], NEW_TOKENS)
+    assert json.loads(done.stdout)["new_ids"] == expected
+
+
+def test_runner_genai_without_onnxruntime_genai_says_so(artifact, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "onnxruntime_genai", None)  # import raises ModuleNotFoundError
+    code, _, err = run_cli(capsys, "run", artifact("tiny-llama", "onnx"), "--prompt", "Hi", "--runner", "genai")
+    assert_one_line_error(code, err, "--runner genai needs onnxruntime-genai", "pip install onnxruntime-genai==0.18.0")
