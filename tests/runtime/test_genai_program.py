@@ -90,3 +90,18 @@ def test_runner_genai_without_onnxruntime_genai_says_so(artifact, capsys, monkey
     monkeypatch.setitem(sys.modules, "onnxruntime_genai", None)  # import raises ModuleNotFoundError
     code, _, err = run_cli(capsys, "run", artifact("tiny-llama", "onnx"), "--prompt", "Hi", "--runner", "genai")
     assert_one_line_error(code, err, "--runner genai needs onnxruntime-genai", "pip install onnxruntime-genai==0.18.0")
+
+
+def test_chat_with_runner_genai_replies_as_kvexport_s_runner(artifact, capsys, monkeypatch):
+    """Each turn feeds genai only its new tokens, /reset starts a new generator: the same turns."""
+    from tests.runtime.test_chat import chat_cli
+
+    folder = artifact("tiny-gemma3", "onnx")
+    turns = {}
+    for runner in ("kvexport", "genai"):
+        code, out, err = chat_cli(capsys, monkeypatch, "Hi\nYo\n/reset\n\nHi\n", folder, "--json", "--max-new-tokens", "4",
+                                  "--runner", runner)
+        assert code == 0, err
+        turns[runner] = [{k: t[k] for k in ("reply_ids", "prefilled_tokens", "conversation_tokens", "reset")}
+                         for t in map(json.loads, out.splitlines())]
+    assert len(turns["genai"]) == 3 and turns["genai"] == turns["kvexport"]
