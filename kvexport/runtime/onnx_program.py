@@ -97,7 +97,6 @@ class _Buffer:
 
     def __init__(self, ort, shape: tuple[int, ...], dtype: np.dtype, device: str):
         zeros = np.zeros(shape, dtype=dtype)
-        self.device = device
         if device == "cpu":
             self.array = zeros
             self.ptr = zeros.ctypes.data
