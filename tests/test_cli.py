@@ -56,10 +56,10 @@ def test_help_shows_the_defaults_options_describe(capsys):
 
 def test_model_shorthand_is_export(tmp_path, capsys):
     out_dir = tmp_path / "llama"
-    code, out, err = run_cli(capsys, "tiny-llama", "--target", "executorch", "-o", out_dir, "--max-cache-len", "32", "--json")
+    code, out, err = run_cli(capsys, "tiny-llama", "--target", "onnx", "-o", out_dir, "--max-cache-len", "32", "--json")
     assert code == 0, err
     manifest = json.loads((out_dir / "kvexport.json").read_text())
-    assert manifest["max_cache_len"] == 32 and manifest["target"] == "executorch"
+    assert manifest["max_cache_len"] == 32 and manifest["target"] == "onnx"
     assert set(json.loads(out)["seconds"]) == {"load", "export", "lower", "save"}
     for step in ("load", "export", "lower", "save"):  # visible progress with timings
         assert f"✓ {step} " in err

@@ -91,10 +91,17 @@ def long_prompt(tokenizer: ArtifactTokenizer, tokens: int) -> str:
     return text
 
 
-def test_700_new_tokens_after_a_short_prompt_match_eager(real, capsys, reference_ids):
+def long_generation(folder: Path) -> int:
+    """New tokens after the short prompt: past Gemma 3's window of 512; SmolLM2 has no window, and
+    every step of its cache is the same code, so a shorter run proves as much for it."""
+    return 700 if json.loads((folder / "kvexport.json").read_text())["export_options"]["model"] == "gemma3-270m" else 300
+
+
+def test_a_long_generation_after_a_short_prompt_matches_eager(real, capsys, reference_ids):
     folder, model = real
-    result = kvexport_run(capsys, folder, SHORT_PROMPT, 700)
-    assert result["new_ids"] == reference_ids(model, result["prompt_ids"], 700)
+    n = long_generation(folder)
+    result = kvexport_run(capsys, folder, SHORT_PROMPT, n)
+    assert result["new_ids"] == reference_ids(model, result["prompt_ids"], n)
 
 
 def test_150_new_tokens_after_a_prompt_longer_than_the_window_match_eager(real, capsys, reference_ids):
@@ -105,13 +112,14 @@ def test_150_new_tokens_after_a_prompt_longer_than_the_window_match_eager(real, 
     assert result["new_ids"] == reference_ids(model, result["prompt_ids"], 150)
 
 
-@pytest.mark.parametrize("prompt_tokens, n", [(None, 700), (800, 150)], ids=["short-700", "long-150"])
+@pytest.mark.parametrize("prompt_tokens, n", [(None, None), (800, 150)], ids=["short-long-generation", "long-150"])
 def test_onnx_in_onnxruntime_genai_matches_eager(real, reference_ids, prompt_tokens, n):
     """The ONNX folder as it is in onnxruntime-genai (og.Model, its own cache and greedy search):
     eager's ids after a short prompt and after one longer than the window."""
     folder, model = real
     if json.loads((folder / "kvexport.json").read_text())["target"] != "onnx":
         pytest.skip("onnxruntime-genai runs ONNX artifacts")
+    n = n or long_generation(folder)
     tokenizer = ArtifactTokenizer(folder)
     prompt_ids = tokenizer.encode(long_prompt(tokenizer, prompt_tokens) if prompt_tokens else SHORT_PROMPT)
     assert genai_greedy(folder, prompt_ids, n) == reference_ids(model, prompt_ids, n)
@@ -178,18 +186,6 @@ def test_gemma3_is_refused_in_float16(tmp_path, capsys):
     assert done.value.code == 2 and "Traceback" not in err, err
     assert "the model overflows in float16" in err and "at layer 8 of 18" in err, err
     assert not out.exists()
-
-
-def test_smollm2_in_float16_passes_check(tmp_path, capsys):
-    out = tmp_path / "smollm2-16"
-    with pytest.raises(SystemExit) as done:
-        main(["export", "smollm2-135m", "--target", "onnx", "--dtype", "float16", "-o", str(out), "--quiet"])
-    assert done.value.code == 0
-    with pytest.raises(SystemExit) as done:
-        main(["check", str(out), "--json"])
-    report = json.loads(capsys.readouterr().out)
-    assert done.value.code == 0 and report["ok"] and report["dtype"] == "float16", report
-    assert all(p["match"] and p["compared_steps"] == p["new_tokens"] for p in report["prompts"])
 
 
 TURNS = ["What is the capital of France?", "And the capital of Italy?", "Which of the two cities is larger?"]

@@ -8,7 +8,11 @@ import json
 
 import pytest
 
+from tests.helpers import on_one_worker
 from tests.test_cli import run_cli
+
+# The module fixture (the matrix run) is made once: all of it on one pytest-xdist worker.
+pytestmark = on_one_worker("matrix-command")
 
 MATRIX = """
 [defaults]
