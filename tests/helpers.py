@@ -137,6 +137,11 @@ def on_one_worker(group: str) -> pytest.MarkDecorator:
     return pytest.mark.xdist_group(group)
 
 
+# Tests that read the tiny 8da4w .pte (minutes to lower): on one worker, one after the other, so that
+# none waits on the other worker's export of it.
+TINY_8DA4W = on_one_worker("tiny-gemma3-8da4w")
+
+
 def genai_greedy(folder: Path, prompt_ids: list[int], n: int) -> list[int]:
     """onnxruntime-genai's own greedy generator on the folder, as an app runs it (EOS masked until n)."""
     import onnxruntime_genai as og

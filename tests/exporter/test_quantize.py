@@ -26,7 +26,7 @@ from kvexport.models.presets import build_preset
 from kvexport.runtime.programs import load_program
 
 from tests.conftest import NEW_TOKENS, PROMPT
-from tests.helpers import assert_on_grid, eager_ids, effective_weight
+from tests.helpers import TINY_8DA4W, assert_on_grid, eager_ids, effective_weight
 from tests.test_cli import assert_one_line_error, run_cli
 
 
@@ -79,7 +79,8 @@ def artifact_bytes(folder, manifest) -> int:
     "name, embedding, kernel, lm_head",
     # Each 8da4w .pte is minutes of lowering: the options meet in two exports. The tied table with an
     # int4 lm_head but an int8 lookup: test_an_int4_lm_head_is_rounded_like_a_float_weight_and_its_tied_table_stays_8_bit.
-    [("tiny-gemma3", "int8", "embedding_byte", None), ("tiny-smollm3", "int4", "embedding_4bit", "int4")],
+    [pytest.param("tiny-gemma3", "int8", "embedding_byte", None, marks=TINY_8DA4W),
+     ("tiny-smollm3", "int4", "embedding_4bit", "int4")],
     ids=["gemma3-int8-embedding", "smollm3-tied-int4-embedding-int4-lm-head"],
 )
 def test_8da4w_pte_runs_the_quantized_model(artifact, capsys, name, embedding, kernel, lm_head):
@@ -107,6 +108,7 @@ def test_8da4w_pte_runs_the_quantized_model(artifact, capsys, name, embedding, k
         assert f"8da4w, {lm_head} lm_head, {embedding} embedding" in err
 
 
+@TINY_8DA4W
 def test_8da4w_adds_no_op_outside_the_delegate_but_the_stacks_splits(artifact):
     """The int4 offsets (block means, a small matmul) run inside XNNPACK: the ops quantization adds
     outside it are the embedding's lookup kernel and, per layer, the split of the stacked q/k/v and
@@ -195,6 +197,7 @@ def test_a_block_of_one_value_gets_a_positive_scale_and_stays_exact():
     assert_on_grid(layer, torch.from_numpy(weight))
 
 
+@TINY_8DA4W
 def test_8da4w_pte_is_smaller(artifact):
     fp32 = read_manifest(artifact("tiny-gemma3"))
     quantized = read_manifest(artifact("tiny-gemma3", "executorch", "8da4w", "int8"))

@@ -8,9 +8,10 @@ import pytest
 
 from kvexport.checker.check import run_check
 
-from tests.helpers import load_script
+from tests.helpers import TINY_8DA4W, load_script
 
 
+@TINY_8DA4W
 def test_a_pte_measured_as_another_exporters_agrees_as_kvexport_check_finds(artifact, tmp_path):
     """Our own 8da4w .pte, copied out of its artifact and driven as a bare program, gets the
     agreement and logit differences that `kvexport check` reports for it."""

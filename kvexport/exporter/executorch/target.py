@@ -105,13 +105,13 @@ def _constant_methods(spec: ProgramSpec) -> dict:
 
 def lower(program: torch.export.ExportedProgram, spec: ProgramSpec, out_dir: Path) -> dict:
     """Lower to XNNPACK and write ``model.pte``; return facts for ``kvexport.json``."""
-    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
     from executorch.exir import EdgeCompileConfig, ExecutorchBackendConfig, to_edge_transform_and_lower
     from executorch.exir.passes import MemoryPlanningPass
     from executorch.exir.passes.sym_shape_eval_pass import ConstraintBasedSymShapeEvalPass
 
+    from .xnnpack_partitioner import xnnpack_partitioner
     from .xnnpack_passes import only_the_passes_that_apply
-    from .xnnpack_rewrites import XnnpackFriendlyShapes, partitioner_configs
+    from .xnnpack_rewrites import XnnpackFriendlyShapes
 
     _tag_weights_for_data_file(program)
     # XNNPACK's serialized weights wait here (inside the staged artifact) until model.ptd is written.
@@ -120,7 +120,7 @@ def lower(program: torch.export.ExportedProgram, spec: ProgramSpec, out_dir: Pat
             edge = to_edge_transform_and_lower(
                 program,
                 transform_passes=[XnnpackFriendlyShapes()],
-                partitioner=[XnnpackPartitioner(configs=partitioner_configs())],
+                partitioner=[xnnpack_partitioner()],
                 compile_config=EdgeCompileConfig(_check_ir_validity=False),
                 constant_methods=_constant_methods(spec),
             )
