@@ -28,7 +28,10 @@ class DecidedXnnpackPartitioner(XnnpackPartitioner):
         calls = [node for node in ep.graph_module.graph.nodes if node.op == "call_function"]
         if check is None or any(isinstance(node.target, EdgeOpOverload) for node in calls):
             return ops, check
-        verdicts = {op: {check(node) for node in calls if node.target == op} for op in ops}
+        verdicts = {op: set() for op in ops}  # what the check says of each node of each operator
+        for node in calls:
+            if node.target in verdicts:
+                verdicts[node.target].add(check(node))
         if any(len(verdict) > 1 for verdict in verdicts.values()):
             return ops, check
         return [op for op, verdict in verdicts.items() if verdict != {False}], None
