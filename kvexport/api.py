@@ -42,6 +42,7 @@ def export(
     quantize: str | None = None,
     quantize_embedding: str | None = None,
     quantize_lm_head: str | None = None,
+    kv_cache: str = "float",
     force: bool = False,
     quiet: bool = False,
     revision: str | None = None,
@@ -57,7 +58,7 @@ def export(
     child process that has it."""
     options = {
         "max_cache_len": max_cache_len, "prefill_chunk": prefill_chunk, "dtype": dtype, "quantize": quantize,
-        "quantize_embedding": quantize_embedding, "quantize_lm_head": quantize_lm_head, "force": force,
+        "quantize_embedding": quantize_embedding, "quantize_lm_head": quantize_lm_head, "kv_cache": kv_cache, "force": force,
         "quiet": quiet, "revision": revision, "offline": offline, "gguf_file": gguf_file,
     }
     if os.environ.get("PYTHONHASHSEED") == EXPORT_HASH_SEED:

@@ -58,6 +58,10 @@ def export(
         Optional[str],
         typer.Option(help="with --quantize: int8 or int4 lm_head (int4: smaller and faster, less exact) [default: int8]"),
     ] = None,
+    kv_cache: Annotated[
+        str,
+        typer.Option(help="float (the export's dtype) or int8 (executorch: one scale and zero point per token and KV head, about a quarter of float32's bytes)"),
+    ] = "float",
     revision: Annotated[Optional[str], typer.Option(help="hub id: branch, tag or commit [default: main]")] = None,
     offline: Annotated[
         bool, typer.Option("--offline", help="hub id: the local HF cache only, no network (as HF_HUB_OFFLINE=1)")
@@ -80,7 +84,7 @@ def export(
         result = export_in_this_process(
             model, target, out, quiet=quiet, max_cache_len=max_cache_len, dtype=dtype, force=force, quantize=quantize,
             quantize_embedding=quantize_embedding, quantize_lm_head=quantize_lm_head, prefill_chunk=prefill_chunk,
-            revision=revision, offline=offline, gguf_file=gguf_file,
+            kv_cache=kv_cache, revision=revision, offline=offline, gguf_file=gguf_file,
         )
     if as_json:
         print(json.dumps({"folder": str(result.folder), "seconds": result.seconds, "peak_rss_mb": result.peak_rss_mb}))

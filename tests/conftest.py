@@ -77,18 +77,19 @@ def exported_once(tmp_path_factory, name: str, export) -> Path:
 @pytest.fixture(scope="session")
 def artifact(tmp_path_factory):
     """``artifact(name, target, quantize=None, quantize_embedding=None, quantize_lm_head=None,
-    dtype="float32")`` -> folder, exported once per test run."""
+    dtype="float32", kv_cache="float")`` -> folder, exported once per test run."""
     import kvexport
     from kvexport.exporter.pipeline import choose_prefill_chunk
 
     def get(name: str, target: str = "executorch", quantize: str | None = None, quantize_embedding: str | None = None,
-            quantize_lm_head: str | None = None, dtype: str = "float32"):
-        key = (name, target, quantize, quantize_embedding, quantize_lm_head, dtype)
-        suffix = "".join(f"-{q}" for q in key[2:] if q and q != "float32")
-        options = dict(dtype=dtype, quantize=quantize, quantize_embedding=quantize_embedding, quantize_lm_head=quantize_lm_head)
+            quantize_lm_head: str | None = None, dtype: str = "float32", kv_cache: str = "float"):
+        key = (name, target, quantize, quantize_embedding, quantize_lm_head, dtype, kv_cache)
+        suffix = "".join(f"-{q}" for q in key[2:] if q and q not in ("float32", "float"))
+        options = dict(dtype=dtype, quantize=quantize, quantize_embedding=quantize_embedding, quantize_lm_head=quantize_lm_head,
+                       kv_cache=kv_cache)
         recorded = {"model": name, "target": target, "dtype": dtype, "max_cache_len": TEST_CACHE_LEN,
                     "prefill_chunk": choose_prefill_chunk(TEST_CACHE_LEN, None),
-                    **{option: value for option, value in options.items() if option != "dtype" and value}}
+                    **{option: value for option, value in options.items() if option != "dtype" and value and value != "float"}}
         if (kept := matrix_artifact(recorded)) is not None:
             return kept
 

@@ -209,6 +209,7 @@ def _check_details(path: Path, manifest: dict) -> None:
         "export_options": (lambda v: isinstance(v, dict), "the export's options"),
         "model_type": (lambda v: isinstance(v, str), "text"),
         "kv_cache_bytes": (_count, "a number of bytes"),
+        "kv_cache": (lambda v: isinstance(v, dict) and v.get("dtype") == "int8", "the KV cache's element type (int8)"),
     }
     for key, (valid, expected) in optional.items():
         if key in manifest and not valid(manifest[key]):

@@ -280,7 +280,7 @@ def run_check(
 
     manifest = read_manifest(folder)
     tokenizer = ArtifactTokenizer(folder)
-    quantized = bool(manifest.get("quantization"))
+    quantized = approximate(manifest)
     prompts = prompts or default_prompts(manifest, tokenizer, QUANTIZED_STEPS if quantized else None)
     encoded = [(text, tokenizer.encode(text), n) for text, n in prompts]
     for _, ids, n in encoded:  # refuse before loading anything heavy
@@ -307,12 +307,23 @@ def run_check(
                        runner)
 
 
-def _scheme(quantization: dict) -> str:
-    embedding = quantization.get("embedding", {}).get("weights")
-    scheme = quantization.get("scheme") or "float linear layers"
-    if quantization.get("lm_head", {}).get("weights") == "int4":
-        scheme += ", int4 lm_head"
-    return f"{scheme}, {embedding} embedding" if embedding and quantization.get("scheme") != "int4" else scheme
+def approximate(manifest: dict) -> bool:
+    """Quantized weights or a quantized KV cache: held to top-1 agreement with float eager, not to
+    identical tokens."""
+    return bool(manifest.get("quantization")) or bool(manifest.get("kv_cache"))
+
+
+def _scheme(manifest: dict) -> str:
+    parts = []
+    if quantization := manifest.get("quantization"):
+        embedding = quantization.get("embedding", {}).get("weights")
+        scheme = quantization.get("scheme") or "float linear layers"
+        if quantization.get("lm_head", {}).get("weights") == "int4":
+            scheme += ", int4 lm_head"
+        parts.append(f"{scheme}, {embedding} embedding" if embedding and quantization.get("scheme") != "int4" else scheme)
+    if kv_cache := manifest.get("kv_cache"):
+        parts.append(f"{kv_cache['dtype']} KV cache")
+    return ", ".join(parts)
 
 
 def _summary_line(report: PromptReport, tolerance: float, min_agreement: float | None = None) -> str:
@@ -367,7 +378,7 @@ def choose_prompts(manifest: dict, tokenizer: ArtifactTokenizer, prompts: list[s
     # Checked on the text: "" encodes to a lone BOS for many tokenizers, which is no prompt at all.
     if prompts and not all(prompts):
         raise InvalidOptionError("a --prompt is empty; give some text")
-    quantized = manifest.get("quantization")
+    quantized = approximate(manifest)
     defaults = default_prompts(manifest, tokenizer, QUANTIZED_STEPS if quantized else None)
     if prompts:
         n = defaults[0][1] if max_new_tokens is None else max_new_tokens
@@ -387,13 +398,13 @@ def check_command(folder, prompts, max_new_tokens, device, model_name, as_json, 
     folder = Path(folder)
     manifest = read_manifest(folder)
     tokenizer = ArtifactTokenizer(folder)
-    quantized = manifest.get("quantization")
+    quantized = approximate(manifest)
     chosen = choose_prompts(manifest, tokenizer, prompts, max_new_tokens)
     tolerance = LOGIT_TOLERANCE[manifest["dtype"]]
     min_agreement = MIN_QUANTIZED_AGREEMENT if quantized else None
     if not as_json:
         rule = (
-            f"quantized ({_scheme(quantized)}, not token-exact): eager's tokens fed to both, "
+            f"quantized ({_scheme(manifest)}, not token-exact): eager's tokens fed to both, "
             f"top-1 agreement with float eager must be >= {MIN_QUANTIZED_AGREEMENT:.0%} (EOS never fed)"
             if quantized
             else f"tokens must be identical, logits within {tolerance} ({manifest['dtype']} tolerance)"

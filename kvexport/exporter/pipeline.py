@@ -10,7 +10,7 @@ from pathlib import Path
 
 from ..artifact import manifest
 from ..artifact.staging import check_output_path, staged_folder
-from ..errors import InvalidOptionError
+from ..errors import InvalidOptionError, UnsupportedModelError
 from ..models import architecture, sources
 from ..progress import Progress, peak_rss_mb
 from ..version import __version__
@@ -22,6 +22,8 @@ DEFAULT_MAX_CACHE_LEN = 2048
 # many. ExecuTorch plans activation memory for the largest call, so the chunk bounds RSS
 # (docs/performance.md).
 DEFAULT_PREFILL_CHUNK = 512
+# --kv-cache int8: each row of head_dim int8 values has a float32 scale and an int8 zero point.
+KV_INT8_ROW_OVERHEAD_BYTES = 4 + 1
 
 
 @dataclass
@@ -36,6 +38,7 @@ class ExportOptions:
     quantize_embedding: str | None = None  # "int8" or "int4" (executorch)
     quantize_lm_head: str | None = None  # "int8" (the default) or "int4", with quantize
     prefill_chunk: int | None = None  # most tokens per forward call [default: DEFAULT_PREFILL_CHUNK]
+    kv_cache: str = "float"  # "float" (the dtype's) or "int8" (quantization.KV_CACHES)
     # A hub id's branch, tag or commit; no network (the local HF cache only); a .gguf file in the repo.
     revision: str | None = None
     offline: bool = False
@@ -102,13 +105,18 @@ class ExportPlan:
 
     @property
     def kv_cache_bytes(self) -> int:
-        return sum(2 * layer["kv_heads"] * layer["slots"] * layer["head_dim"] * self.dtype_bytes for layer in self.layers())
+        return sum(2 * layer["kv_heads"] * layer["slots"] * self.kv_row_bytes(layer["head_dim"]) for layer in self.layers())
 
     @property
     def kv_cache_bytes_if_all_full(self) -> int:
         """What the cache would take if every layer held max_cache_len positions (transformers' export)."""
-        full = [architecture.LayerSpec(architecture.FULL, None, s.kv_heads, s.head_dim) for s in self.specs]
-        return architecture.kv_cache_bytes(full, self.max_cache_len, self.dtype_bytes)
+        return sum(2 * s.kv_heads * self.max_cache_len * self.kv_row_bytes(s.head_dim) for s in self.specs)
+
+    def kv_row_bytes(self, head_dim: int) -> int:
+        """Bytes of one position of one KV head, in K or in V."""
+        if self.options.kv_cache == "int8":  # int8 values, a float32 scale and an int8 zero point
+            return head_dim + KV_INT8_ROW_OVERHEAD_BYTES
+        return head_dim * self.dtype_bytes
 
     def layers(self) -> list[dict]:
         # A ring's buffer holds RING_WINDOWS windows of rows on its target (ONNX's rings: 2).
@@ -130,6 +138,7 @@ class ExportPlan:
         o = self.options
         rings = sum(s.is_ring(self.max_cache_len) for s in self.specs)
         schemes = [f"--{name.replace('_', '-')} {getattr(o, name)}" for name in quantize.OPTIONS if getattr(o, name)]
+        kv = " int8" if o.kv_cache == "int8" else ""
         quantized = f" ({', '.join(schemes)})" if schemes else ""
         default = (
             ""
@@ -138,7 +147,7 @@ class ExportPlan:
         )
         return (
             f"{o.model}: {len(self.specs)} layers ({rings} sliding-window rings), max_cache_len "
-            f"{self.max_cache_len}{default}, calls of up to {self.prefill_chunk} tokens, KV cache {self.kv_cache_bytes / 2**20:.1f} MiB "
+            f"{self.max_cache_len}{default}, calls of up to {self.prefill_chunk} tokens, KV cache{kv} {self.kv_cache_bytes / 2**20:.1f} MiB "
             f"({self.kv_cache_bytes / self.kv_cache_bytes_if_all_full:.0%} of full-length layers), "
             f"{o.dtype} -> {o.target}{quantized}"
         )
@@ -152,6 +161,7 @@ def plan_export(options: ExportOptions, progress: Progress | None = None) -> Exp
     if options.dtype not in sources.DTYPES:
         raise InvalidOptionError(f"unknown dtype '{options.dtype}'; choose one of: {', '.join(sources.DTYPES)}")
     options.quantization.check(options.target, options.dtype)
+    quantize.check_kv_cache(options.kv_cache, options.target)
     out = Path(options.out) if options.out else default_output(options.gguf_file or options.model, options.target)
     check_output_path(out, options.force)
     source = sources.resolve(options.model, options.revision, options.offline, options.gguf_file, progress)
@@ -162,6 +172,13 @@ def plan_export(options: ExportOptions, progress: Progress | None = None) -> Exp
         )
     config = sources.load_config(source)
     specs = architecture.layer_specs(config)
+    if options.kv_cache == "int8" and getattr(architecture.text_config(config), "attn_logit_softcapping", None):
+        # Its attention reads the rows dequantized (no fused int8 kernel soft-caps), and XNNPACK's
+        # partitioner then groups the layer's ops into partitions that depend on each other.
+        raise UnsupportedModelError(
+            "--kv-cache int8 does not export soft-capped attention (attn_logit_softcapping, as in Gemma 2) in this "
+            "version; export it with --kv-cache float"
+        )
     max_cache_len, max_positions = choose_max_cache_len(config, options.max_cache_len)
     architecture.check_rope(config, max_cache_len)
     prefill_chunk = choose_prefill_chunk(max_cache_len, options.prefill_chunk)
@@ -222,7 +239,7 @@ def export_model(options: ExportOptions, progress: Progress | None = None) -> Ex
 
     with staged_folder(plan.out, options.force) as folder:
         with progress.step("export", f"torch.export, T dynamic (calls of 1 to {plan.prefill_chunk} tokens)"):
-            program = target.export(model, plan.max_cache_len, plan.prefill_chunk)
+            program = target.export(model, plan.max_cache_len, plan.prefill_chunk, options.kv_cache)
         with progress.step("lower", options.target):
             lowered = target.lower(program, spec, folder)
             del program
@@ -296,6 +313,7 @@ def _manifest_info(plan: ExportPlan, model, tokenizer) -> dict:
             "prefill_chunk": plan.prefill_chunk,
             # Only when set, so unquantized manifests read as before.
             **{name: getattr(plan.options, name) for name in quantize.OPTIONS if getattr(plan.options, name)},
+            **({"kv_cache": plan.options.kv_cache} if plan.options.kv_cache != "float" else {}),
             **{name: getattr(plan.options, name) for name in ("revision", "gguf_file") if getattr(plan.options, name)},
         },
         "model_type": config.model_type,
@@ -309,6 +327,8 @@ def _manifest_info(plan: ExportPlan, model, tokenizer) -> dict:
         # Whether the tokenizer already prepends BOS when encoding a prompt (runners must not add another).
         "tokenizer_adds_bos": bool(bos is not None and tokenizer("a").input_ids[:1] == [bos]),
         "layers": plan.layers(),
+        # The KV cache's element type: the dtype's, or int8 (`kv_cache`, absent for float).
+        **({"kv_cache": target.describe_kv_cache(plan.options.kv_cache)} if plan.options.kv_cache != "float" else {}),
         "kv_cache_bytes": plan.kv_cache_bytes,
         "kv_cache_bytes_if_all_full": plan.kv_cache_bytes_if_all_full,
         "interface": {

@@ -44,8 +44,10 @@ class Target(Protocol):
     def quantize_model(self, model: torch.nn.Module, quantization: Quantization) -> list[str]:
         """Quantize the module in place before export; return the layers left in float."""
 
-    def export(self, model: torch.nn.Module, max_cache_len: int, max_tokens_per_call: int) -> torch.export.ExportedProgram:
-        """The model wrapped with the target's cache, traced with ``T`` dynamic."""
+    def export(
+        self, model: torch.nn.Module, max_cache_len: int, max_tokens_per_call: int, kv_cache: str
+    ) -> torch.export.ExportedProgram:
+        """The model wrapped with the target's cache (its elements ``kv_cache``), traced with ``T`` dynamic."""
 
     def lower(self, program: torch.export.ExportedProgram, spec: ProgramSpec, out_dir: Path) -> dict:
         """Write the program file(s) into ``out_dir``; return facts for ``kvexport.json`` (at least
@@ -53,6 +55,10 @@ class Target(Protocol):
 
     def quantize_files(self, out_dir: Path, spec: ProgramSpec, quantization: Quantization) -> dict:
         """Quantize the written program's weights in place; return facts for ``kvexport.json``."""
+
+    def describe_kv_cache(self, kv_cache: str) -> dict:
+        """What ``kvexport.json`` records under ``kv_cache`` for a ``--kv-cache`` other than float
+        (the targets ``quantization.KV_CACHES`` names for it)."""
 
     def describe_quantization(self, quantization: Quantization, hidden_size: int) -> dict | None:
         """What ``kvexport.json`` records under ``quantization`` (None: not quantized)."""

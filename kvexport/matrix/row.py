@@ -83,7 +83,7 @@ def _export(row: Row, model: str, folder: Path) -> dict:
     options = ExportOptions(
         model=model, target=row.target, out=folder, max_cache_len=row.max_cache_len, dtype=row.dtype, force=True,
         quantize=row.quantize, quantize_embedding=row.quantize_embedding, quantize_lm_head=row.quantize_lm_head,
-        prefill_chunk=row.prefill_chunk,
+        prefill_chunk=row.prefill_chunk, kv_cache=row.kv_cache or "float",
     )
     exported = export_model(options, Progress())
     files = [p for p in folder.iterdir() if p.is_file()]

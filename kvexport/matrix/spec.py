@@ -17,7 +17,8 @@ Row keys: ``model``, ``target``, ``dtype``, ``max_cache_len`` (one value or a li
 ``max_cache_len`` is export's default); ``quantize``, ``quantize_embedding`` and
 ``quantize_lm_head`` (one value each, as ``kvexport export`` takes them: ``quantize`` ``int4`` for
 onnx, ``8da4w`` for executorch, with ``quantize_embedding`` (executorch) and ``quantize_lm_head``
-``int8`` / ``int4``; the row's check then measures top-1 agreement);
+``int8`` / ``int4``; the row's check then measures top-1 agreement); ``kv_cache`` (one value,
+export's ``--kv-cache``: ``int8``, executorch; checked by agreement too);
 ``prefill_chunk`` (one value: export's ``--prefill-chunk``; default: export's); ``timeout_s`` (the
 row's child process is killed after it); ``check_new_tokens`` (new tokens per check prompt;
 default: check's own, past the sliding window); ``run_new_tokens`` (tokens of the short run that
@@ -45,7 +46,8 @@ _DEFAULTS = {"target": "executorch", "dtype": "float32", "max_cache_len": None}
 # One value per [[row]] (TOML has no null for "float"); exporter.quantization.OPTIONS, which
 # this light module does not import (it would load torch for a matrix file's first check).
 QUANTIZATION = ("quantize", "quantize_embedding", "quantize_lm_head")
-ROW_KEYS = (*AXES, *QUANTIZATION, *_OPTIONS)
+SCHEMES = (*QUANTIZATION, "kv_cache")  # a row's one value each, None where export's default
+ROW_KEYS = (*AXES, *SCHEMES, *_OPTIONS)
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,7 @@ class Row:
     quantize: str | None = None
     quantize_embedding: str | None = None
     quantize_lm_head: str | None = None
+    kv_cache: str | None = None  # export's --kv-cache (None: float)
     prefill_chunk: int | None = None  # export's --prefill-chunk (None: its default)
 
     @property
@@ -71,6 +74,7 @@ class Row:
         model = re.sub(r"[^A-Za-z0-9._-]+", "_", Path(self.model).name)
         schemes = "".join(f"-{q}" for q in (self.quantize, self.quantize_embedding and f"emb{self.quantize_embedding}",
                                              self.quantize_lm_head and f"head{self.quantize_lm_head}",
+                                             self.kv_cache and f"kv{self.kv_cache}",
                                              self.prefill_chunk and f"chunk{self.prefill_chunk}") if q)
         return f"{self.index:03d}-{model}-{self.target}-{self.dtype}-{self.max_cache_len or 'default'}{schemes}"
 
@@ -128,7 +132,7 @@ def _rows(data: dict) -> list[Row]:
             raise InvalidOptionError(f"{where} has no 'model'")
         axes = {axis: _values(merged[axis], axis, where) for axis in AXES}
         options = {key: _option(merged[key], key, where) for key in _OPTIONS}
-        schemes = {key: _scheme(merged.get(key), key, where) for key in QUANTIZATION}
+        schemes = {key: _scheme(merged.get(key), key, where) for key in SCHEMES}
         for target, dtype, max_cache_len, model in itertools.product(*(axes[a] for a in AXES)):
             _check_row(model, target, dtype, max_cache_len, tiny, where, **schemes)
             key = (model, target, dtype, max_cache_len, *schemes.values(), options["prefill_chunk"])
@@ -174,9 +178,9 @@ def _scheme(value, key: str, where: str) -> str | None:
 
 def _check_row(model: str, target: str, dtype: str, max_cache_len, tiny: dict, where: str,
                quantize: str | None = None, quantize_embedding: str | None = None,
-               quantize_lm_head: str | None = None) -> None:
+               quantize_lm_head: str | None = None, kv_cache: str | None = None) -> None:
     from ..artifact.manifest import TARGETS
-    from ..exporter.quantization import Quantization
+    from ..exporter.quantization import Quantization, check_kv_cache
     from ..models import sources
 
     if target not in TARGETS:
@@ -185,6 +189,7 @@ def _check_row(model: str, target: str, dtype: str, max_cache_len, tiny: dict, w
         raise InvalidOptionError(f"{where}: unknown dtype '{dtype}'; choose one of: {', '.join(sources.DTYPES)}")
     try:  # the same one-line refusal `kvexport export` gives, per expanded row
         Quantization(quantize, quantize_embedding, quantize_lm_head).check(target, dtype)
+        check_kv_cache(kv_cache or "float", target)
     except KvexportError as e:
         raise InvalidOptionError(f"{where} ({target}): {e}")
     if model not in tiny:

@@ -58,7 +58,8 @@ def render(report: dict) -> str:
 
 
 def _column(row: dict, by_dtype: bool) -> tuple:
-    return (row["target"], row["dtype"]) if by_dtype else (row["target"],)
+    kv_cache = (f"KV {row['kv_cache']}",) if row.get("kv_cache") else ()
+    return ((row["target"], row["dtype"]) if by_dtype else (row["target"],)) + kv_cache
 
 
 def _cell(rows: list[dict]) -> str:

@@ -186,7 +186,3 @@ def layer_specs(config) -> list[LayerSpec]:
         specs.append(LayerSpec(layer_type, window if layer_type == SLIDING else None, kv_heads, head_dim))
     return specs
 
-
-def kv_cache_bytes(specs: list[LayerSpec], max_cache_len: int, dtype_bytes: int, batch: int = 1) -> int:
-    """Bytes of K and V held by all layers."""
-    return sum(2 * batch * s.kv_heads * s.cache_slots(max_cache_len) * s.head_dim * dtype_bytes for s in specs)

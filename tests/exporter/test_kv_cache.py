@@ -1,14 +1,18 @@
 """The caches and masks against a plain full-history attention with transformers' mask semantics.
 
-Both cache families are checked: the plain ones (``kv_cache``) and the ones the ExecuTorch target
+Three cache families are checked: the plain ones (``kv_cache``), the ones the ExecuTorch target
 ships (``custom_op_cache``: ExecuTorch's ``llama::update_cache`` and ``llama::custom_sdpa``, and
-a ring's ``window_attention``, run eagerly here). Each example drives a cache through random call
+a ring's ``window_attention``, run eagerly here) and its int8 ones (``quantized_kv_cache``: the
+same, with ``llama::custom_quantized_sdpa``), these against attention over their rows quantized
+(keys and queries rotated first, as the cache does). Each example drives a cache through random call
 lengths (a prefill, decode steps, chunks, calls longer than the window), after a random earlier
 sequence whose leftovers must be invisible: a runner starts a new sequence at position 0 without
 clearing anything.
 """
 
 from __future__ import annotations
+
+from functools import partial
 
 import pytest
 import torch
@@ -17,6 +21,13 @@ from hypothesis import strategies as st
 from transformers.masking_utils import and_masks, causal_mask_function, sliding_window_overlay
 
 from kvexport.exporter.executorch.custom_op_cache import CustomOpRingCache, CustomOpStaticCache
+from kvexport.exporter.executorch.quantized_kv_cache import (
+    QuantizedRingCache,
+    QuantizedStaticCache,
+    dequantize_rows,
+    key_rotation,
+    quantize_rows,
+)
 from kvexport.exporter.kv_cache import CallState, RingKVCache, StaticKVCache, additive_mask, ring_positions
 
 HEADS, DIM = 2, 4
@@ -74,12 +85,22 @@ def fit(calls, max_len):
     return kept
 
 
+def quantized_rows(x):
+    """``x`` as an int8 cache holds it: each row (one token of one head) quantized, then dequantized."""
+    return dequantize_rows(*quantize_rows(x), torch.float32)
+
+
 FAMILIES = {
     # name: (ring, static, attention through the cache, KV heads)
     "plain": (RingKVCache, StaticKVCache, lambda c, calls, q, k, v, w, m: cached_attention(c, calls, q, k, v, w), HEADS),
     # One KV head: a ring attends through window_attention (XNNPACK's matmuls); more: custom_sdpa.
     "custom_op": (CustomOpRingCache, CustomOpStaticCache, custom_op_attention, KV_HEADS),
     "custom_op_kv_heads_2": (CustomOpRingCache, CustomOpStaticCache, custom_op_attention, HEADS),
+    # int8 rows: the reference attends over the query, keys and values quantized row by row.
+    "int8": (partial(QuantizedRingCache, rotation=key_rotation(DIM)), partial(QuantizedStaticCache, rotation=key_rotation(DIM)),
+             custom_op_attention, KV_HEADS),
+    "int8_kv_heads_2": (partial(QuantizedRingCache, rotation=key_rotation(DIM)),
+                        partial(QuantizedStaticCache, rotation=key_rotation(DIM)), custom_op_attention, HEADS),
 }
 
 
@@ -113,7 +134,32 @@ def test_cache_attention_equals_full_history(family, window, max_len, calls, ear
     kept = fit(calls, max_len)
     q, k, v = sequence(kept)
     got = attention(cache, kept, q, k, v, window, max_len)
+    if family.startswith("int8"):  # rotating both leaves q·k as it was
+        rotation = key_rotation(DIM)
+        q, k, v = quantized_rows(q @ rotation), quantized_rows(k @ rotation), quantized_rows(v)
     torch.testing.assert_close(got, reference_attention(q, k, v, window), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("head_dim", [16, 64, 96, 256])
+def test_the_key_rotation_is_orthonormal_and_spreads_a_channel_over_all_of_them(head_dim):
+    rotation = key_rotation(head_dim)
+    torch.testing.assert_close(rotation @ rotation.T, torch.eye(head_dim), atol=1e-6, rtol=0)
+    block = head_dim & -head_dim  # 96: three blocks of 32
+    spike = torch.zeros(head_dim)
+    spike[0] = 1.0
+    assert (spike @ rotation).abs().gt(0).sum() == block
+
+
+@settings(max_examples=200, deadline=None)
+@given(rows=st.integers(1, 8), dim=st.integers(1, 64), spread=st.floats(1e-3, 1e3), seed=st.integers(0, 2**16))
+def test_an_int8_row_is_within_half_a_step_of_the_float_row(rows, dim, spread, seed):
+    """The int8 cache's own error: each row comes back within half of its quantization step,
+    (max - min) / 255, of what was written (the range always holds 0, as the scheme's zero point
+    must be an integer level)."""
+    x = torch.randn(1, 2, rows, dim, generator=torch.Generator().manual_seed(seed)) * spread
+    step = (x.amax(-1, keepdim=True).clamp(min=0) - x.amin(-1, keepdim=True).clamp(max=0)) / 255
+    error = (quantized_rows(x) - x).abs()
+    assert (error <= step / 2 * (1 + 1e-4) + 1e-7).all(), (error / step).max()
 
 
 @given(start=st.integers(0, 200), window=st.integers(1, 20))

@@ -30,16 +30,31 @@ QUANTIZES_MODULE = True
 RING_WINDOWS = 1
 
 
-def export(model: torch.nn.Module, max_cache_len: int, max_tokens_per_call: int) -> torch.export.ExportedProgram:
+def export(
+    model: torch.nn.Module, max_cache_len: int, max_tokens_per_call: int, kv_cache: str = "float"
+) -> torch.export.ExportedProgram:
     """The cache lives in the program's mutable buffers, written and read by ExecuTorch's LLM
-    custom ops (in-place update, fused attention over the filled positions only). A call takes at
-    most ``max_tokens_per_call`` tokens, the size ExecuTorch plans activation memory for."""
+    custom ops (in-place update, fused attention over the filled positions only), in the model's
+    dtype or in int8 (``kv_cache``). A call takes at most ``max_tokens_per_call`` tokens, the size
+    ExecuTorch plans activation memory for."""
     from .custom_op_cache import build_custom_op_caches
+    from .quantized_kv_cache import build_quantized_caches
     from .stacked_projections import stacked_projections
     from .xnnpack_rewrites import rotary_as_matmul
 
+    caches = build_quantized_caches if kv_cache == "int8" else build_custom_op_caches
     with rotary_as_matmul(model), stacked_projections(model):
-        return export_decoder(ExportableDecoder(model, max_cache_len, build_custom_op_caches, max_tokens_per_call))
+        return export_decoder(ExportableDecoder(model, max_cache_len, caches, max_tokens_per_call))
+
+
+def describe_kv_cache(kv_cache: str) -> dict:
+    """What ``kvexport.json`` records under ``kv_cache`` for ``--kv-cache int8``."""
+    return {
+        "dtype": kv_cache,
+        "scales": "float32 scale and int8 zero point per token and KV head (asymmetric, chosen when the row is written)",
+        "keys": "rotated, with the queries, by one orthonormal Hadamard matrix of head_dim before they are quantized",
+        "op": "llama::custom_quantized_sdpa (query quantized the same way)",
+    }
 
 
 def quantize_model(model: torch.nn.Module, quantization: Quantization) -> list[str]:

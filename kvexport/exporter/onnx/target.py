@@ -49,7 +49,9 @@ SYMBOLS = {
 }
 
 
-def export(model: torch.nn.Module, max_cache_len: int, max_tokens_per_call: int) -> torch.export.ExportedProgram:
+def export(
+    model: torch.nn.Module, max_cache_len: int, max_tokens_per_call: int, kv_cache: str = "float"
+) -> torch.export.ExportedProgram:
     """The cache crosses the graph boundary: past rows in, the call's new rows out. Rotary
     embeddings go through ONNX Runtime's kernel where the family's rotation is the standard one.
 

@@ -1,0 +1,162 @@
+"""int8 KV caches for ExecuTorch (``--kv-cache int8``), in ExecuTorch's own scheme.
+
+Keys and values are stored as int8 with one scale (float32) and zero point (int8) per token and KV
+head, chosen from that row's min and max when it is written (``quantized_decomposed``'s per-token
+asymmetric ops, as ExecuTorch's ``QuantizedKVCache`` does). Attention is
+``llama::custom_quantized_sdpa``, which reads the int8 rows in place with their scales; it takes the
+query quantized the same way. The buffers keep the layout of ``custom_op_cache``'s float caches
+(sequence-major ``[1, slots, kv_heads, head_dim]``, scales ``[1, slots, kv_heads, 1]``), written by
+the same ``llama::update_cache`` ops, and a ring keeps exactly ``window`` slots.
+
+Keys and queries are first rotated by one orthonormal Hadamard matrix (``key_rotation``): q·k is
+unchanged, and the few channels in which a key is large are spread over all of them, so one scale
+per row fits the key closely. Without it the keys' error dominates; SpinQuant's R3 rotation, which
+ExecuTorch's ``spin_quant.py`` names for KV cache quantization, is the same (docs/quantization.md).
+
+A family whose attention needs more than softmax(QK^T·scale + mask)·V (soft-capping, attention
+sinks) reads the rows dequantized, through its own eager attention.
+"""
+
+from __future__ import annotations
+
+import executorch.extension.llm.custom_ops.custom_ops  # noqa: F401  (registers torch.ops.llama.*)
+import executorch.kernels.quantized  # noqa: F401  (the out variants of quantized_decomposed.*)
+import torch
+from torch import nn
+from torch.ao.quantization.fx._decomposed import quantized_decomposed_lib  # noqa: F401
+
+from ..attention import family_eager_attention, plain_softmax_attention
+from ..kv_cache import CallState, ring_key_positions
+
+INT8 = torch.int8
+QMIN, QMAX = torch.iinfo(INT8).min, torch.iinfo(INT8).max
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``x [..., D]`` -> int8 values, float32 scales and int8 zero points ``[..., 1]``: one pair per row."""
+    x = x if x.dtype == torch.float32 else x.float()
+    scales, zero_points = torch.ops.quantized_decomposed.choose_qparams_per_token_asymmetric.default(x, INT8)
+    values = torch.ops.quantized_decomposed.quantize_per_token(x, scales, zero_points, QMIN, QMAX, INT8)
+    return values, scales.float(), zero_points.to(INT8)
+
+
+def key_rotation(head_dim: int) -> torch.Tensor:
+    """An orthonormal Hadamard matrix ``[D, D]``: Sylvester's, in blocks of the largest power of two
+    dividing ``D`` (one block where ``D`` is a power of two)."""
+    block = head_dim & -head_dim
+    h = torch.ones(1, 1)
+    while h.shape[0] < block:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])
+    return torch.block_diag(*[h / block**0.5] * (head_dim // block))
+
+
+def dequantize_rows(values: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """One op outside XNNPACK's delegate (as plain arithmetic, partly delegated, it splits the
+    delegate into partitions that depend on each other); it takes float64 scales and int64 zero
+    points, as in ExecuTorch's ``QuantizedKVCache``."""
+    return torch.ops.quantized_decomposed.dequantize_per_token(
+        values, scales.double(), zero_points.long(), QMIN, QMAX, INT8, torch.float32
+    ).to(dtype)
+
+
+def _to_seq_major(x: torch.Tensor) -> torch.Tensor:
+    return x.transpose(1, 2)  # [1, heads, T, D] <-> [1, T, heads, D]
+
+
+def quantized_sdpa(query, rows, start, mask, scaling):
+    """``llama::custom_quantized_sdpa`` of ``query [1, H, T, D]`` over int8 ``rows`` (values, scales
+    and zero points of K, then of V, sequence-major): causal from ``start`` where ``mask`` is None
+    (reading positions ``[0, start + T)`` only), else under ``mask [T, K]``. Returns ``[1, T, H, D]``."""
+    q, q_scales, q_zero_points = quantize_rows(_to_seq_major(query))
+    k, k_scales, k_zero_points, v, v_scales, v_zero_points = rows
+    out = torch.ops.llama.custom_quantized_sdpa(
+        q, k, v, start, mask, 0.0, mask is None, scaling,
+        q_zero_points, q_scales, k_zero_points, k_scales, v_zero_points, v_scales, False,
+    )
+    return out.to(query.dtype)
+
+
+class _QuantizedRows(nn.Module):
+    """int8 K and V rows with their scales and zero points (six buffers)."""
+
+    NAMES = ("k", "k_scales", "k_zero_points", "v", "v_scales", "v_zero_points")
+
+    def __init__(self, batch: int, kv_heads: int, slots: int, head_dim: int, dtype: torch.dtype, rotation: torch.Tensor):
+        super().__init__()
+        self.dtype = dtype
+        self.register_buffer("rotation", rotation, persistent=False)  # key_rotation(head_dim), shared by the layers
+        rows, params = (batch, slots, kv_heads, head_dim), (batch, slots, kv_heads, 1)
+        for name in self.NAMES:
+            shape = rows if name in ("k", "v") else params
+            buffer = torch.ones(shape) if name.endswith("scales") else torch.zeros(shape, dtype=INT8)
+            self.register_buffer(name, buffer, persistent=False)
+
+    def buffers_in_order(self) -> tuple[torch.Tensor, ...]:
+        return tuple(getattr(self, name) for name in self.NAMES)
+
+    def dequantized(self, rows) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of ``rows`` in the model's dtype, head-major ``[1, kv_heads, S, D]``."""
+        k, k_scales, k_zero_points, v, v_scales, v_zero_points = rows
+        return (_to_seq_major(dequantize_rows(k, k_scales, k_zero_points, self.dtype)),
+                _to_seq_major(dequantize_rows(v, v_scales, v_zero_points, self.dtype)))
+
+
+class QuantizedStaticCache(_QuantizedRows):
+    """Full attention: slot i holds position i."""
+
+    def attend(self, module, query, key, value, mask, call: CallState, scaling=None, **kwargs):
+        query, key = query @ self.rotation, key @ self.rotation
+        new = (*quantize_rows(_to_seq_major(key)), *quantize_rows(_to_seq_major(value)))
+        for rows, buffer in zip(new, self.buffers_in_order()):
+            torch.ops.llama.update_cache(rows, buffer, call.start)
+        if plain_softmax_attention(kwargs):
+            return quantized_sdpa(query, self.buffers_in_order(), call.start, None, scaling), None
+        end = call.start + query.shape[2]
+        keys, values = self.dequantized(buffer[:, :end] for buffer in self.buffers_in_order())
+        return family_eager_attention(module)(module, query, keys, values, mask[..., :end], scaling=scaling, **kwargs)
+
+    def key_positions(self, positions: torch.Tensor) -> torch.Tensor:
+        return torch.arange(self.k.shape[1], device=positions.device)
+
+
+class QuantizedRingCache(_QuantizedRows):
+    """Sliding window W: W slots, position p at slot p % W; attends to the ring as it was before the
+    call followed by the call's own rows, masked to the window (``RingKVCache``'s semantics)."""
+
+    def __init__(self, batch: int, kv_heads: int, window: int, head_dim: int, dtype: torch.dtype, rotation: torch.Tensor):
+        super().__init__(batch, kv_heads, window, head_dim, dtype, rotation)
+        self.window = window
+
+    def attend(self, module, query, key, value, mask, call: CallState, scaling=None, **kwargs):
+        query, key = query @ self.rotation, key @ self.rotation
+        new = (*quantize_rows(_to_seq_major(key)), *quantize_rows(_to_seq_major(value)))
+        if plain_softmax_attention(kwargs):
+            rows = tuple(torch.cat([buffer, n], dim=1) for buffer, n in zip(self.buffers_in_order(), new))
+            # The kernel takes a float32 mask whatever the activations' dtype.
+            result = (quantized_sdpa(query, rows, 0, mask[0, 0].float(), scaling), None)
+        else:
+            # Each part dequantized, then joined: joining the int8 rows' float scales first puts a
+            # delegated op before the dequantization, which runs outside the delegate, and the
+            # attention after it: XNNPACK's partition would depend on itself.
+            (ring_k, ring_v), (new_k, new_v) = self.dequantized(self.buffers_in_order()), self.dequantized(new)
+            keys, values = torch.cat([ring_k, new_k], dim=2), torch.cat([ring_v, new_v], dim=2)
+            result = family_eager_attention(module)(module, query, keys, values, mask, scaling=scaling, **kwargs)
+        newest, slots = call.ring_writes(self.window)
+        for n, buffer in zip(new, self.buffers_in_order()):
+            torch.ops.llama.update_cache_with_indices(n.index_select(1, newest), buffer, 0, slots[None])
+        return result
+
+    def key_positions(self, positions: torch.Tensor) -> torch.Tensor:
+        return ring_key_positions(positions, self.window)
+
+
+def build_quantized_caches(specs, max_cache_len: int, dtype: torch.dtype, batch: int = 1) -> nn.ModuleList:
+    rotations = {d: key_rotation(d).to(dtype) for d in {spec.head_dim for spec in specs}}  # one constant per size
+    caches = []
+    for spec in specs:
+        rotation = rotations[spec.head_dim]
+        if spec.is_ring(max_cache_len):
+            caches.append(QuantizedRingCache(batch, spec.kv_heads, spec.window, spec.head_dim, dtype, rotation))
+        else:
+            caches.append(QuantizedStaticCache(batch, spec.kv_heads, max_cache_len, spec.head_dim, dtype, rotation))
+    return nn.ModuleList(caches)

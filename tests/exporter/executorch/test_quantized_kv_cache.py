@@ -1,0 +1,66 @@
+"""``--kv-cache int8`` on the ExecuTorch target: what the export records and refuses, and the lowered
+program against the module it was lowered from.
+
+The cache's arithmetic (positions, rings, masks, the int8 rows) is tested against attention over the
+whole history in ``tests/exporter/test_kv_cache.py``; the int8 artifacts against eager transformers
+by agreement in ``matrices/tiny.toml`` (tiny presets) and on the real models
+(docs/quantization.md#int8-kv-cache).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvexport.exporter.decoder import ExportableDecoder
+from kvexport.exporter.executorch.quantized_kv_cache import build_quantized_caches
+from kvexport.exporter.pipeline import KV_INT8_ROW_OVERHEAD_BYTES, ExportOptions, plan_export
+from kvexport.models.presets import build_preset
+from kvexport.runtime.programs import load_program
+
+from tests.conftest import NEW_TOKENS, PROMPT, TEST_CACHE_LEN
+from tests.helpers import assert_generation_matches, greedy_with, torch_forward
+from tests.test_cli import assert_one_line_error, run_cli
+
+
+def test_an_int8_cache_counts_its_rows_scales_and_zero_points(tmp_path):
+    """tiny-gemma3: three rings of 6 slots, one full layer of 64 positions, one KV head of 16."""
+    plans = {kv: plan_export(ExportOptions("tiny-gemma3", max_cache_len=64, kv_cache=kv, out=tmp_path / kv)) for kv in ("float", "int8")}
+    rows = sum(2 * layer["kv_heads"] * layer["slots"] for layer in plans["int8"].layers())
+    assert rows == 2 * (3 * 6 + 64)
+    assert plans["int8"].kv_cache_bytes == rows * (16 + KV_INT8_ROW_OVERHEAD_BYTES)
+    assert plans["float"].kv_cache_bytes == rows * 16 * 4
+    assert "KV cache int8 " in plans["int8"].summary()
+
+
+@pytest.mark.parametrize(
+    "args, phrases",
+    [
+        (["tiny-llama", "--target", "onnx", "--kv-cache", "int8"], ["--kv-cache int8 is not available for --target onnx", "--target executorch takes it"]),
+        (["tiny-llama", "--kv-cache", "int4"], ["unknown --kv-cache 'int4'", "float, int8"]),
+        (["tiny-gemma2", "--kv-cache", "int8"], ["--kv-cache int8 does not export soft-capped attention", "--kv-cache float"]),
+    ],
+    ids=["onnx", "unknown", "soft-capped"],
+)
+def test_kv_cache_mistakes_get_one_line_before_loading(tmp_path, capsys, monkeypatch, args, phrases):
+    from kvexport.exporter import pipeline
+
+    monkeypatch.setattr(pipeline.sources, "load_model", lambda *a, **k: pytest.fail("loaded the model"))
+    code, _, err = run_cli(capsys, "export", *args, "-o", tmp_path / "x")
+    assert_one_line_error(code, err, *phrases)
+    assert not (tmp_path / "x").exists()
+
+
+def test_the_int8_pte_computes_what_its_module_computes(artifact):
+    """gpt-oss: attention sinks, so both its sliding and its full layers read the rows dequantized
+    (the path no fused kernel takes). The lowered program generates what the same module does in
+    eager PyTorch, past the window; ``manifest`` and buffers say int8."""
+    model, tokenizer = build_preset("tiny-gpt-oss")
+    ids = tokenizer(PROMPT).input_ids
+    folder = artifact("tiny-gpt-oss", kv_cache="int8")
+    program = load_program(folder)
+    assert program.manifest["kv_cache"]["dtype"] == "int8"
+    module = ExportableDecoder(model, TEST_CACHE_LEN, build_quantized_caches)
+    assert {cache.k.dtype for cache in module.caches} == {torch.int8}
+    expected = greedy_with(torch_forward(module), ids, NEW_TOKENS)
+    assert_generation_matches(greedy_with(program.forward, ids, NEW_TOKENS), expected, 1e-3, "tiny-gpt-oss int8 KV")
