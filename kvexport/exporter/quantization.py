@@ -17,15 +17,15 @@ EMBEDDING_SCHEMES = {"int8": "8w", "int4": "4w"}
 # --quantize-lm-head (with 8da4w or int4): int8 (the default: its rounding lands straight on the
 # logits), or int4 (smaller and faster, less exact).
 LM_HEAD_SCHEMES = ("int8", "int4")
-# --kv-cache: the export's dtype ("float"), or int8 rows with a scale and zero point each; the
-# targets that take each.
-KV_CACHES = {"float": ("executorch", "onnx"), "int8": ("executorch",)}
+# --kv-cache: the export's dtype ("float", every target's), or int8 rows with a scale and zero
+# point each; the targets that take each.
+KV_CACHES = {"float": None, "int8": ("executorch",)}
 
 
 def check_kv_cache(kv_cache: str, target: str) -> None:
     if kv_cache not in KV_CACHES:
         raise InvalidOptionError(f"unknown --kv-cache '{kv_cache}'; choose one of: {', '.join(KV_CACHES)}")
-    if target not in KV_CACHES[kv_cache]:
+    if KV_CACHES[kv_cache] is not None and target not in KV_CACHES[kv_cache]:
         raise InvalidOptionError(
             f"--kv-cache {kv_cache} is not available for --target {target} in this version; "
             f"--target {' or '.join(KV_CACHES[kv_cache])} takes it"

@@ -13,8 +13,9 @@ unchanged, and the few channels in which a key is large are spread over all of t
 per row fits the key closely. Without it the keys' error dominates; SpinQuant's R3 rotation, which
 ExecuTorch's ``spin_quant.py`` names for KV cache quantization, is the same (docs/quantization.md).
 
-A family whose attention needs more than softmax(QK^T·scale + mask)·V (soft-capping, attention
-sinks) reads the rows dequantized, through its own eager attention.
+A family whose attention needs more than softmax(QK^T·scale + mask)·V (gpt-oss's attention sinks)
+reads the rows dequantized, unrotated, through its own eager attention. Soft-capped attention
+(Gemma 2) is refused before export: that path does not lower for it (see ``rotated``).
 """
 
 from __future__ import annotations
@@ -51,9 +52,8 @@ def key_rotation(head_dim: int) -> torch.Tensor:
 
 
 def dequantize_rows(values: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """One op outside XNNPACK's delegate (as plain arithmetic, partly delegated, it splits the
-    delegate into partitions that depend on each other); it takes float64 scales and int64 zero
-    points, as in ExecuTorch's ``QuantizedKVCache``."""
+    """ExecuTorch's per-token dequantize, as its ``QuantizedKVCache`` reads its rows (float64 scales
+    and int64 zero points, as that op takes them)."""
     return torch.ops.quantized_decomposed.dequantize_per_token(
         values, scales.double(), zero_points.long(), QMIN, QMAX, INT8, torch.float32
     ).to(dtype)
@@ -91,6 +91,15 @@ class _QuantizedRows(nn.Module):
             buffer = torch.ones(shape) if name.endswith("scales") else torch.zeros(shape, dtype=INT8)
             self.register_buffer(name, buffer, persistent=False)
 
+    def rotated(self, query, key, kwargs):
+        """Query and key rotated where the fused kernel attends. A family that reads the rows
+        dequantized keeps its keys as they are: with the rotation (gpt-oss), as with soft-capping
+        (Gemma 2), XNNPACK's partitioner groups the layer into partitions that depend on each
+        other, and the lowering fails."""
+        if plain_softmax_attention(kwargs):
+            return query @ self.rotation, key @ self.rotation
+        return query, key
+
     def buffers_in_order(self) -> tuple[torch.Tensor, ...]:
         return tuple(getattr(self, name) for name in self.NAMES)
 
@@ -105,7 +114,7 @@ class QuantizedStaticCache(_QuantizedRows):
     """Full attention: slot i holds position i."""
 
     def attend(self, module, query, key, value, mask, call: CallState, scaling=None, **kwargs):
-        query, key = query @ self.rotation, key @ self.rotation
+        query, key = self.rotated(query, key, kwargs)
         new = (*quantize_rows(_to_seq_major(key)), *quantize_rows(_to_seq_major(value)))
         for rows, buffer in zip(new, self.buffers_in_order()):
             torch.ops.llama.update_cache(rows, buffer, call.start)
@@ -128,16 +137,13 @@ class QuantizedRingCache(_QuantizedRows):
         self.window = window
 
     def attend(self, module, query, key, value, mask, call: CallState, scaling=None, **kwargs):
-        query, key = query @ self.rotation, key @ self.rotation
+        query, key = self.rotated(query, key, kwargs)
         new = (*quantize_rows(_to_seq_major(key)), *quantize_rows(_to_seq_major(value)))
         if plain_softmax_attention(kwargs):
             rows = tuple(torch.cat([buffer, n], dim=1) for buffer, n in zip(self.buffers_in_order(), new))
             # The kernel takes a float32 mask whatever the activations' dtype.
             result = (quantized_sdpa(query, rows, 0, mask[0, 0].float(), scaling), None)
         else:
-            # Each part dequantized, then joined: joining the int8 rows' float scales first puts a
-            # delegated op before the dequantization, which runs outside the delegate, and the
-            # attention after it: XNNPACK's partition would depend on itself.
             (ring_k, ring_v), (new_k, new_v) = self.dequantized(self.buffers_in_order()), self.dequantized(new)
             keys, values = torch.cat([ring_k, new_k], dim=2), torch.cat([ring_v, new_v], dim=2)
             result = family_eager_attention(module)(module, query, keys, values, mask, scaling=scaling, **kwargs)

@@ -52,7 +52,8 @@ def describe_kv_cache(kv_cache: str) -> dict:
     return {
         "dtype": kv_cache,
         "scales": "float32 scale and int8 zero point per token and KV head (asymmetric, chosen when the row is written)",
-        "keys": "rotated, with the queries, by one orthonormal Hadamard matrix of head_dim before they are quantized",
+        "keys": "rotated, with the queries, by one orthonormal Hadamard matrix of head_dim before they are quantized "
+                "(where llama::custom_quantized_sdpa attends)",
         "op": "llama::custom_quantized_sdpa (query quantized the same way)",
     }
 
