@@ -10,11 +10,12 @@ from pathlib import Path
 
 from ..artifact import manifest
 from ..artifact.staging import check_output_path, staged_folder
-from ..errors import InvalidOptionError, UnsupportedModelError
+from ..errors import InvalidOptionError
 from ..models import architecture, sources
 from ..progress import Progress, peak_rss_mb
 from ..version import __version__
 from . import quantization as quantize
+from .kv_calibration import calibration_ids
 from .targets import ProgramSpec, check_target_name, get_target
 
 DEFAULT_MAX_CACHE_LEN = 2048
@@ -22,8 +23,6 @@ DEFAULT_MAX_CACHE_LEN = 2048
 # many. ExecuTorch plans activation memory for the largest call, so the chunk bounds RSS
 # (docs/performance.md).
 DEFAULT_PREFILL_CHUNK = 512
-# --kv-cache int8: each row of head_dim int8 values has a float32 scale and an int8 zero point.
-KV_INT8_ROW_OVERHEAD_BYTES = 4 + 1
 
 
 @dataclass
@@ -114,8 +113,8 @@ class ExportPlan:
 
     def kv_row_bytes(self, head_dim: int) -> int:
         """Bytes of one position of one KV head, in K or in V."""
-        if self.options.kv_cache == "int8":  # int8 values, a float32 scale and an int8 zero point
-            return head_dim + KV_INT8_ROW_OVERHEAD_BYTES
+        if self.options.kv_cache == "int8":  # int8 values, and on some targets a scale per row
+            return head_dim + get_target(self.options.target).INT8_KV_ROW_EXTRA_BYTES
         return head_dim * self.dtype_bytes
 
     def layers(self) -> list[dict]:
@@ -172,14 +171,9 @@ def plan_export(options: ExportOptions, progress: Progress | None = None) -> Exp
         )
     config = sources.load_config(source)
     specs = architecture.layer_specs(config)
-    if options.kv_cache == "int8" and getattr(architecture.text_config(config), "attn_logit_softcapping", None):
-        # Its attention reads the rows dequantized (no fused int8 kernel soft-caps), and XNNPACK's
-        # partitioner then groups the layer's ops into partitions that depend on each other.
-        raise UnsupportedModelError(
-            "--kv-cache int8 does not export soft-capped attention (attn_logit_softcapping, as in Gemma 2) in this "
-            "version; export it with --kv-cache float"
-        )
     max_cache_len, max_positions = choose_max_cache_len(config, options.max_cache_len)
+    if options.kv_cache != "float":
+        target.check_kv_cache(options.kv_cache, architecture.text_config(config), specs, max_cache_len)
     architecture.check_rope(config, max_cache_len)
     prefill_chunk = choose_prefill_chunk(max_cache_len, options.prefill_chunk)
     dtype_bytes = sources.DTYPES[options.dtype]
@@ -239,7 +233,8 @@ def export_model(options: ExportOptions, progress: Progress | None = None) -> Ex
 
     with staged_folder(plan.out, options.force) as folder:
         with progress.step("export", f"torch.export, T dynamic (calls of 1 to {plan.prefill_chunk} tokens)"):
-            program = target.export(model, plan.max_cache_len, plan.prefill_chunk, options.kv_cache)
+            calibration = calibration_ids(tokenizer) if options.kv_cache == "int8" else None
+            program = target.export(model, plan.max_cache_len, plan.prefill_chunk, options.kv_cache, calibration)
         with progress.step("lower", options.target):
             lowered = target.lower(program, spec, folder)
             del program

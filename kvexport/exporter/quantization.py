@@ -17,9 +17,9 @@ EMBEDDING_SCHEMES = {"int8": "8w", "int4": "4w"}
 # --quantize-lm-head (with 8da4w or int4): int8 (the default: its rounding lands straight on the
 # logits), or int4 (smaller and faster, less exact).
 LM_HEAD_SCHEMES = ("int8", "int4")
-# --kv-cache: the export's dtype ("float", every target's), or int8 rows with a scale and zero
-# point each; the targets that take each.
-KV_CACHES = {"float": None, "int8": ("executorch",)}
+# --kv-cache: the export's dtype ("float", every target's), or int8 (ExecuTorch: a scale and zero
+# point per row; ONNX: fixed scales per channel); the targets that take each.
+KV_CACHES = {"float": None, "int8": ("executorch", "onnx")}
 
 
 def check_kv_cache(kv_cache: str, target: str) -> None:

@@ -37,6 +37,7 @@ class Target(Protocol):
     SUPPORTED_DTYPES: tuple[str, ...]  # the --dtype values it takes
     RUNTIME_PACKAGES: tuple[str, ...]  # the packages whose versions kvexport.json records
     RING_WINDOWS: int  # a sliding layer's buffer holds this many windows of rows
+    INT8_KV_ROW_EXTRA_BYTES: int  # --kv-cache int8: what a row of head_dim int8 values takes besides them
     # Where --quantize applies: to the module before export (quantize_model), or to the written
     # program's weights after lowering (quantize_files); the other hook does nothing.
     QUANTIZES_MODULE: bool
@@ -45,9 +46,12 @@ class Target(Protocol):
         """Quantize the module in place before export; return the layers left in float."""
 
     def export(
-        self, model: torch.nn.Module, max_cache_len: int, max_tokens_per_call: int, kv_cache: str
+        self, model: torch.nn.Module, max_cache_len: int, max_tokens_per_call: int, kv_cache: str,
+        calibration_ids: torch.Tensor | None,
     ) -> torch.export.ExportedProgram:
-        """The model wrapped with the target's cache (its elements ``kv_cache``), traced with ``T`` dynamic."""
+        """The model wrapped with the target's cache (its elements ``kv_cache``), traced with ``T``
+        dynamic. ``calibration_ids``: for ``kv_cache`` int8, the tokens of the text a target with
+        fixed scales measures them on (``kv_calibration``)."""  # fmt: skip
 
     def lower(self, program: torch.export.ExportedProgram, spec: ProgramSpec, out_dir: Path) -> dict:
         """Write the program file(s) into ``out_dir``; return facts for ``kvexport.json`` (at least
@@ -55,6 +59,10 @@ class Target(Protocol):
 
     def quantize_files(self, out_dir: Path, spec: ProgramSpec, quantization: Quantization) -> dict:
         """Quantize the written program's weights in place; return facts for ``kvexport.json``."""
+
+    def check_kv_cache(self, kv_cache: str, text_config, specs: list, max_cache_len: int) -> None:
+        """Refuse, before the model loads, a ``--kv-cache`` other than float that this model's
+        attention cannot have on this target (``UnsupportedModelError``)."""
 
     def describe_kv_cache(self, kv_cache: str) -> dict:
         """What ``kvexport.json`` records under ``kv_cache`` for a ``--kv-cache`` other than float

@@ -61,6 +61,8 @@ def _check_against_graph(session, manifest: dict) -> None:
     if "logits" not in outputs:
         raise program_mismatch("the graph has", "an output logits", "none")
     expected_type = _ORT_TYPES[manifest["dtype"]]
+    cache_dtype = _cache_dtype(manifest)
+    cache_type = _ORT_TYPES.get(cache_dtype, f"tensor({cache_dtype})")
     if outputs["logits"].type != expected_type:
         raise program_mismatch("its dtype is", manifest["dtype"], f"logits of {outputs['logits'].type}")
     _check_shape("logits", [1, 1, manifest["vocab_size"]], outputs["logits"].shape, "vocab_size")
@@ -71,9 +73,14 @@ def _check_against_graph(session, manifest: dict) -> None:
             name = _cache_name("past", kv, spec["index"])
             if name not in graph or _cache_name("present", kv, spec["index"]) not in outputs:
                 raise program_mismatch("the graph has", name, "no such input")
-            if graph[name].type != expected_type:
-                raise program_mismatch("its dtype is", manifest["dtype"], f"{name} of {graph[name].type}")
+            if graph[name].type != cache_type:
+                raise program_mismatch("its KV cache's dtype is", cache_dtype, f"{name} of {graph[name].type}")
             _check_shape(name, shape, graph[name].shape, fields)
+
+
+def _cache_dtype(manifest: dict) -> str:
+    """The buffers' element type: the export's dtype, or ``kv_cache.dtype`` (``--kv-cache int8``)."""
+    return manifest.get("kv_cache", {}).get("dtype", manifest["dtype"])
 
 
 def _cache_name(kind: str, kv: str, index) -> str:
@@ -146,7 +153,8 @@ class OnnxProgram:
         _check_against_graph(self._session, manifest)  # before any buffer is sized from the manifest
         check_against_genai_config(folder, manifest)
         self._dtype = np.dtype(manifest["dtype"])
-        self._layers = [_Layer(ort, spec, self._max_cache_len, self._dtype, device) for spec in manifest["layers"]]
+        self._cache_dtype = np.dtype(_cache_dtype(manifest))
+        self._layers = [_Layer(ort, spec, self._max_cache_len, self._cache_dtype, device) for spec in manifest["layers"]]
         # Tokens per call: the interface's limit (--prefill-chunk).
         self._chunk = max_tokens_per_call(manifest)
         # Host memory for the small inputs and the logits: ONNX Runtime copies them across itself.
@@ -157,8 +165,8 @@ class OnnxProgram:
         self._binding.bind_output("logits", "cpu", 0, self._dtype, list(self._logits.shape), self._logits.ctypes.data)
         for layer in self._layers:  # every past is a whole buffer and its present the same: bound once
             for kv, buf in layer.buffers.items():
-                self._binding.bind_input(_cache_name("past", kv, layer.index), device, 0, self._dtype, layer.shape, buf.ptr)
-                self._binding.bind_output(_cache_name("present", kv, layer.index), device, 0, self._dtype, layer.shape, buf.ptr)
+                self._binding.bind_input(_cache_name("past", kv, layer.index), device, 0, self._cache_dtype, layer.shape, buf.ptr)
+                self._binding.bind_output(_cache_name("present", kv, layer.index), device, 0, self._cache_dtype, layer.shape, buf.ptr)
         self._next_start = 0
 
     def forward(self, tokens: list[int], start: int) -> np.ndarray:

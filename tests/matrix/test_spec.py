@@ -133,8 +133,8 @@ def test_shards_cover_every_row_exactly_once(count):
         ("[[row]]\nmodel = 'tiny-llama'\ntarget = 'onnx'\nquantize = 'int4'\ndtype = 'float16'", "--quantize takes --dtype float32"),
         ("[[row]]\nmodel = 'tiny-llama'\nquantize_lm_head = 'int4'", "--quantize-lm-head goes with --quantize 8da4w"),
         ("[[row]]\nmodel = 'tiny-llama'\nprefill_chunk = 0", "'prefill_chunk' must be a positive integer"),
-        ("[[row]]\nmodel = 'tiny-llama'\ntarget = ['executorch', 'onnx']\nkv_cache = 'int8'",
-         "[[row]] #1 (onnx): --kv-cache int8 is not available for --target onnx"),
+        ("[[row]]\nmodel = 'tiny-llama'\ntarget = ['executorch', 'onnx']\nkv_cache = 'int4'",
+         "[[row]] #1 (executorch): unknown --kv-cache 'int4'"),
     ],
 )
 def test_mistakes_in_the_file_get_one_line(tmp_path, capsys, text, phrase):

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from ...errors import UnsupportedModelError
 from ..decoder import ExportableDecoder, export_decoder
 from ..quantization import Quantization
 from ..targets import ProgramSpec
@@ -28,15 +29,22 @@ RUNTIME_PACKAGES = ("executorch",)
 QUANTIZES_MODULE = True
 # A sliding layer's ring has window slots (RingKVCache).
 RING_WINDOWS = 1
+# --kv-cache int8: each row has a float32 scale and an int8 zero point.
+INT8_KV_ROW_EXTRA_BYTES = 4 + 1
 
 
 def export(
-    model: torch.nn.Module, max_cache_len: int, max_tokens_per_call: int, kv_cache: str = "float"
+    model: torch.nn.Module,
+    max_cache_len: int,
+    max_tokens_per_call: int,
+    kv_cache: str = "float",
+    calibration_ids: torch.Tensor | None = None,
 ) -> torch.export.ExportedProgram:
     """The cache lives in the program's mutable buffers, written and read by ExecuTorch's LLM
     custom ops (in-place update, fused attention over the filled positions only), in the model's
-    dtype or in int8 (``kv_cache``). A call takes at most ``max_tokens_per_call`` tokens, the size
-    ExecuTorch plans activation memory for."""
+    dtype or in int8 (``kv_cache``; its scales are chosen per row as it is written, so
+    ``calibration_ids`` is not needed). A call takes at most ``max_tokens_per_call`` tokens, the
+    size ExecuTorch plans activation memory for."""
     from .custom_op_cache import build_custom_op_caches
     from .quantized_kv_cache import build_quantized_caches
     from .stacked_projections import stacked_projections
@@ -45,6 +53,16 @@ def export(
     caches = build_quantized_caches if kv_cache == "int8" else build_custom_op_caches
     with rotary_as_matmul(model), stacked_projections(model):
         return export_decoder(ExportableDecoder(model, max_cache_len, caches, max_tokens_per_call))
+
+
+def check_kv_cache(kv_cache: str, text_config, specs: list, max_cache_len: int) -> None:
+    if getattr(text_config, "attn_logit_softcapping", None):
+        # Its attention reads the rows dequantized (no fused int8 kernel soft-caps), and XNNPACK's
+        # partitioner then groups the layer's ops into partitions that depend on each other.
+        raise UnsupportedModelError(
+            "--kv-cache int8 does not export soft-capped attention (attn_logit_softcapping, as in Gemma 2) for "
+            "--target executorch in this version; export it with --kv-cache float, or for --target onnx"
+        )
 
 
 def describe_kv_cache(kv_cache: str) -> dict:

@@ -57,6 +57,16 @@ def _visible(key_positions: torch.Tensor, query_positions: torch.Tensor, window:
     return torch.zeros(visible.shape).masked_fill(~visible, float("-inf"))
 
 
+def quantize_to_cache(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``x [kv_heads, T, D]`` as the kernel stores it in an int8 buffer with ``scale [1, kv_heads, 1, D]``:
+    x / scale rounded half to even, saturated to int8."""
+    return torch.round(x.float() / scale[0]).clamp(-128, 127).to(torch.int8)
+
+
+def dequantize_from_cache(x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    return x if scale is None else x.float() * scale[0]
+
+
 @torch.library.custom_op("kvexport::group_query_attention", mutates_args=())
 def group_query_attention(
     query: torch.Tensor,
@@ -67,6 +77,8 @@ def group_query_attention(
     seqlens_k: torch.Tensor,
     total_length: torch.Tensor,
     sinks: torch.Tensor | None,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
     num_heads: int,
     kv_num_heads: int,
     scale: float,
@@ -80,14 +92,19 @@ def group_query_attention(
     ``local_window`` <= 0: row i holds position i, the call's rows go to ``P .. P+T-1``.
     ``local_window`` W > 0 (``sliding_window_cache``): rows ``0 .. min(P, C)-1`` hold the newest
     positions before the call in order; the present holds the newest ``min(P + T, C)`` the same way,
-    and each query sees the last W positions up to its own. Returns ``(out [1, T, num_heads * D],
-    present_key, present_value)``, presents shaped as the pasts.
+    and each query sees the last W positions up to its own. ``k_scale``/``v_scale``
+    ``[1, kv_num_heads, 1, D]`` (float32): the buffers are int8 with one fixed scale per channel
+    (``k_quant_type``/``v_quant_type`` PER_CHANNEL); the call's rows are quantized as they are
+    written, and every row is read dequantized. Returns ``(out [1, T, num_heads * D], present_key,
+    present_value)``, presents shaped and typed as the pasts.
     """
     t = query.shape[1]
     end = int(total_length)
     start = end - t
     new_k = key[0].view(t, kv_num_heads, -1).transpose(0, 1)
     new_v = value[0].view(t, kv_num_heads, -1).transpose(0, 1)
+    if k_scale is not None:
+        new_k, new_v = quantize_to_cache(new_k, k_scale), quantize_to_cache(new_v, v_scale)
     present_key, present_value = past_key.clone(), past_value.clone()
     if local_window > 0:
         capacity = past_key.shape[2]
@@ -101,12 +118,13 @@ def group_query_attention(
         keys, values = present_key[0, :, :end], present_value[0, :, :end]
         key_positions = torch.arange(end)
     bias = _visible(key_positions, torch.arange(start, end), local_window)
+    keys, values = dequantize_from_cache(keys, k_scale), dequantize_from_cache(values, v_scale)
     out = _attention(query, keys, values, num_heads, kv_num_heads, scale, bias, softcap, sinks)
     return out, present_key, present_value
 
 
 @group_query_attention.register_fake
-def _(query, key, value, past_key, past_value, seqlens_k, total_length, sinks, num_heads, kv_num_heads, scale, local_window, softcap):
+def _(query, key, value, past_key, past_value, seqlens_k, total_length, sinks, k_scale, v_scale, num_heads, kv_num_heads, scale, local_window, softcap):
     return torch.empty_like(query), torch.empty_like(past_key), torch.empty_like(past_value)
 
 
@@ -127,8 +145,8 @@ def _onnx_schema():
             param("query", "T"),
             param("key", "T"),
             param("value", "T"),
-            param("past_key", "T"),
-            param("past_value", "T"),
+            param("past_key", "C"),
+            param("past_value", "C"),
             param("seqlens_k", "M"),
             param("total_sequence_length", "M"),
             param("cos_cache", "T", optional=True),
@@ -136,10 +154,14 @@ def _onnx_schema():
             param("position_ids", "P", optional=True),
             param("attention_bias", "T", optional=True),
             param("head_sink", "T", optional=True),
+            param("k_scale", "S", optional=True),
+            param("v_scale", "S", optional=True),
         ],
-        outputs=[param("output", "T"), param("present_key", "T"), param("present_value", "T")],
+        outputs=[param("output", "T"), param("present_key", "C"), param("present_value", "C")],
         type_constraints=[
             ("T", ["tensor(float)", "tensor(float16)"], ""),
+            ("C", ["tensor(float)", "tensor(float16)", "tensor(int8)"], ""),
+            ("S", ["tensor(float)"], ""),
             ("M", ["tensor(int32)"], ""),
             ("P", ["tensor(int64)"], ""),
         ],
@@ -150,12 +172,15 @@ def _onnx_schema():
             OpSchema.Attribute("local_window_size", OpSchema.AttrType.INT, ""),
             OpSchema.Attribute("sliding_window_cache", OpSchema.AttrType.INT, ""),
             OpSchema.Attribute("softcap", OpSchema.AttrType.FLOAT, ""),
+            OpSchema.Attribute("k_quant_type", OpSchema.AttrType.STRING, ""),
+            OpSchema.Attribute("v_quant_type", OpSchema.AttrType.STRING, ""),
+            OpSchema.Attribute("kv_cache_bit_width", OpSchema.AttrType.INT, ""),
         ],
     )
 
 
 def _group_query_attention_onnx(
-    query, key, value, past_key, past_value, seqlens_k, total_length, sinks,
+    query, key, value, past_key, past_value, seqlens_k, total_length, sinks, k_scale, v_scale,
     num_heads: int, kv_num_heads: int, scale: float, local_window: int, softcap: float,
 ):  # fmt: skip
     import onnxscript
@@ -167,6 +192,9 @@ def _group_query_attention_onnx(
     if softcap > 0:
         attributes["softcap"] = softcap
     optional = (None, None, None, None, sinks) if sinks is not None else ()  # cos, sin, position_ids, bias, sinks
+    if k_scale is not None:
+        attributes |= {"k_quant_type": "PER_CHANNEL", "v_quant_type": "PER_CHANNEL", "kv_cache_bit_width": 8}
+        optional = (None, None, None, None, sinks, k_scale, v_scale)
     return op(query, key, value, past_key, past_value, seqlens_k, total_length, *optional, **attributes)
 
 
@@ -186,12 +214,15 @@ class _BufferLayer:
     past in, present out, which a runner binds to the same memory. ``window`` > 0: a sliding
     layer's window-sized buffer (see the module's docstring).
 
-    Not an ``nn.Module``: it holds only the tensors of the call being traced, no state.
+    Not an ``nn.Module``: it holds only the tensors of the call being traced, no state; an int8
+    buffer's fixed scales (``k_scale``/``v_scale``) are the decoder's buffers (``quantized_kv_cache``).
     """
 
     def __init__(self, window: int | None = None):
         self.window = window
         self.past_k = self.past_v = self.present_k = self.present_v = None
+        self.k_scale = self.v_scale = None
+        self.observe = None  # called with each call's keys and values (``quantized_kv_cache.calibrate``)
 
     def bind(self, past_k: torch.Tensor, past_v: torch.Tensor) -> None:
         self.past_k, self.past_v = past_k, past_v
@@ -204,11 +235,13 @@ class _BufferLayer:
         if dropout:
             raise UnsupportedModelError("attention dropout in the exported model: export a model in eval mode")
         t = query.shape[2]
+        if self.observe is not None:
+            self.observe(key, value)
         (q, k, v), heads, kv_heads, scale = _kernel_inputs(query, key, value, scaling)
         last = call.positions[-1:]  # P + T - 1: the kernel's lengths (the graph reads them from the mask)
         seqlens_k, total_length = last.to(torch.int32), (last[0] + 1).to(torch.int32)
         out, self.present_k, self.present_v = torch.ops.kvexport.group_query_attention(
-            q, k, v, self.past_k, self.past_v, seqlens_k, total_length, s_aux,
+            q, k, v, self.past_k, self.past_v, seqlens_k, total_length, s_aux, self.k_scale, self.v_scale,
             heads, kv_heads, scale, self.window or -1, float(softcap or 0.0),
         )  # fmt: skip
         return out.view(1, t, heads, -1), None

@@ -49,7 +49,8 @@ def external_cache_example_inputs(decoder: ExternalCacheDecoder) -> tuple[torch.
     past = []
     for layer, spec in zip(decoder.caches, decoder.specs):
         rows = layer.window or decoder.max_cache_len
-        past += [torch.zeros((1, spec.kv_heads, rows, spec.head_dim), dtype=decoder.dtype) for _ in range(2)]
+        dtype = decoder.dtype if layer.k_scale is None else torch.int8  # int8: --kv-cache int8
+        past += [torch.zeros((1, spec.kv_heads, rows, spec.head_dim), dtype=dtype) for _ in range(2)]
     return (torch.zeros((1, t), dtype=torch.long), torch.ones((1, start + t), dtype=torch.long), *past)
 
 

@@ -24,6 +24,7 @@ from .attention import ONNX_TRANSLATIONS as ATTENTION_TRANSLATIONS
 from .attention import lengths_from_mask
 from .decoder import ExternalCacheDecoder, export_external_cache_decoder
 from .quantize import ACCURACY_LEVEL, BLOCK, FINE_BLOCK, table_block
+from .quantized_kv_cache import WINDOW_HEAD_DIM_MULTIPLE, calibrate, use_int8_buffers
 from .rotary import ONNX_TRANSLATIONS as ROTARY_TRANSLATIONS
 from .rotary import fold_rotations_into_attention, rotary_as_kernel
 
@@ -37,6 +38,8 @@ RUNTIME_PACKAGES = ("onnx", "onnxruntime", "onnxscript", "onnxruntime_genai")
 QUANTIZES_MODULE = False
 # A sliding layer's buffer has window rows (onnxruntime-genai adds a slack of its own).
 RING_WINDOWS = 1
+# --kv-cache int8: rows are int8 values only; the scales are fixed, one per KV head and channel.
+INT8_KV_ROW_EXTRA_BYTES = 0
 GENAI_CONFIG = "genai_config.json"
 
 # Symbolic dimensions of the graph's inputs and outputs.
@@ -50,10 +53,16 @@ SYMBOLS = {
 
 
 def export(
-    model: torch.nn.Module, max_cache_len: int, max_tokens_per_call: int, kv_cache: str = "float"
+    model: torch.nn.Module,
+    max_cache_len: int,
+    max_tokens_per_call: int,
+    kv_cache: str = "float",
+    calibration_ids: torch.Tensor | None = None,
 ) -> torch.export.ExportedProgram:
     """The cache crosses the graph boundary: past rows in, the call's new rows out. Rotary
     embeddings go through ONNX Runtime's kernel where the family's rotation is the standard one.
+    ``kv_cache`` int8: int8 buffers with fixed scales measured on ``calibration_ids``
+    (``quantized_kv_cache``).
 
     ONNX Runtime sizes memory per call, so the graph itself takes any ``T`` the cache holds (its
     rotary tables are computed from a call of ``max_cache_len`` tokens); ``max_tokens_per_call``
@@ -66,6 +75,8 @@ def export(
         )
     if len({(spec.kv_heads, spec.head_dim) for spec in decoder.specs}) > 1:  # genai_config.json has one of each
         raise UnsupportedModelError("layers with different KV head counts or head sizes: the ONNX target needs one of each")
+    if kv_cache == "int8":
+        use_int8_buffers(decoder, calibrate(decoder, calibration_ids))
     with rotary_as_kernel(decoder.model):
         return export_external_cache_decoder(decoder)
 
@@ -122,6 +133,26 @@ def lower(program: torch.export.ExportedProgram, spec: ProgramSpec, out_dir: Pat
         "opset": _opset(graph),
         "interface": interface(graph, spec),
     }
+
+
+def check_kv_cache(kv_cache: str, text_config, specs: list, max_cache_len: int) -> None:
+    odd = sorted({s.head_dim for s in specs if s.is_ring(max_cache_len) and s.head_dim % WINDOW_HEAD_DIM_MULTIPLE})
+    if odd:
+        raise UnsupportedModelError(
+            f"--kv-cache int8 with sliding layers of head size {odd[0]}: ONNX Runtime's kernel takes an int8 window "
+            f"of head sizes that are multiples of {WINDOW_HEAD_DIM_MULTIPLE} only; export it with --kv-cache float, "
+            "or for --target executorch"
+        )
+
+
+def describe_kv_cache(kv_cache: str) -> dict:
+    """What ``kvexport.json`` records under ``kv_cache`` for ``--kv-cache int8``."""
+    return {
+        "dtype": kv_cache,
+        "scales": "float32 scale per KV head and channel, symmetric, fixed at export: the largest magnitude on "
+                  "kvexport's calibration text (keys: over each rotary pair), saturating beyond it",
+        "op": "com.microsoft::GroupQueryAttention, k_quant_type and v_quant_type PER_CHANNEL, kv_cache_bit_width 8",
+    }  # fmt: skip
 
 
 def genai_config(spec: ProgramSpec) -> dict:
@@ -328,7 +359,7 @@ def _drop_identity_reshapes(model) -> int:
     return bypassed
 
 
-_ONNX_DTYPES = {1: "float32", 10: "float16", 16: "bfloat16", 7: "int64", 6: "int32"}
+_ONNX_DTYPES = {1: "float32", 10: "float16", 16: "bfloat16", 7: "int64", 6: "int32", 3: "int8"}
 _CACHE_NAME = re.compile(r"(past_key_values|present)\.(\d+)\.(key|value)")
 
 

@@ -14,7 +14,8 @@ import torch
 
 from kvexport.exporter.decoder import ExportableDecoder
 from kvexport.exporter.executorch.quantized_kv_cache import build_quantized_caches
-from kvexport.exporter.pipeline import KV_INT8_ROW_OVERHEAD_BYTES, ExportOptions, plan_export
+from kvexport.exporter.executorch.target import INT8_KV_ROW_EXTRA_BYTES
+from kvexport.exporter.pipeline import ExportOptions, plan_export
 from kvexport.models.presets import build_preset
 from kvexport.runtime.programs import load_program
 
@@ -28,7 +29,7 @@ def test_an_int8_cache_counts_its_rows_scales_and_zero_points(tmp_path):
     plans = {kv: plan_export(ExportOptions("tiny-gemma3", max_cache_len=64, kv_cache=kv, out=tmp_path / kv)) for kv in ("float", "int8")}
     rows = sum(2 * layer["kv_heads"] * layer["slots"] for layer in plans["int8"].layers())
     assert rows == 2 * (3 * 6 + 64)
-    assert plans["int8"].kv_cache_bytes == rows * (16 + KV_INT8_ROW_OVERHEAD_BYTES)
+    assert plans["int8"].kv_cache_bytes == rows * (16 + INT8_KV_ROW_EXTRA_BYTES)
     assert plans["float"].kv_cache_bytes == rows * 16 * 4
     assert "KV cache int8 " in plans["int8"].summary()
 
@@ -36,11 +37,10 @@ def test_an_int8_cache_counts_its_rows_scales_and_zero_points(tmp_path):
 @pytest.mark.parametrize(
     "args, phrases",
     [
-        (["tiny-llama", "--target", "onnx", "--kv-cache", "int8"], ["--kv-cache int8 is not available for --target onnx", "--target executorch takes it"]),
         (["tiny-llama", "--kv-cache", "int4"], ["unknown --kv-cache 'int4'", "float, int8"]),
-        (["tiny-gemma2", "--kv-cache", "int8"], ["--kv-cache int8 does not export soft-capped attention", "--kv-cache float"]),
+        (["tiny-gemma2", "--kv-cache", "int8"], ["--kv-cache int8 does not export soft-capped attention", "--kv-cache float", "--target onnx"]),
     ],
-    ids=["onnx", "unknown", "soft-capped"],
+    ids=["unknown", "soft-capped"],
 )
 def test_kv_cache_mistakes_get_one_line_before_loading(tmp_path, capsys, monkeypatch, args, phrases):
     from kvexport.exporter import pipeline

@@ -1,0 +1,141 @@
+"""``--kv-cache int8`` on the ONNX target: the fixed scales, what the export records and refuses,
+and the artifact against the module it was exported from, in kvexport's runner and in
+onnxruntime-genai.
+
+The kernel's int8 arithmetic against kvexport's op: ``tests/exporter/onnx/test_attention.py``; the
+int8 artifacts against eager transformers by agreement in ``matrices/tiny.toml`` and on the real
+models (docs/quantization.md#int8-kv-cache).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kvexport.errors import ArtifactError, UnsupportedModelError
+from kvexport.exporter.kv_calibration import calibration_ids
+from kvexport.exporter.onnx import target as onnx_target
+from kvexport.exporter.onnx.decoder import ExternalCacheDecoder
+from kvexport.exporter.onnx.quantized_kv_cache import INT8_MAX, _key_peaks, calibrate, use_int8_buffers
+from kvexport.exporter.pipeline import ExportOptions, plan_export
+from kvexport.models.architecture import layer_specs
+from kvexport.models.presets import build_preset, preset_config
+from kvexport.runtime.programs import load_program
+from tests.conftest import NEW_TOKENS, PROMPT, TEST_CACHE_LEN
+from tests.helpers import assert_generation_matches, edit_manifest, genai_greedy, greedy_with
+
+
+def _rotate_pairs(key: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
+    """transformers' rotation of ``key [..., T, D]`` by ``angles [T, D/2]`` (channels i and i + D/2)."""
+    half = key.shape[-1] // 2
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    return key * cos + torch.cat([-key[..., half:], key[..., :half]], -1) * sin
+
+
+def test_key_scales_hold_the_keys_at_positions_the_calibration_never_reached():
+    """A key's channel at any rotary angle stays within its pair's peak; each channel's own peak
+    over the calibration's angles would not hold it."""
+    generator = torch.Generator().manual_seed(0)
+    keys = torch.randn(1, 2, 40, 16, generator=generator) * torch.linspace(0.1, 4, 16)  # uneven channels
+    seen = _rotate_pairs(keys, torch.rand(40, 8, generator=generator) * 0.3)  # small angles: early positions
+    later = _rotate_pairs(keys, torch.rand(40, 8, generator=generator) * 2 * math.pi)  # any position
+    peaks = _key_peaks(seen)
+    assert bool((later[0].abs() <= peaks[:, None, :] * (1 + 1e-6)).all())
+    assert bool((later[0].abs() > seen[0].abs().amax(dim=1)[:, None, :]).any())
+
+
+def test_calibrated_scales_fit_the_calibration_text_without_saturating_it():
+    """tiny-qwen3 (full layers, several KV heads): one scale per layer, KV head and channel, and
+    the calibration's own keys and values land within int8 at those scales."""
+    model, tokenizer = build_preset("tiny-qwen3")
+    decoder = ExternalCacheDecoder(model, TEST_CACHE_LEN)
+    ids = calibration_ids(tokenizer)
+    scales = calibrate(decoder, ids)
+    spec = decoder.specs[0]
+    assert len(scales) == len(decoder.specs)
+    assert {tuple(s.shape) for pair in scales for s in pair} == {(1, spec.kv_heads, 1, spec.head_dim)}
+    assert all(bool((s > 0).all()) and s.dtype == torch.float32 for pair in scales for s in pair)
+    seen = []
+    for layer in decoder.caches:
+        layer.observe = lambda k, v: seen.append((k, v))
+    past = [torch.zeros(1, spec.kv_heads, TEST_CACHE_LEN, spec.head_dim) for _ in range(2 * len(decoder.specs))]
+    with torch.no_grad():
+        decoder(ids[:, :TEST_CACHE_LEN], torch.ones_like(ids[:, :TEST_CACHE_LEN]), *past)
+    for (k, v), (k_scale, v_scale) in zip(seen, scales):
+        assert bool((k.abs() <= k_scale * INT8_MAX * (1 + 1e-6)).all())
+        assert float((v.abs() / (v_scale * INT8_MAX)).max()) == pytest.approx(1.0, rel=1e-6)  # the peak is the scale's
+
+
+def test_an_int8_buffer_takes_one_byte_a_channel(tmp_path):
+    """tiny-gemma3 on ONNX: three windows of 6 rows, one full layer of 64, one KV head of 16; the
+    scales are fixed (initializers), not per row."""
+    plans = {kv: plan_export(ExportOptions("tiny-gemma3", target="onnx", max_cache_len=64, kv_cache=kv, out=tmp_path / kv))
+             for kv in ("float", "int8")}  # fmt: skip
+    rows = sum(2 * layer["kv_heads"] * layer["slots"] for layer in plans["int8"].layers())
+    assert rows == 2 * (3 * 6 + 64)
+    assert plans["int8"].kv_cache_bytes == rows * 16
+    assert plans["float"].kv_cache_bytes == rows * 16 * 4
+
+
+def test_a_window_head_size_the_kernel_does_not_take_is_refused_before_loading():
+    config = preset_config("tiny-gemma3")
+    config.head_dim = 8
+    specs = layer_specs(config)
+    with pytest.raises(UnsupportedModelError, match="head size 8: ONNX Runtime's kernel takes an int8 window"):
+        onnx_target.check_kv_cache("int8", config, specs, 64)
+    onnx_target.check_kv_cache("int8", config, specs, 4)  # every window covers the cache: no window buffers
+    config.head_dim = 16
+    onnx_target.check_kv_cache("int8", config, layer_specs(config), 64)
+
+
+def _int8_module(name: str):
+    """The preset wrapped as the ONNX target wraps it, with the scales the export calibrates."""
+    model, tokenizer = build_preset(name)
+    decoder = ExternalCacheDecoder(model, TEST_CACHE_LEN)
+    use_int8_buffers(decoder, calibrate(decoder, calibration_ids(tokenizer)))
+    return decoder, tokenizer
+
+
+def _external_cache_forward(decoder: ExternalCacheDecoder):
+    """``forward(tokens, start)`` over the decoder, its int8 buffers held here as a runner holds them."""
+    past = []
+    for layer, spec in zip(decoder.caches, decoder.specs):
+        rows = layer.window or decoder.max_cache_len
+        past += [torch.zeros(1, spec.kv_heads, rows, spec.head_dim, dtype=torch.int8) for _ in range(2)]
+
+    def forward(tokens, start):
+        nonlocal past
+        mask = torch.ones(1, start + len(tokens), dtype=torch.long)
+        with torch.no_grad():
+            logits, *past = decoder(torch.tensor([tokens]), mask, *past)
+        return logits[0, 0].float().numpy()
+
+    return forward
+
+
+def test_the_int8_onnx_artifact_computes_what_its_module_computes(artifact):
+    """tiny-gemma3: windows and a full layer, past the window, in kvexport's runner and in
+    onnxruntime-genai, against the same module in eager PyTorch (kvexport's op, int8 buffers)."""
+    decoder, tokenizer = _int8_module("tiny-gemma3")
+    ids = tokenizer(PROMPT).input_ids
+    folder = artifact("tiny-gemma3", "onnx", kv_cache="int8")
+    program = load_program(folder)
+    assert program.manifest["kv_cache"]["dtype"] == "int8"
+    assert {str(i.type) for i in program._session.get_inputs() if i.name.startswith("past_")} == {"tensor(int8)"}
+    expected = greedy_with(_external_cache_forward(decoder), ids, NEW_TOKENS)
+    ours = greedy_with(program.forward, ids, NEW_TOKENS)
+    assert_generation_matches(ours, expected, 1e-3, "tiny-gemma3 int8 KV (ONNX)")
+    assert genai_greedy(folder, ids, NEW_TOKENS) == ours[0]
+
+
+def test_a_manifest_that_hides_the_int8_cache_is_refused(artifact, tmp_path):
+    """Without ``kv_cache`` the runner would size float buffers for int8 inputs."""
+    import shutil
+
+    folder = tmp_path / "copy"
+    shutil.copytree(artifact("tiny-gemma3", "onnx", kv_cache="int8"), folder)
+    edit_manifest(lambda m: m.pop("kv_cache"))(folder)
+    with pytest.raises(ArtifactError, match=r"KV cache's dtype is float32.*tensor\(int8\)"):
+        load_program(folder)
