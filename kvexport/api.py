@@ -95,9 +95,11 @@ def check(
     device: str = "cpu",
     model: str | None = None,
     runner: str = "kvexport",
+    baseline: str | Path | None = None,
 ) -> CheckReport:
     """``kvexport check``: the artifact against eager transformers (``model``: another reference
-    than the one the artifact came from; ``runner="genai"``: run it in onnxruntime-genai).
+    than the one the artifact came from; ``runner="genai"``: run it in onnxruntime-genai;
+    ``baseline``: for an int8 KV cache, the same export with a float one, compared too).
     ``.passed`` says whether it holds; ``.prompts`` has each prompt's comparison."""
     from .artifact.manifest import read_manifest
     from .checker.check import choose_prompts, run_check
@@ -106,7 +108,7 @@ def check(
     folder = Path(path)
     manifest = read_manifest(folder)
     chosen = choose_prompts(manifest, ArtifactTokenizer(folder), prompts, max_new_tokens)
-    return run_check(folder, chosen, device, model, runner=runner)
+    return run_check(folder, chosen, device, model, runner=runner, baseline=None if baseline is None else Path(baseline))
 
 
 class Artifact:

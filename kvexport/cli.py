@@ -165,13 +165,16 @@ def check(
         Optional[str], typer.Option("--model", help="eager reference: any export MODEL, a hub id downloaded if not cached [default: the model the artifact came from; a hub model at its recorded commit]")
     ] = None,
     runner: Annotated[str, typer.Option(metavar="kvexport|genai", help=GENAI_RUNNER_HELP)] = "kvexport",
+    baseline: Annotated[
+        Optional[Path], typer.Option(help="int8 KV cache: the same export with --kv-cache float, fed the same tokens, to tell the cache's error from the weights'")
+    ] = None,
     as_json: JsonFlag = False,
 ):
     """Compare the artifact with eager transformers' greedy generation; exit 0 only if all match."""
     from .checker.check import check_command
 
     _check_runner(runner)
-    ok = check_command(folder, prompt, max_new_tokens, device, model, as_json, runner)
+    ok = check_command(folder, prompt, max_new_tokens, device, model, as_json, runner, baseline)
     raise typer.Exit(0 if ok else 1)
 
 

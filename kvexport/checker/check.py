@@ -76,6 +76,12 @@ class PromptReport:
     # Teacher-forced: eager's margin (as eager_margin) at every step where the top tokens differ. Small
     # margins next to max_logit_diff mean near-ties, which any rounding may flip.
     disagreement_margins: list[float] = field(default_factory=list)
+    # --baseline (teacher-forced): the same export with a float KV cache, fed the same tokens. Its own
+    # agreement with eager is the weights' share of the error; the artifact's agreement with it and
+    # their max |logit difference| are the KV cache's.
+    baseline_top1_agreement: float | None = None
+    top1_agreement_with_baseline: float | None = None
+    max_logit_diff_vs_baseline: float | None = None
     logit_diff_per_step: list[float] = field(default_factory=list)
     eager_ids: list[int] = field(default_factory=list)
     artifact_ids: list[int] = field(default_factory=list)
@@ -182,6 +188,7 @@ def check_prompt(
     teacher_forcing: bool = False,
     suppress: list[int] | None = None,
     float32_logits=None,
+    baseline=None,
 ) -> PromptReport:
     """Step the artifact beside eager ``generate``.
 
@@ -191,7 +198,8 @@ def check_prompt(
     top-1 agreement. Neither side's top-1 choice is ever one of ``suppress`` (eager never generates
     one); their logits are still compared. ``float32_logits`` (ids -> logits), given for a
     half-precision artifact, judges the steps beyond the tolerance or with another token against
-    float32 eager (see the comment at ``LOGIT_TOLERANCE``).
+    float32 eager (see the comment at ``LOGIT_TOLERANCE``). ``baseline`` (teacher-forced only), a
+    program fed the same tokens, is compared with eager and with the artifact as well.
     """
     from .eager import greedy_generate
 
@@ -207,6 +215,7 @@ def check_prompt(
         return int(np.argmax(allowed))
 
     fed = list(prompt_ids)  # what both sides have seen when the step's logits come
+    baseline_agreed = agreed_with_baseline = 0
 
     def on_eager_logits(step: int, eager: np.ndarray) -> None:
         if (not report.match and not teacher_forcing) or report.eager_not_finite_at is not None:
@@ -215,6 +224,12 @@ def check_prompt(
             report.eager_not_finite_at, report.match = step, False
             return
         logits = program.forward(list(prompt_ids), 0) if step == 0 else program.forward(fed[-1:], len(fed) - 1)
+        if baseline is not None:
+            nonlocal baseline_agreed, agreed_with_baseline
+            base = baseline.forward(list(prompt_ids), 0) if step == 0 else baseline.forward(fed[-1:], len(fed) - 1)
+            baseline_agreed += top(base) == top(eager)
+            agreed_with_baseline += top(base) == top(logits)
+            report.max_logit_diff_vs_baseline = max(report.max_logit_diff_vs_baseline or 0.0, float(np.max(np.abs(logits - base))))
         diff = float(np.max(np.abs(logits - eager)))
         report.logit_diff_per_step.append(diff)
         report.compared_steps += 1
@@ -251,6 +266,9 @@ def check_prompt(
     report.eager_ids = greedy_generate(model, prompt_ids, max_new_tokens, on_eager_logits, stop=stop,
                                        suppress=report.suppressed_tokens)
     report.top1_agreement = report.agreed_steps / max(report.compared_steps, 1)
+    if baseline is not None:
+        report.baseline_top1_agreement = baseline_agreed / max(report.compared_steps, 1)
+        report.top1_agreement_with_baseline = agreed_with_baseline / max(report.compared_steps, 1)
     return report
 
 
@@ -275,10 +293,13 @@ def run_check(
     model_name: str | None = None,
     on_prompt=None,
     runner: str = "kvexport",
+    baseline: Path | None = None,
 ) -> CheckReport:
     from ..artifact.manifest import read_manifest
 
     manifest = read_manifest(folder)
+    if baseline is not None:
+        check_baseline(manifest, read_manifest(baseline), baseline)
     tokenizer = ArtifactTokenizer(folder)
     quantized = approximate(manifest)
     prompts = prompts or default_prompts(manifest, tokenizer, QUANTIZED_STEPS if quantized else None)
@@ -288,6 +309,7 @@ def run_check(
     # ExecuTorch runs on the CPU whatever --device says; --device places the eager reference (and ONNX).
     program = load_program(folder, manifest, device if manifest["target"] == "onnx" else "cpu", runner)
     model = load_reference(manifest, model_name, device)
+    base = None if baseline is None else load_program(baseline, None, device if manifest["target"] == "onnx" else "cpu", runner)
     tolerance = LOGIT_TOLERANCE[manifest["dtype"]]
     half = manifest["dtype"] != "float32" and not quantized
     float32_logits = Float32Logits(lambda: load_reference(manifest, model_name, device, "float32")) if half else None
@@ -297,7 +319,7 @@ def run_check(
             report = check_half_precision_prompt(program, model, float32_logits, ids, n, tolerance)
         else:
             report = check_prompt(program, model, ids, n, tolerance, teacher_forcing=quantized,
-                                  suppress=manifest.get("eos_token_ids") if quantized else None)
+                                  suppress=manifest.get("eos_token_ids") if quantized else None, baseline=base)
         report.prompt = text
         reports.append(report)
         if on_prompt:
@@ -305,6 +327,20 @@ def run_check(
     mode, min_agreement = ("agreement", MIN_QUANTIZED_AGREEMENT) if quantized else ("exact", 1.0)
     return CheckReport(str(folder), manifest["target"], manifest["dtype"], device, tolerance, reports, mode, min_agreement,
                        runner)
+
+
+def check_baseline(manifest: dict, baseline: dict, path) -> None:
+    """``--baseline``: the artifact has an int8 KV cache, and ``path`` is the same model, target,
+    dtype and weights with a float one, so that their difference is the cache's alone."""
+    if not manifest.get("kv_cache"):
+        raise InvalidOptionError("--baseline compares an artifact with an int8 KV cache to the same export with a float one; "
+                                 "this artifact's KV cache is float")
+    same = {key: (manifest.get(key), baseline.get(key)) for key in ("source", "target", "dtype", "quantization")}
+    differs = [key for key, (mine, theirs) in same.items() if mine != theirs]
+    if baseline.get("kv_cache") or differs:
+        why = "its KV cache is int8 too" if baseline.get("kv_cache") else f"its {differs[0]} differs"
+        raise InvalidOptionError(f"--baseline {path} is not this export with a float KV cache: {why}; "
+                                 "export it again with --kv-cache float and the same model, --target, --dtype and --quantize")
 
 
 def approximate(manifest: dict) -> bool:
@@ -342,6 +378,10 @@ def _summary_line(report: PromptReport, tolerance: float, min_agreement: float |
             margins = report.disagreement_margins
             steps = f"{len(margins)} disagreement{'s' if len(margins) > 1 else ''}"
             line += f"; eager's own margin at the {steps}: median {statistics.median(margins):.3g}, max {max(margins):.3g}"
+        if report.baseline_top1_agreement is not None:
+            line += (f"\n    float-KV baseline: its own agreement with eager {report.baseline_top1_agreement:.1%}; "
+                     f"this artifact's with it {report.top1_agreement_with_baseline:.1%}, "
+                     f"max |logit diff| {report.max_logit_diff_vs_baseline:.3g}")
         return line
     if report.match:
         ties = report.rounding_ties
@@ -392,11 +432,14 @@ def choose_prompts(manifest: dict, tokenizer: ArtifactTokenizer, prompts: list[s
     return chosen
 
 
-def check_command(folder, prompts, max_new_tokens, device, model_name, as_json, runner: str = "kvexport") -> bool:
+def check_command(folder, prompts, max_new_tokens, device, model_name, as_json, runner: str = "kvexport",
+                  baseline: Path | None = None) -> bool:
     from ..artifact.manifest import read_manifest
 
     folder = Path(folder)
     manifest = read_manifest(folder)
+    if baseline is not None:  # before anything loads
+        check_baseline(manifest, read_manifest(baseline), baseline)
     tokenizer = ArtifactTokenizer(folder)
     quantized = approximate(manifest)
     chosen = choose_prompts(manifest, tokenizer, prompts, max_new_tokens)
@@ -412,6 +455,8 @@ def check_command(folder, prompts, max_new_tokens, device, model_name, as_json, 
                if manifest["dtype"] != "float32" else "")
         )
         ran_by = " in onnxruntime-genai" if runner == "genai" else ""
+        if baseline is not None:
+            rule += f"; {baseline} (float KV cache) fed the same tokens beside it"
         print(f"checking {folder} ({manifest['target']}, {manifest['dtype']}){ran_by} against eager transformers on {device}; {rule}", file=sys.stderr)
     report = run_check(
         folder,
@@ -420,6 +465,7 @@ def check_command(folder, prompts, max_new_tokens, device, model_name, as_json, 
         model_name,
         on_prompt=None if as_json else lambda r: print(_summary_line(r, tolerance, min_agreement)),
         runner=runner,
+        baseline=baseline,
     )
     if as_json:
         print(json.dumps(report.to_dict()))

@@ -163,3 +163,41 @@ def test_a_divergence_is_a_near_tie_only_where_the_logits_were_right_until_then(
     assert report.near_tie is (kind == "near-tie") and report.logits_ok is (kind == "near-tie")
     report.prompt = "The capital of France is"
     assert f"({kind})" in _summary_line(report, tolerance)
+
+
+# --baseline: an int8 KV cache beside the same export with a float one.
+
+
+def test_a_baseline_tells_the_kv_cache_s_error_from_the_weights(artifact, capsys):
+    """tiny-gemma3 on ONNX, int8 KV beside float KV. The float one is exact (its agreement with eager
+    100%), so the int8 one's agreement with it is its agreement with eager, and their logits differ
+    by its difference from eager to within the float artifact's own tolerance."""
+    int8, float_kv = artifact("tiny-gemma3", "onnx", kv_cache="int8"), artifact("tiny-gemma3", "onnx")
+    code, out, err = run_cli(capsys, "check", int8, "--baseline", float_kv, "--json")
+    report = json.loads(out)
+    assert code == (0 if report["ok"] else 1)  # the int8 cache's agreement, not the baseline, decides
+    for prompt in report["prompts"]:
+        assert prompt["baseline_top1_agreement"] == 1.0
+        assert prompt["top1_agreement_with_baseline"] == prompt["top1_agreement"]
+        assert abs(prompt["max_logit_diff_vs_baseline"] - prompt["max_logit_diff"]) <= LOGIT_TOLERANCE["float32"]
+        assert prompt["max_logit_diff_vs_baseline"] > LOGIT_TOLERANCE["float32"]  # the cache's rounding shows
+    code, out, _ = run_cli(capsys, "check", int8, "--baseline", float_kv, "--max-new-tokens", "8", "--prompt", "Hi")
+    assert "float-KV baseline: its own agreement with eager 100.0%" in out
+
+
+@pytest.mark.parametrize(
+    "which, phrase",
+    [("float-artifact", "this artifact's KV cache is float"),
+     ("int8-baseline", "its KV cache is int8 too"),
+     ("other-model", "its source differs")],
+    ids=["float-artifact", "int8-baseline", "other-model"],
+)  # fmt: skip
+def test_a_baseline_that_is_not_the_same_export_with_a_float_cache_is_refused(artifact, capsys, which, phrase):
+    int8 = artifact("tiny-gemma3", "onnx", kv_cache="int8")
+    folder, baseline = {
+        "float-artifact": (artifact("tiny-gemma3", "onnx"), int8),
+        "int8-baseline": (int8, int8),
+        "other-model": (int8, artifact("tiny-qwen3", "onnx")),
+    }[which]
+    code, _, err = run_cli(capsys, "check", folder, "--baseline", baseline)
+    assert code == 2 and phrase in err and "Traceback" not in err
