@@ -6,14 +6,17 @@ quantizes each row as it writes it and dequantizes what it reads, so the runner'
 int8 and nothing else changes in the graph's interface.
 
 Fixed scales must be chosen before any prompt is seen: ``calibrate`` runs the decoder eagerly on
-a calibration text (``kv_calibration``) and takes each channel's largest magnitude. For keys that
-is taken over the rotary pair a channel belongs to (channels ``i`` and ``i + D/2``, which
-transformers' rotation turns into each other): the pair's norm does not change with the position,
-so a key at a position the calibration never reached stays within its scale. A key or value
-beyond its scale is saturated.
+a calibration text (``kv_calibration``) and takes each channel's largest magnitude. A key's channel
+also depends on the position, which turns each rotary pair of channels by an angle of its own, so
+the text is run again with every rotary embedding's positions moved on by offsets up to
+``max_cache_len`` (``_rotary_positions_moved``): attention depends on relative positions only, so
+the hidden states stay the same and the keys are those the same text gives that far into the
+cache. A key or value beyond its scale is saturated.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
@@ -21,39 +24,55 @@ INT8_MAX = 127
 # The kernel's own limit for an int8 buffer of a sliding layer (``sliding_window_cache``).
 WINDOW_HEAD_DIM_MULTIPLE = 16
 
-def _key_peaks(key: torch.Tensor) -> torch.Tensor:
-    """``key [1, kv_heads, T, D]`` -> ``[kv_heads, D]``: each channel's largest magnitude, or its
-    rotary pair's largest norm where D is even."""
-    k = key[0].float()
-    d = k.shape[-1]
-    if d % 2:
-        return k.abs().amax(dim=1)
-    pair = torch.hypot(k[..., : d // 2], k[..., d // 2 :]).amax(dim=1)
-    return torch.cat([pair, pair], dim=-1)
+# Runs of the calibration text, at rotary offsets spread evenly over the cache.
+ROTARY_OFFSETS = 16
+
+
+@contextlib.contextmanager
+def _rotary_positions_moved(model: torch.nn.Module, offset: int):
+    """Every rotary embedding module of ``model`` (transformers' ``*RotaryEmbedding``) computes its
+    angles for ``position_ids + offset``."""
+    modules = [m for m in model.modules() if type(m).__name__.endswith("RotaryEmbedding")]
+    own = {m: vars(m).get("forward") for m in modules}  # a forward set on the module (fixed_rotary_frequencies)
+    for module in modules:
+        forward = module.forward
+        module.forward = lambda x, position_ids, *args, _forward=forward, **kwargs: _forward(x, position_ids + offset, *args, **kwargs)
+    try:
+        yield len(modules)
+    finally:
+        for module, forward in own.items():
+            if forward is None:
+                del module.forward  # the class's own again
+            else:
+                module.forward = forward
 
 
 def calibrate(decoder, ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Each layer's fixed key and value scales ``[1, kv_heads, 1, D]`` (float32), from one eager
-    call of ``decoder`` (an ``ExternalCacheDecoder`` with float buffers) on ``ids [1, N]``."""
+    """Each layer's fixed key and value scales ``[1, kv_heads, 1, D]`` (float32), from eager calls
+    of ``decoder`` (an ``ExternalCacheDecoder`` with float buffers) on ``ids [1, N]`` at rotary
+    offsets from 0 to ``max_cache_len - N``."""
     ids = ids[:, : decoder.max_cache_len]
+    n = ids.shape[1]
     peaks: list[list[torch.Tensor | None]] = [[None, None] for _ in decoder.caches]
 
     def observer(i: int):
         def observe(key: torch.Tensor, value: torch.Tensor) -> None:
-            new = (_key_peaks(key), value[0].float().abs().amax(dim=1))
-            peaks[i] = [n if p is None else torch.maximum(p, n) for p, n in zip(peaks[i], new)]
+            new = [x[0].float().abs().amax(dim=1) for x in (key, value)]
+            peaks[i] = [m if p is None else torch.maximum(p, m) for p, m in zip(peaks[i], new)]
 
         return observe
 
     past = []
     for layer, spec in zip(decoder.caches, decoder.specs):
-        rows = layer.window or ids.shape[1]
+        rows = layer.window or n
         past += [torch.zeros((1, spec.kv_heads, rows, spec.head_dim), dtype=decoder.dtype) for _ in range(2)]
+    offsets = sorted({round(float(x)) for x in torch.linspace(0, decoder.max_cache_len - n, ROTARY_OFFSETS)})
     try:
         for i, layer in enumerate(decoder.caches):
             layer.observe = observer(i)
-        with torch.no_grad():
-            decoder(ids, torch.ones_like(ids), *past)
+        for offset in offsets:
+            with torch.no_grad(), _rotary_positions_moved(decoder.model, offset):
+                decoder(ids, torch.ones_like(ids), *past)
     finally:
         for layer in decoder.caches:
             layer.observe = None

@@ -9,8 +9,6 @@ models (docs/quantization.md#int8-kv-cache).
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
@@ -18,7 +16,7 @@ from kvexport.errors import ArtifactError, UnsupportedModelError
 from kvexport.exporter.kv_calibration import calibration_ids
 from kvexport.exporter.onnx import target as onnx_target
 from kvexport.exporter.onnx.decoder import ExternalCacheDecoder
-from kvexport.exporter.onnx.quantized_kv_cache import INT8_MAX, _key_peaks, calibrate, use_int8_buffers
+from kvexport.exporter.onnx.quantized_kv_cache import INT8_MAX, _rotary_positions_moved, calibrate, use_int8_buffers
 from kvexport.exporter.pipeline import ExportOptions, plan_export
 from kvexport.models.architecture import layer_specs
 from kvexport.models.presets import build_preset, preset_config
@@ -27,23 +25,55 @@ from tests.conftest import NEW_TOKENS, PROMPT, TEST_CACHE_LEN
 from tests.helpers import assert_generation_matches, edit_manifest, genai_greedy, greedy_with
 
 
-def _rotate_pairs(key: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
-    """transformers' rotation of ``key [..., T, D]`` by ``angles [T, D/2]`` (channels i and i + D/2)."""
-    half = key.shape[-1] // 2
-    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
-    return key * cos + torch.cat([-key[..., half:], key[..., :half]], -1) * sin
+def _keys_and_logits(decoder: ExternalCacheDecoder, ids: torch.Tensor):
+    """One eager call of ``decoder`` on ``ids``: each layer's keys as its attention saw them, and the logits."""
+    keys = []
+    for layer in decoder.caches:
+        layer.observe = lambda k, v: keys.append(k)
+    past = []
+    for layer, spec in zip(decoder.caches, decoder.specs):
+        past += [torch.zeros(1, spec.kv_heads, layer.window or ids.shape[1], spec.head_dim) for _ in range(2)]
+    try:
+        with torch.no_grad():
+            logits, *_ = decoder(ids, torch.ones_like(ids), *past)
+    finally:
+        for layer in decoder.caches:
+            layer.observe = None
+    return keys, logits
 
 
-def test_key_scales_hold_the_keys_at_positions_the_calibration_never_reached():
-    """A key's channel at any rotary angle stays within its pair's peak; each channel's own peak
-    over the calibration's angles would not hold it."""
-    generator = torch.Generator().manual_seed(0)
-    keys = torch.randn(1, 2, 40, 16, generator=generator) * torch.linspace(0.1, 4, 16)  # uneven channels
-    seen = _rotate_pairs(keys, torch.rand(40, 8, generator=generator) * 0.3)  # small angles: early positions
-    later = _rotate_pairs(keys, torch.rand(40, 8, generator=generator) * 2 * math.pi)  # any position
-    peaks = _key_peaks(seen)
-    assert bool((later[0].abs() <= peaks[:, None, :] * (1 + 1e-6)).all())
-    assert bool((later[0].abs() > seen[0].abs().amax(dim=1)[:, None, :]).any())
+def test_moved_rotary_positions_turn_the_keys_and_change_nothing_else():
+    """What the calibration's later runs rest on: with every rotary angle computed 37 positions on,
+    the logits are the same (attention sees relative positions only), each key is turned (each
+    rotary pair of channels keeps its norm), and afterwards the model is as it was."""
+    model, tokenizer = build_preset("tiny-qwen3")
+    decoder = ExternalCacheDecoder(model, TEST_CACHE_LEN)
+    ids = torch.tensor([tokenizer(PROMPT).input_ids])
+    keys, logits = _keys_and_logits(decoder, ids)
+    with _rotary_positions_moved(decoder.model, 37) as moved:
+        moved_keys, moved_logits = _keys_and_logits(decoder, ids)
+    assert moved >= 1
+    torch.testing.assert_close(moved_logits, logits, rtol=0, atol=1e-4)
+    half = keys[0].shape[-1] // 2
+    for k, m in zip(keys, moved_keys):
+        assert not torch.allclose(k, m, atol=1e-3)
+        torch.testing.assert_close(torch.hypot(m[..., :half], m[..., half:]), torch.hypot(k[..., :half], k[..., half:]),
+                                   rtol=0, atol=1e-4)  # fmt: skip
+    again, _ = _keys_and_logits(decoder, ids)
+    assert all(torch.equal(k, a) for k, a in zip(keys, again))
+
+
+def test_a_longer_cache_widens_the_key_scales_and_not_the_value_scales():
+    """The same text calibrated for a cache of its own length and for one 8 times longer: the
+    longer one's keys are turned further, so some key scale grows and none shrinks; values have no
+    rotation."""
+    model, tokenizer = build_preset("tiny-qwen3")
+    ids = calibration_ids(tokenizer)[:, :48]
+    short = calibrate(ExternalCacheDecoder(model, 48), ids)
+    long = calibrate(ExternalCacheDecoder(model, 8 * 48), ids)
+    for (k_short, v_short), (k_long, v_long) in zip(short, long):
+        assert bool((k_long >= k_short).all()) and bool((k_long > k_short * 1.01).any())
+        torch.testing.assert_close(v_long, v_short, rtol=1e-5, atol=0)
 
 
 def test_calibrated_scales_fit_the_calibration_text_without_saturating_it():
