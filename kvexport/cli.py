@@ -60,7 +60,7 @@ def export(
     ] = None,
     kv_cache: Annotated[
         str,
-        typer.Option(help="float (the export's dtype) or int8 (executorch: one scale and zero point per token and KV head, about a quarter of float32's bytes)"),
+        typer.Option(help="float (the export's dtype) or int8, about a quarter of float32's bytes (executorch: a scale and zero point per token and KV head; onnx: a fixed scale per KV head and channel, calibrated at export)"),
     ] = "float",
     revision: Annotated[Optional[str], typer.Option(help="hub id: branch, tag or commit [default: main]")] = None,
     offline: Annotated[
