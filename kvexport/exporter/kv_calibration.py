@@ -3,8 +3,6 @@ on ONNX: ``onnx/quantized_kv_cache.py``), and its tokens."""
 
 from __future__ import annotations
 
-import torch
-
 # A short text of several kinds (prose, dialogue, a list, code, numbers, other languages), so that
 # the keys and values it gives span those of most prompts.
 CALIBRATION_TEXT = """\
@@ -40,6 +38,9 @@ Q: Summarise the story in one sentence. A: A keeper watches the sea, and a quiet
 """
 
 
-def calibration_ids(tokenizer) -> torch.Tensor:
-    """The calibration text as the runners tokenize a prompt (special tokens included)."""
+def calibration_ids(tokenizer):
+    """The calibration text as the runners tokenize a prompt (special tokens included): ``[1, N]``
+    int64. (torch is imported here: the CLI imports this module before it loads a model.)"""
+    import torch
+
     return torch.tensor([tokenizer(CALIBRATION_TEXT)["input_ids"]], dtype=torch.long)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import re
-import signal
 
 import pytest
 
@@ -30,15 +29,6 @@ def make_artifact(folder):
     with staging.staged_folder(folder) as tmp:
         (tmp / "model.pte").write_bytes(b"program")
         artifact.write_manifest(tmp, minimal_manifest())
-
-
-@pytest.fixture
-def sigint_raises_keyboard_interrupt():
-    """A process a non-interactive shell starts in the background ignores SIGINT; give this one
-    Python's own handler for the test, as a kvexport started from a terminal has."""
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    yield
-    signal.signal(signal.SIGINT, previous)
 
 
 @pytest.mark.usefixtures("sigint_raises_keyboard_interrupt")

@@ -33,6 +33,7 @@ def test_a_failed_rebuild_keeps_the_previous_artifact(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["out"]
 
 
+@pytest.mark.usefixtures("sigint_raises_keyboard_interrupt")
 def test_an_interrupt_during_the_swap_waits_until_it_is_done(tmp_path, monkeypatch):
     out = tmp_path / "out"
     make_artifact(out)

@@ -307,6 +307,7 @@ def test_streamed_text_is_the_decoded_reply_even_across_multibyte_characters(tmp
     assert "".join(p for p in pieces if p) == tokenizer.decode(ids) == text
 
 
+@pytest.mark.usefixtures("sigint_raises_keyboard_interrupt")
 def test_ctrl_c_during_a_reply_only_asks_it_to_stop():
     previous = signal.getsignal(signal.SIGINT)
     with _StopOnCtrlC() as stop:
@@ -384,6 +385,7 @@ def test_chat_option_mistakes_get_one_line(artifact, capsys, monkeypatch, args, 
     assert_one_line_error(code, err, *phrases)
 
 
+@pytest.mark.usefixtures("sigint_raises_keyboard_interrupt")
 def test_chat_ctrl_c_during_a_reply_stops_that_reply_and_the_conversation_goes_on(artifact, capsys, monkeypatch):
     from kvexport.runtime import programs
 
