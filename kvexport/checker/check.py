@@ -223,10 +223,11 @@ def check_prompt(
         if not np.isfinite(eager).all():  # no reference left to compare with
             report.eager_not_finite_at, report.match = step, False
             return
-        logits = program.forward(list(prompt_ids), 0) if step == 0 else program.forward(fed[-1:], len(fed) - 1)
+        tokens, start = (list(prompt_ids), 0) if step == 0 else (fed[-1:], len(fed) - 1)
+        logits = program.forward(tokens, start)
         if baseline is not None:
             nonlocal baseline_agreed, agreed_with_baseline
-            base = baseline.forward(list(prompt_ids), 0) if step == 0 else baseline.forward(fed[-1:], len(fed) - 1)
+            base = baseline.forward(tokens, start)
             baseline_agreed += top(base) == top(eager)
             agreed_with_baseline += top(base) == top(logits)
             report.max_logit_diff_vs_baseline = max(report.max_logit_diff_vs_baseline or 0.0, float(np.max(np.abs(logits - base))))
