@@ -544,6 +544,20 @@ def test_an_unlisted_chat_template_is_not_read(artifact, tmp_path, capsys):
     assert "unlisted" not in err
 
 
+def test_the_memory_checked_is_a_container_s_limit_where_that_is_less(tmp_path, monkeypatch):
+    from kvexport.exporter import pipeline
+
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    v2, v1 = tmp_path / "memory.max", tmp_path / "memory.limit_in_bytes"
+    monkeypatch.setattr(pipeline, "CGROUP_MEMORY_LIMITS", (v2, v1))
+    assert pipeline.total_memory_bytes() == physical  # neither file
+    v2.write_text("max\n")
+    v1.write_text("9223372036854771712\n")  # v1's "no limit"
+    assert pipeline.total_memory_bytes() == physical
+    v1.write_text(f"{2**30}\n")
+    assert pipeline.total_memory_bytes() == min(2**30, physical)
+
+
 def test_a_cache_larger_than_memory_is_refused_before_loading(tmp_path, capsys, monkeypatch):
     from kvexport.exporter import pipeline
 

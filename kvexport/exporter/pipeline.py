@@ -62,11 +62,13 @@ def default_output(model: str, target: str) -> Path:
 
 
 def choose_max_cache_len(config, requested: int | None) -> tuple[int, int | None]:
-    """``(max_cache_len, model's max positions)``: the request, checked, or the default."""
+    """``(max_cache_len, model's max positions)``: the request, checked, or the default (at most
+    the model's positions and what its rope type computes exactly)."""
     text = architecture.text_config(config)
     limit = getattr(text, "max_position_embeddings", None)
     if requested is None:
-        return (min(limit, DEFAULT_MAX_CACHE_LEN) if limit else DEFAULT_MAX_CACHE_LEN), limit
+        bounds = (limit, architecture.exact_rope_positions(config))
+        return min([DEFAULT_MAX_CACHE_LEN, *(b for b in bounds if b)]), limit
     if requested < 1:
         raise InvalidOptionError(f"--max-cache-len must be a positive number of tokens, got {requested}")
     if limit and requested > limit:
@@ -182,12 +184,27 @@ def plan_export(options: ExportOptions, progress: Progress | None = None) -> Exp
     return plan
 
 
+# A container's memory limit: cgroup v2's, then v1's ("max" or a huge number where there is none).
+CGROUP_MEMORY_LIMITS = (Path("/sys/fs/cgroup/memory.max"), Path("/sys/fs/cgroup/memory/memory.limit_in_bytes"))
+
+
 def total_memory_bytes() -> int | None:
-    """This machine's memory (None where the OS does not say)."""
+    """The memory this process may use: the machine's, or its container's limit where that is less
+    (None where the OS says neither)."""
     try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (AttributeError, ValueError, OSError):
+        physical = None
+    limits = [limit for limit in map(_cgroup_limit, CGROUP_MEMORY_LIMITS) if limit]
+    return min([*limits, *([physical] if physical else [])], default=None)
+
+
+def _cgroup_limit(path: Path) -> int | None:
+    try:
+        text = path.read_text().strip()
+    except OSError:
         return None
+    return int(text) if text.isdigit() and 0 < int(text) < 2**60 else None
 
 
 def _refuse_a_cache_beyond_memory(plan: ExportPlan) -> None:

@@ -158,6 +158,20 @@ def check_rope(config, max_cache_len: int) -> None:
             )
 
 
+def exact_rope_positions(config) -> int | None:
+    """The most positions ``check_rope`` lets a cache hold (None: no rope type limits it)."""
+    text = text_config(config)
+    limit = getattr(text, "max_position_embeddings", None)
+    bounds = []
+    for params in rope_parameters(config):
+        rope_type = params.get("rope_type", params.get("type", "default"))
+        if rope_type == "longrope":
+            bounds.append(params.get("original_max_position_embeddings") or limit)
+        elif "dynamic" in rope_type:
+            bounds.append(limit)
+    return min((b for b in bounds if b), default=None)
+
+
 def _causal_lm_class(model_type: str | None):
     """The class AutoModelForCausalLM builds for ``model_type``, or None."""
     import transformers

@@ -109,20 +109,26 @@ def test_the_rope_type_is_exact_past_its_switch_point(rope_type, target, tmp_pat
         assert_generation_matches(got, expected, FP32_LOGIT_ATOL, f"{rope_type} on {target}, {len(ids)}-token prompt")
 
 
-# --max-cache-len asked for, and left to its default (max positions: 256)
-@pytest.mark.parametrize("max_cache_len", [ORIGINAL + 1, None], ids=["asked", "default"])
-def test_longrope_past_its_original_length_is_refused_before_loading(max_cache_len, tmp_path, capsys, monkeypatch):
+def test_longrope_past_its_original_length_is_refused_before_loading(tmp_path, capsys, monkeypatch):
     from kvexport.exporter import pipeline
 
     name = add_preset(monkeypatch, "longrope")
     monkeypatch.setattr(pipeline.sources, "load_model", lambda *a, **k: pytest.fail("loaded the model"))
     before = snapshot(tmp_path)
-    cache = [] if max_cache_len is None else ["--max-cache-len", max_cache_len]
-    code, _, err = run_cli(capsys, "export", name, "-o", tmp_path / "out", *cache)
-    expected = max_cache_len or 4 * ORIGINAL
-    assert_one_line_error(code, err, "rope type 'longrope'", f"cache of {expected} positions",
+    code, _, err = run_cli(capsys, "export", name, "-o", tmp_path / "out", "--max-cache-len", ORIGINAL + 1)
+    assert_one_line_error(code, err, "rope type 'longrope'", f"cache of {ORIGINAL + 1} positions",
                           f"original_max_position_embeddings ({ORIGINAL})", f"--max-cache-len {ORIGINAL} or less")
     assert snapshot(tmp_path) == before
+
+
+def test_a_longrope_model_s_default_cache_stops_at_its_original_length(tmp_path, monkeypatch):
+    """Left to its default (the model's max positions, 4 x ORIGINAL here), the cache is what the rope
+    type computes exactly, not a refusal."""
+    from kvexport.exporter.pipeline import plan_export
+
+    name = add_preset(monkeypatch, "longrope")
+    assert presets.preset_config(name).max_position_embeddings == 4 * ORIGINAL
+    assert plan_export(ExportOptions(name, "onnx", tmp_path / "out")).max_cache_len == ORIGINAL
 
 
 def test_dynamic_past_max_positions_is_refused():
