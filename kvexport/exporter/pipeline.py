@@ -195,8 +195,7 @@ def total_memory_bytes() -> int | None:
         physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (AttributeError, ValueError, OSError):
         physical = None
-    limits = [limit for limit in map(_cgroup_limit, CGROUP_MEMORY_LIMITS) if limit]
-    return min([*limits, *([physical] if physical else [])], default=None)
+    return min((m for m in (physical, *map(_cgroup_limit, CGROUP_MEMORY_LIMITS)) if m), default=None)
 
 
 def _cgroup_limit(path: Path) -> int | None:
@@ -204,7 +203,7 @@ def _cgroup_limit(path: Path) -> int | None:
         text = path.read_text().strip()
     except OSError:
         return None
-    return int(text) if text.isdigit() and 0 < int(text) < 2**60 else None
+    return int(text) if text.isdigit() and int(text) < 2**60 else None
 
 
 def _refuse_a_cache_beyond_memory(plan: ExportPlan) -> None:

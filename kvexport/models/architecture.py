@@ -138,38 +138,42 @@ def check_rope(config, max_cache_len: int) -> None:
     generation then recomputes the whole cache with them. Within that length it is the short factors
     throughout, exactly; past it no program can follow, so a longer cache is refused here.
     """
-    text = text_config(config)
-    limit = getattr(text, "max_position_embeddings", None)
-    for params in rope_parameters(config):
-        rope_type = params.get("rope_type", params.get("type", "default"))
-        original = params.get("original_max_position_embeddings") or limit
-        if rope_type == "longrope" and original and max_cache_len > original:
+    for rope_type, bound in _rope_bounds(config):
+        if max_cache_len <= bound:
+            continue
+        if rope_type == "longrope":
             raise UnsupportedModelError(
                 f"rope type 'longrope' cannot be exported exactly with a cache of {max_cache_len} positions: past "
-                f"original_max_position_embeddings ({original}) transformers switches every position, cached ones "
+                f"original_max_position_embeddings ({bound}) transformers switches every position, cached ones "
                 f"included, from the short to the long factors, which one program with a KV cache cannot; "
-                f"export with --max-cache-len {original} or less"
+                f"export with --max-cache-len {bound} or less"
             )
-        if "dynamic" in rope_type and limit and max_cache_len > limit:
-            raise UnsupportedModelError(
-                f"rope type '{rope_type}' cannot be exported exactly with a cache of {max_cache_len} positions: past "
-                f"max_position_embeddings ({limit}) transformers rescales every position's frequencies with the "
-                f"length, which one program cannot; export with --max-cache-len {limit} or less"
-            )
+        raise UnsupportedModelError(
+            f"rope type '{rope_type}' cannot be exported exactly with a cache of {max_cache_len} positions: past "
+            f"max_position_embeddings ({bound}) transformers rescales every position's frequencies with the "
+            f"length, which one program cannot; export with --max-cache-len {bound} or less"
+        )
 
 
 def exact_rope_positions(config) -> int | None:
     """The most positions ``check_rope`` lets a cache hold (None: no rope type limits it)."""
-    text = text_config(config)
-    limit = getattr(text, "max_position_embeddings", None)
-    bounds = []
+    return min((bound for _, bound in _rope_bounds(config)), default=None)
+
+
+def _rope_bounds(config):
+    """``(rope type, positions)`` for each rope type whose rotation transformers changes past a length:
+    longrope past ``original_max_position_embeddings``, the dynamic types past ``max_position_embeddings``."""
+    limit = getattr(text_config(config), "max_position_embeddings", None)
     for params in rope_parameters(config):
         rope_type = params.get("rope_type", params.get("type", "default"))
         if rope_type == "longrope":
-            bounds.append(params.get("original_max_position_embeddings") or limit)
+            bound = params.get("original_max_position_embeddings") or limit
         elif "dynamic" in rope_type:
-            bounds.append(limit)
-    return min((b for b in bounds if b), default=None)
+            bound = limit
+        else:
+            continue
+        if bound:
+            yield rope_type, bound
 
 
 def _causal_lm_class(model_type: str | None):
