@@ -12,10 +12,28 @@ answers without a check: an operator is kept whole where the check accepts every
 the check accepts some nodes of an operator and not others, and on the lowered program (the check
 ExecuTorch makes after lowering), it answers as XNNPACK does. The program's bytes are the same (a
 test compares them); ExecuTorch's path without a check is its own (``_can_skip_using_EDGE_DO_NOT_DECOMP``).
+
+Before any of that, ExecuTorch functionalizes the program in a decomposition of its own
+(``run_decompositions({})``, one more retrace of every node). ``decomposed_once`` functionalizes and
+decomposes in one retrace, keeping whole every operator XNNPACK might take; within
+``functionalized_already`` ExecuTorch's functionalizing call on that program returns it as it is,
+and its decomposition afterwards runs only if the check turned an operator down (it looks for
+operators left to decompose first).
+
+``merge_checks_by_set_overlap`` speeds up one step of ExecuTorch's partitioning itself: before
+merging two partitions, ``GroupBasedPartitioner._can_merge_partitions`` asks of every outside user
+of their nodes whether anything downstream of it is in them, by walking the user's whole downstream
+set (most of the program, for a node early in it) once per user and per pair of partitions. The
+same question asked as "do the two sets overlap" walks the smaller set. Same answers, so the same
+partitions (upstream's own cut of this loop's work: pytorch/executorch#12798).
 """
 
 from __future__ import annotations
 
+import contextlib
+
+from executorch.exir.backend.canonical_partitioners.group_partitioner import GroupBasedPartitioner
+import torch
 from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
 from executorch.exir.dialects.edge._ops import EdgeOpOverload
 
@@ -39,3 +57,55 @@ class DecidedXnnpackPartitioner(XnnpackPartitioner):
 
 def xnnpack_partitioner() -> DecidedXnnpackPartitioner:
     return DecidedXnnpackPartitioner(configs=partitioner_configs())
+
+
+def decomposed_once(program: torch.export.ExportedProgram, partitioner: XnnpackPartitioner) -> torch.export.ExportedProgram:
+    """``program`` functionalized and decomposed as ExecuTorch decomposes it, except the operators
+    ``partitioner`` might keep whole (its check decides which, on the result)."""
+    from executorch.exir.program._program import _default_decomposition_table
+
+    candidates, _ = XnnpackPartitioner.ops_to_not_decompose(partitioner, program)  # the list only: no check run
+    table = _default_decomposition_table()
+    for op in candidates:
+        table.pop(op, None)
+    return program.run_decompositions(table)
+
+
+@contextlib.contextmanager
+def functionalized_already(program: torch.export.ExportedProgram):
+    """Within the block, ``program.run_decompositions({})`` (functionalize, decompose nothing) is
+    ``program``: it is the output of ``decomposed_once``, functional already."""
+    original = torch.export.ExportedProgram.run_decompositions
+
+    def run_decompositions(self, decomp_table=None, *args, **kwargs):
+        if self is program and decomp_table == {} and not args and not kwargs:
+            return self
+        return original(self, decomp_table, *args, **kwargs)
+
+    torch.export.ExportedProgram.run_decompositions = run_decompositions
+    try:
+        yield
+    finally:
+        torch.export.ExportedProgram.run_decompositions = original
+
+
+def _can_merge_partitions(self, p1, p2, partitions_by_id) -> bool:
+    """``GroupBasedPartitioner._can_merge_partitions``'s answer, its overlap test made on sets."""
+    from torch.fx.passes.utils.fuser_utils import validate_partition
+
+    combined = set(partitions_by_id[p1].nodes) | set(partitions_by_id[p2].nodes)
+    outside_users = {user for node in combined for user in node.users if user not in combined}
+    if any(not combined.isdisjoint(self.dependency_viewer.downstreams_of(user)) for user in outside_users):
+        return False  # merging would make a cycle through that user
+    return validate_partition(list(combined))
+
+
+@contextlib.contextmanager
+def merge_checks_by_set_overlap():
+    """Within the block, ExecuTorch's group partitioner checks merges with ``_can_merge_partitions``."""
+    original = GroupBasedPartitioner._can_merge_partitions
+    GroupBasedPartitioner._can_merge_partitions = _can_merge_partitions
+    try:
+        yield
+    finally:
+        GroupBasedPartitioner._can_merge_partitions = original

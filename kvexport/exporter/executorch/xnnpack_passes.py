@@ -2,11 +2,13 @@
 
 XNNPACK's ``preprocess`` runs its 17 passes on every delegated partition, and each pass ends by
 retracing the partition with fake tensors and symbolic shapes, whether it rewrote anything or
-not: a large share of an export's time goes there (docs/performance.md). Eight of the passes
+not: a large share of an export's time goes there (docs/performance.md). Ten of the passes
 rewrite only nodes of a few operators (batch norm, convolution, PReLU, padding, ReLU-like
-activations, bilinear upsampling, the decomposed SDPA patterns); on a partition that holds none of
-them such a pass leaves the graph as it was, so it is left out there. The remaining passes run as
-ExecuTorch runs them, in its order, and the program's bytes are the same (a test compares them).
+activations, bilinear upsampling, the decomposed SDPA patterns, concatenations of more than five
+tensors, max-pooling's and ``max.dim``'s indices), and no pass before them in XNNPACK's order
+makes those operators; on a partition that holds none of them such a pass leaves the graph as it
+was, so it is left out there. The remaining passes run as ExecuTorch runs them, in its order, and
+the program's bytes are the same (a test compares them).
 
 ExecuTorch has no public option for this: ``XnnpackBackend.preprocess`` builds its
 ``XNNPACKPassManager`` with every pass. ``only_the_passes_that_apply`` swaps in a pass manager that
@@ -34,6 +36,8 @@ PASS_NEEDS = {
     xnnpack_passes.InsertPadQDQPass: {_aten.constant_pad_nd.default},
     xnnpack_passes.Conv1dUnsqueezePass: {_aten.convolution.default},
     xnnpack_passes.PReLUReshapePass: {_aten._prelu_kernel.default},
+    xnnpack_passes.DecomposeConcatenate: {_aten.cat.default},
+    xnnpack_passes.RemoveGetItemPass: {_aten.max_pool2d_with_indices.default, _aten.max.dim},
 }
 
 

@@ -76,6 +76,17 @@ def test_tied_embedding_is_stored_once(artifact):
     assert (folder / "model.pte").stat().st_size < 0.1 * weight_bytes
 
 
+def test_a_quantized_artifact_s_weights_are_all_in_the_data_file(artifact):
+    """The int4 and int8 weights that XNNPACK serializes (a quantized tensor's data, scales and
+    offsets, unpacked into placeholders of their own when the program is decomposed) are in
+    model.ptd as a float artifact's are: the program holds no named data of its own."""
+    from executorch.exir._serialize._program import deserialize_pte_binary
+
+    folder = artifact("tiny-gemma3", "executorch", "8da4w", "int8")
+    assert deserialize_pte_binary((folder / "model.pte").read_bytes()).named_data is None
+    assert (folder / "model.ptd").stat().st_size > 0
+
+
 def test_pte_carries_the_runner_metadata(artifact):
     from executorch.runtime import Runtime
 

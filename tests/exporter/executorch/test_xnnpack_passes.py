@@ -40,16 +40,25 @@ def test_the_passes_that_apply_are_xnnpack_s_in_its_order():
 def test_kvexport_s_lowering_shortcuts_give_executorch_s_own_program(artifact, tmp_path, monkeypatch):
     """Tiny Mistral (sliding rings through custom ops, several partitions a layer; no set-ordered
     tables, so its bytes do not follow the hash seed): the same .pte and .ptd bytes as the session's
-    artifact when lowered as ExecuTorch lowers on its own, every XNNPACK pass run on every partition
-    and XNNPACK's partitioner as it is (its keep-whole check made node by node, three decompositions)."""
-    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+    artifact when lowered as ExecuTorch lowers on its own, every XNNPACK pass run on every partition,
+    XNNPACK's partitioner as it is (its keep-whole check made node by node, three decompositions,
+    the first functionalizing), its merge check walking each downstream set, and the edge passes
+    each in a retrace of its own."""
+    import contextlib
 
-    from kvexport.exporter.executorch import xnnpack_partitioner
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+    from executorch.exir.backend.canonical_partitioners.group_partitioner import GroupBasedPartitioner
+
+    from kvexport.exporter.executorch import edge_passes, xnnpack_partitioner
     from kvexport.exporter.executorch.xnnpack_rewrites import partitioner_configs
 
     shortcuts = artifact("tiny-mistral")
     monkeypatch.setattr(only_applying, "PASS_NEEDS", {})
     monkeypatch.setattr(xnnpack_partitioner, "xnnpack_partitioner", lambda: XnnpackPartitioner(configs=partitioner_configs()))
+    monkeypatch.setattr(xnnpack_partitioner, "decomposed_once", lambda program, partitioner: program)
+    monkeypatch.setattr(xnnpack_partitioner, "functionalized_already", lambda program: contextlib.nullcontext())
+    monkeypatch.setattr(xnnpack_partitioner, "_can_merge_partitions", GroupBasedPartitioner._can_merge_partitions)
+    monkeypatch.setattr(edge_passes, "operator_rewrites_in_one_retrace", contextlib.nullcontext)
     as_executorch_lowers = tmp_path / "as-executorch-lowers"
     export_model(ExportOptions("tiny-mistral", "executorch", as_executorch_lowers, TEST_CACHE_LEN), Progress(quiet=True))
     for name in ("model.pte", "model.ptd"):
@@ -84,6 +93,56 @@ def test_an_operator_the_check_takes_only_in_part_is_left_to_executorch_s_node_b
             assert (ops, got_check) == ([linear], check)
         else:  # all or none: decided here, no check left
             assert (ops, got_check) == (([linear] if takes else []), None)
+
+
+def test_the_set_overlap_merge_check_answers_as_executorch_s_for_every_pair():
+    """On a graph where some merges would make a cycle (a node outside both partitions between
+    them) and others would not, every pair of single-node partitions gets ExecuTorch's answer."""
+    import torch
+    from executorch.exir.backend.canonical_partitioners.group_partitioner import GroupBasedPartitioner
+    from torch.fx.passes.infra.partitioner import Partition
+    from torch.fx.passes.operator_support import create_op_support
+
+    from kvexport.exporter.executorch.xnnpack_partitioner import _can_merge_partitions
+
+    def f(x, y):
+        a = torch.relu(x)
+        b = torch.sin(a)  # between a and c: {a, c} would depend on b and b on it
+        c = a + b
+        d = torch.cos(y)  # independent of a, b, c
+        e = c * d
+        return torch.tanh(e) + a
+
+    graph_module = torch.fx.symbolic_trace(f)
+    partitioner = GroupBasedPartitioner(graph_module, create_op_support(lambda submodules, node: True))
+    nodes = [n for n in graph_module.graph.nodes if n.op == "call_function"]
+    partitions = {i: Partition(id=i, nodes=[n]) for i, n in enumerate(nodes)}
+    answers = {}
+    for p1 in partitions:
+        for p2 in partitions:
+            if p1 != p2:
+                ours = _can_merge_partitions(partitioner, p1, p2, partitions)
+                assert ours == GroupBasedPartitioner._can_merge_partitions(partitioner, p1, p2, partitions), (nodes[p1], nodes[p2])
+                answers[ours] = answers.get(ours, 0) + 1
+    assert answers.get(True) and answers.get(False)  # both answers were given
+
+
+def test_functionalized_already_answers_for_its_program_only():
+    import torch
+
+    from kvexport.exporter.executorch.xnnpack_partitioner import decomposed_once, functionalized_already, xnnpack_partitioner
+
+    class Scale(torch.nn.Module):
+        def forward(self, x):
+            return torch.nn.functional.silu(x) * 2
+
+    program = torch.export.export(Scale(), (torch.ones(2, 3),))
+    decomposed = decomposed_once(program, xnnpack_partitioner())
+    with functionalized_already(decomposed):
+        assert decomposed.run_decompositions({}) is decomposed
+        assert program.run_decompositions({}) is not program  # another program: torch's own
+        assert decomposed.run_decompositions() is not decomposed  # another table: torch's own
+    assert decomposed.run_decompositions({}) is not decomposed  # outside the block: torch's own
 
 
 def sha256(path) -> str:
