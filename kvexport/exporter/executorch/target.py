@@ -143,7 +143,7 @@ def lower(program: torch.export.ExportedProgram, spec: ProgramSpec, out_dir: Pat
     from executorch.exir.passes import MemoryPlanningPass
     from executorch.exir.passes.sym_shape_eval_pass import ConstraintBasedSymShapeEvalPass
 
-    from .edge_passes import operator_rewrites_in_one_retrace
+    from .edge_passes import operator_rewrites_chained
     from .xnnpack_partitioner import decomposed_once, functionalized_already, merge_checks_by_set_overlap, xnnpack_partitioner
     from .xnnpack_passes import only_the_passes_that_apply
     from .xnnpack_rewrites import XnnpackFriendlyShapes
@@ -154,7 +154,7 @@ def lower(program: torch.export.ExportedProgram, spec: ProgramSpec, out_dir: Pat
     # XNNPACK's serialized weights wait here (inside the staged artifact) until model.ptd is written.
     with tempfile.TemporaryDirectory(dir=out_dir, prefix=".weights-") as spill:
         with (_weights_shared_on_deepcopy(program), _serialized_weights_on_disk(Path(spill)), only_the_passes_that_apply(),
-              functionalized_already(program), operator_rewrites_in_one_retrace(), merge_checks_by_set_overlap()):
+              functionalized_already(program), operator_rewrites_chained(), merge_checks_by_set_overlap()):
             edge = to_edge_transform_and_lower(
                 program,
                 transform_passes=[XnnpackFriendlyShapes()],

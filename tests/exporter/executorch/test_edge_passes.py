@@ -1,4 +1,4 @@
-"""ExecuTorch's operator-by-operator edge passes chained into one retrace."""
+"""ExecuTorch's operator-by-operator edge passes chained into two retraces."""
 
 from __future__ import annotations
 
@@ -6,23 +6,31 @@ import torch
 from executorch.exir.capture._config import EdgeCompileConfig
 from executorch.exir.program import _program
 
-from kvexport.exporter.executorch.edge_passes import CHAINED, OperatorRewrites, chain_operator_rewrites, operator_rewrites_in_one_retrace
+from kvexport.exporter.executorch import edge_passes
+from kvexport.exporter.executorch.edge_passes import CHAINED, TO_EDGE, OperatorRewrites, ToEdge, chain_operator_rewrites, operator_rewrites_chained
 
 
-def test_the_chain_runs_the_passes_in_executorch_s_order():
+def kinds(passes) -> list:
+    return [type(getattr(p, "__wrapped__", p)) for p in passes]
+
+
+def test_the_chains_run_the_passes_in_executorch_s_order():
     assert OperatorRewrites.__mro__[1 : 1 + len(CHAINED)] == CHAINED
+    assert ToEdge.__mro__[1 : 1 + len(TO_EDGE)] == TO_EDGE
 
 
-def test_executorch_s_list_holds_the_chained_passes_in_a_row_and_the_block_chains_them():
+def test_within_the_block_executorch_s_list_runs_the_chains_and_is_put_back_after():
     executorch_s = _program._get_aten_to_edge_passes
-    original, _ = executorch_s(EdgeCompileConfig())
-    kinds = [type(getattr(p, "__wrapped__", p)) for p in original]
-    start = kinds.index(CHAINED[0])
-    assert tuple(kinds[start : start + len(CHAINED)]) == CHAINED
-    with operator_rewrites_in_one_retrace():
-        chained, _ = _program._get_aten_to_edge_passes(EdgeCompileConfig())
-    assert [type(getattr(p, "__wrapped__", p)) for p in chained] == [*kinds[:start], OperatorRewrites, *kinds[start + len(CHAINED):]]
-    assert _program._get_aten_to_edge_passes is executorch_s  # put back
+    original = kinds(executorch_s(EdgeCompileConfig())[0])
+    start = original.index(CHAINED[0])
+    assert tuple(original[start : start + len(CHAINED)]) == CHAINED and original[-1] is TO_EDGE[0]
+    with operator_rewrites_chained():
+        chained = kinds(_program._get_aten_to_edge_passes(EdgeCompileConfig())[0])
+        # what _generate_edge_program appends after the list: stand-ins, ToEdge made their rewrites
+        assert _program.OpReplacePass is edge_passes._MadeInTheChain and _program.MemoryFormatOpsPass is edge_passes._MadeInTheChain
+    assert chained == [*original[:start], OperatorRewrites, *original[start + len(CHAINED) : -1], ToEdge]
+    assert _program._get_aten_to_edge_passes is executorch_s
+    assert (_program.OpReplacePass, _program.MemoryFormatOpsPass) == TO_EDGE[1:]
 
 
 def test_a_list_without_the_run_is_left_as_it_is():
@@ -30,25 +38,42 @@ def test_a_list_without_the_run_is_left_as_it_is():
     assert chain_operator_rewrites(passes) == passes
 
 
-def test_the_chain_makes_each_pass_s_rewrite_in_one_retrace():
+def targets(graph_module) -> list[str]:
+    return [str(n.target) for n in graph_module.graph.nodes if n.op == "call_function"]
+
+
+def test_each_chain_rewrites_as_its_passes_one_after_the_other():
     """aten.t (NormalizeTransposePass), a Python scalar where the schema takes a tensor
-    (ScalarToTensorPass) and a symbolic size used as a tensor (SymToTensorPass) are rewritten as
-    the passes one after the other rewrite them, node for node."""
+    (ScalarToTensorPass), a symbolic size used as a tensor (SymToTensorPass); then an int tensor
+    times a float one (RemoveMixedTypeOperators: a _to_copy), every operator to its edge one
+    (OpReplacePass) and a clone to its dim-order op (MemoryFormatOpsPass): node for node the same."""
 
     class Uses(torch.nn.Module):
-        def forward(self, x):
-            return torch.ops.aten.t.default(x) * x.shape[0], torch.ops.aten.mul.Tensor(x, 2.0)
+        def forward(self, x, n):
+            scaled = torch.ops.aten.t.default(x) * x.shape[0]
+            return scaled.clone(memory_format=torch.contiguous_format), torch.ops.aten.mul.Tensor(x, 2.0), x * n
 
-    program = torch.export.export(Uses(), (torch.ones(3, 3),), dynamic_shapes=({0: torch.export.Dim("n", max=8), 1: torch.export.Dim("m", max=8)},))
-    program = program.run_decompositions({})
+    rows, columns = torch.export.Dim("rows", max=8), torch.export.Dim("columns", max=8)
+    dims = ({0: rows, 1: columns}, {0: rows, 1: columns})
+    program = torch.export.export(Uses(), (torch.ones(3, 3), torch.ones(3, 3, dtype=torch.int32)), dynamic_shapes=dims)
+    graph_module = program.run_decompositions({}).graph_module
 
-    def targets(graph_module):
-        return [str(n.target) for n in graph_module.graph.nodes if n.op == "call_function"]
-
-    one_by_one = program.graph_module
+    one_by_one = graph_module
     for pass_ in CHAINED:
         one_by_one = pass_()(one_by_one).graph_module
-    chained = OperatorRewrites()(program.graph_module).graph_module
+    chained = OperatorRewrites()(graph_module).graph_module
     assert targets(chained) == targets(one_by_one)
     assert "aten.t_copy.default" in targets(chained) and "aten.t.default" not in targets(chained)
     assert "aten.scalar_tensor.default" in targets(chained)
+
+    edge_one_by_one = one_by_one
+    for pass_ in TO_EDGE:
+        edge_one_by_one = pass_()(edge_one_by_one).graph_module
+    edge_chained = ToEdge()(chained).graph_module
+    assert targets(edge_chained) == targets(edge_one_by_one)
+    assert any("_to_dim_order_copy" in t for t in targets(edge_chained))  # the int tensor, cast
+    assert any("_clone_dim_order" in t for t in targets(edge_chained))
+    from executorch.exir.dialects.edge._ops import EdgeOpOverload
+
+    multiplications = [n.target for n in edge_chained.graph.nodes if "aten.mul.Tensor" in str(n.target)]
+    assert multiplications and all(isinstance(op, EdgeOpOverload) for op in multiplications)  # edge operators

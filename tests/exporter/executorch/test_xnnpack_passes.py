@@ -32,9 +32,38 @@ def test_the_passes_that_apply_are_xnnpack_s_in_its_order():
     class Graph:  # a partition with a batch norm and nothing else the filter knows
         nodes = [type("Node", (), {"op": "call_function", "target": next(iter(only_applying.PASS_NEEDS[xnnpack_passes.FuseBatchNormPass]))})]
 
-    kept = only_applying.passes_that_apply(all_passes, Graph)
+    kept = [p for p in all_passes if only_applying.applies(p, Graph)]
     assert kept == [p for p in all_passes if p not in only_applying.PASS_NEEDS
                     or p in (xnnpack_passes.FuseBatchNormPass, xnnpack_passes.DecomposeBatchNorm)]
+
+
+def test_a_pass_is_asked_about_the_partition_the_passes_before_it_left(monkeypatch):
+    """A pass whose operator an earlier pass of the same run makes runs after that pass, not before."""
+    import torch
+    from executorch.exir import to_edge
+    from executorch.exir.pass_base import ExportPass, PassResult
+
+    ran = []
+
+    def pass_named(name, makes=None):
+        class Pass(ExportPass):
+            def call(self, graph_module):
+                ran.append(name)
+                if makes is not None:
+                    next(n for n in graph_module.graph.nodes if n.op == "call_function").target = makes
+                return PassResult(graph_module, True)
+        return Pass
+
+    class Squares(torch.nn.Module):
+        def forward(self, x):
+            return x * x
+
+    program = to_edge(torch.export.export(Squares(), (torch.ones(2),))).exported_program()
+    made = only_applying._aten.sub.Tensor  # what the first pass makes of the product
+    first, second = pass_named("first", makes=made), pass_named("second")
+    monkeypatch.setitem(only_applying.PASS_NEEDS, second, {made})
+    only_applying._PassManagerOfPassesThatApply(program, passes=[second, first, second]).transform()
+    assert ran == ["first", "second"]
 
 
 def test_kvexport_s_lowering_shortcuts_give_executorch_s_own_program(artifact, tmp_path, monkeypatch):
@@ -58,7 +87,7 @@ def test_kvexport_s_lowering_shortcuts_give_executorch_s_own_program(artifact, t
     monkeypatch.setattr(xnnpack_partitioner, "decomposed_once", lambda program, partitioner: program)
     monkeypatch.setattr(xnnpack_partitioner, "functionalized_already", lambda program: contextlib.nullcontext())
     monkeypatch.setattr(xnnpack_partitioner, "_can_merge_partitions", GroupBasedPartitioner._can_merge_partitions)
-    monkeypatch.setattr(edge_passes, "operator_rewrites_in_one_retrace", contextlib.nullcontext)
+    monkeypatch.setattr(edge_passes, "operator_rewrites_chained", contextlib.nullcontext)
     as_executorch_lowers = tmp_path / "as-executorch-lowers"
     export_model(ExportOptions("tiny-mistral", "executorch", as_executorch_lowers, TEST_CACHE_LEN), Progress(quiet=True))
     for name in ("model.pte", "model.ptd"):
