@@ -17,9 +17,9 @@ are the same (a test compares them).
 
 ExecuTorch has no public option for its list of passes; ``operator_rewrites_chained`` swaps in the
 chained passes for the duration of one lowering (the second run's last two passes are built inside
-``_generate_edge_program``: their names there stand for a pass that leaves the graph as it is, the
-chain having made their rewrites). Where a run is not found as expected (another ExecuTorch
-version), that run is left as ExecuTorch has it.
+``_generate_edge_program``: where ``ToEdge`` runs, their names there stand for a pass that leaves
+the graph as it is, the chain having made their rewrites). Where a run is not found as expected
+(another ExecuTorch version, a config without dim-order ops), that run is left as ExecuTorch has it.
 """
 
 from __future__ import annotations
@@ -47,10 +47,6 @@ class ToEdge(*TO_EDGE):
     """The three passes of ``TO_EDGE``, in that order, in one retrace."""
 
 
-class ToEdgeWithoutDimOrder(*TO_EDGE[:2]):
-    """``ToEdge`` where the config skips dim-order ops (``_skip_dim_order``): no ``MemoryFormatOpsPass``."""
-
-
 class _MadeInTheChain:
     """Stands for a pass of ``TO_EDGE`` that ``_generate_edge_program`` builds: ``ToEdge`` made its rewrites."""
 
@@ -68,12 +64,12 @@ def chain_operator_rewrites(passes: list) -> list:
     return passes
 
 
-def chain_to_edge(passes: list, skip_dim_order: bool) -> list | None:
+def chain_to_edge(passes: list) -> list | None:
     """``passes`` with its last, ``RemoveMixedTypeOperators``, replaced by ``ToEdge``; None where
     the list does not end so."""
     if not passes or type(getattr(passes[-1], "__wrapped__", passes[-1])) is not TO_EDGE[0]:
         return None
-    return [*passes[:-1], ToEdgeWithoutDimOrder() if skip_dim_order else ToEdge()]
+    return [*passes[:-1], ToEdge()]
 
 
 @contextlib.contextmanager
@@ -81,25 +77,25 @@ def operator_rewrites_chained():
     """Within the block, ExecuTorch's ATen-to-edge passes run ``CHAINED`` as one ``OperatorRewrites``
     and ``TO_EDGE`` as one ``ToEdge``."""
     original = _program._get_aten_to_edge_passes
-    # The names _generate_edge_program builds the second run's last passes by: where they are not
-    # ExecuTorch's passes, the second run is left alone.
-    built_inside = {name: kind for name, kind in zip(("OpReplacePass", "MemoryFormatOpsPass"), TO_EDGE[1:])}
-    chain_second_run = all(getattr(_program, name, None) is kind for name, kind in built_inside.items())
+    # The names _generate_edge_program builds the second run's last two passes by. Where they are
+    # not ExecuTorch's passes, or the config leaves dim-order ops out, the second run is left alone.
+    built_inside = dict(zip(("OpReplacePass", "MemoryFormatOpsPass"), TO_EDGE[1:]))
+    names_as_expected = all(getattr(_program, name, None) is kind for name, kind in built_inside.items())
 
     def aten_to_edge_passes(config):
         pre_op_replace_passes, post_op_replace_passes = original(config)
         chained = chain_operator_rewrites(pre_op_replace_passes)
-        to_edge = chain_to_edge(chained, config._skip_dim_order) if chain_second_run else None
+        to_edge = chain_to_edge(chained) if names_as_expected and not config._skip_dim_order else None
+        if names_as_expected:  # the stand-ins only where ToEdge makes their rewrites
+            for name, kind in built_inside.items():
+                setattr(_program, name, _MadeInTheChain if to_edge else kind)
         return to_edge or chained, post_op_replace_passes
 
     _program._get_aten_to_edge_passes = aten_to_edge_passes
-    if chain_second_run:
-        for name in built_inside:
-            setattr(_program, name, _MadeInTheChain)
     try:
         yield
     finally:
         _program._get_aten_to_edge_passes = original
-        if chain_second_run:
+        if names_as_expected:
             for name, kind in built_inside.items():
                 setattr(_program, name, kind)

@@ -32,9 +32,9 @@ from __future__ import annotations
 
 import contextlib
 
-from executorch.exir.backend.canonical_partitioners.group_partitioner import GroupBasedPartitioner
 import torch
 from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+from executorch.exir.backend.canonical_partitioners.group_partitioner import GroupBasedPartitioner
 from executorch.exir.dialects.edge._ops import EdgeOpOverload
 
 from .xnnpack_rewrites import partitioner_configs

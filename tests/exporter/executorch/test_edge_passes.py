@@ -33,6 +33,13 @@ def test_within_the_block_executorch_s_list_runs_the_chains_and_is_put_back_afte
     assert (_program.OpReplacePass, _program.MemoryFormatOpsPass) == TO_EDGE[1:]
 
 
+def test_a_config_without_dim_order_ops_keeps_the_second_run_as_it_is():
+    with operator_rewrites_chained():
+        passes, _ = _program._get_aten_to_edge_passes(EdgeCompileConfig(_skip_dim_order=True))
+        assert kinds(passes)[-1] is TO_EDGE[0]
+        assert (_program.OpReplacePass, _program.MemoryFormatOpsPass) == TO_EDGE[1:]  # ExecuTorch's, not stand-ins
+
+
 def test_a_list_without_the_run_is_left_as_it_is():
     passes = [CHAINED[1](), CHAINED[0]()]  # not in ExecuTorch's order
     assert chain_operator_rewrites(passes) == passes
