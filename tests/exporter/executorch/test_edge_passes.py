@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 from executorch.exir.capture._config import EdgeCompileConfig
+from executorch.exir.dialects.edge._ops import EdgeOpOverload
 from executorch.exir.program import _program
 
 from kvexport.exporter.executorch import edge_passes
@@ -80,7 +81,5 @@ def test_each_chain_rewrites_as_its_passes_one_after_the_other():
     assert targets(edge_chained) == targets(edge_one_by_one)
     assert any("_to_dim_order_copy" in t for t in targets(edge_chained))  # the int tensor, cast
     assert any("_clone_dim_order" in t for t in targets(edge_chained))
-    from executorch.exir.dialects.edge._ops import EdgeOpOverload
-
     multiplications = [n.target for n in edge_chained.graph.nodes if "aten.mul.Tensor" in str(n.target)]
     assert multiplications and all(isinstance(op, EdgeOpOverload) for op in multiplications)  # edge operators

@@ -1,5 +1,6 @@
 """kvexport's shortcuts through ExecuTorch's lowering (XNNPACK's passes only where they can change a
-partition, the partitioner's keep-whole choice made up front) give ExecuTorch's own program."""
+partition, the partitioner's keep-whole choice made up front, one decomposition, the merge check on
+sets, the edge passes chained) give ExecuTorch's own program."""
 
 from __future__ import annotations
 
