@@ -582,7 +582,8 @@ def busy_lines(busy: dict | None) -> list[str]:
 
 # Instruction sets that decide which int8 / float kernels XNNPACK, ONNX Runtime and llama.cpp pick,
 # and so how fast the same program runs on two CPUs (docs/performance.md).
-CPU_FEATURES = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_int8", "asimddp", "i8mm", "sve")
+CPU_FEATURES = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "avx512_fp16", "amx_int8", "asimddp", "asimdhp",
+                "i8mm", "sve")
 
 
 def cpu_info() -> tuple[str, list[str]]:

@@ -9,6 +9,7 @@ choice) tells a near-tie from a bug. Both sides then stop.
 from __future__ import annotations
 
 import json
+import platform
 import statistics
 import sys
 from dataclasses import asdict, dataclass, field
@@ -31,6 +32,12 @@ QUANTIZED_STEPS = 256
 # Max |logit difference| accepted on steps where the tokens agree, by artifact dtype: above float
 # reordering noise, far below what an export that drops the sliding window gives (docs/check.md).
 LOGIT_TOLERANCE = {"float32": 5e-2, "float16": 0.5, "bfloat16": 2.0}
+
+# XNNPACK computes float16 in float16 (its products summed in float16) on a CPU with float16
+# arithmetic (x86's AVX512-FP16, Arm's FP16 extension: every recent phone), and in float32 elsewhere,
+# as eager float16 does. There a float16 .pte keeps about bfloat16's precision, not float16's, and is
+# held to bfloat16's tolerance (docs/check.md#float16).
+FLOAT16_ARITHMETIC_FEATURES = ("avx512_fp16", "asimdhp")
 
 # Half precision: eager float16 is itself off float32 eager, so a step whose logits are beyond the
 # tolerance or whose token differs is judged against float32 eager (the same tokens). It passes if
@@ -311,7 +318,7 @@ def run_check(
     program = load_program(folder, manifest, device if manifest["target"] == "onnx" else "cpu", runner)
     model = load_reference(manifest, model_name, device)
     base = None if baseline is None else load_program(baseline, None, device if manifest["target"] == "onnx" else "cpu", runner)
-    tolerance = LOGIT_TOLERANCE[manifest["dtype"]]
+    tolerance = logit_tolerance(manifest)
     half = manifest["dtype"] != "float32" and not quantized
     float32_logits = Float32Logits(lambda: load_reference(manifest, model_name, device, "float32")) if half else None
     reports = []
@@ -328,6 +335,21 @@ def run_check(
     mode, min_agreement = ("agreement", MIN_QUANTIZED_AGREEMENT) if quantized else ("exact", 1.0)
     return CheckReport(str(folder), manifest["target"], manifest["dtype"], device, tolerance, reports, mode, min_agreement,
                        runner)
+
+
+def computes_float16_in_float16(manifest: dict) -> bool:
+    """A float16 .pte on this CPU: XNNPACK picks its float16-arithmetic kernels here."""
+    from ..bench.bench import cpu_info
+
+    if manifest["dtype"] != "float16" or manifest["target"] != "executorch":
+        return False
+    if platform.system() == "Darwin":
+        return platform.machine() == "arm64"  # every Apple CPU of that architecture has it
+    return any(feature in FLOAT16_ARITHMETIC_FEATURES for feature in cpu_info()[1])
+
+
+def logit_tolerance(manifest: dict) -> float:
+    return LOGIT_TOLERANCE["bfloat16" if computes_float16_in_float16(manifest) else manifest["dtype"]]
 
 
 def check_baseline(manifest: dict, baseline: dict, path) -> None:
@@ -444,14 +466,16 @@ def check_command(folder, prompts, max_new_tokens, device, model_name, as_json, 
     tokenizer = ArtifactTokenizer(folder)
     quantized = approximate(manifest)
     chosen = choose_prompts(manifest, tokenizer, prompts, max_new_tokens)
-    tolerance = LOGIT_TOLERANCE[manifest["dtype"]]
+    tolerance = logit_tolerance(manifest)
     min_agreement = MIN_QUANTIZED_AGREEMENT if quantized else None
     if not as_json:
         rule = (
             f"quantized ({_scheme(manifest)}, not token-exact): eager's tokens fed to both, "
             f"top-1 agreement with float eager must be >= {MIN_QUANTIZED_AGREEMENT:.0%} (EOS never fed)"
             if quantized
-            else f"tokens must be identical, logits within {tolerance} ({manifest['dtype']} tolerance)"
+            else f"tokens must be identical, logits within {tolerance} ("
+            + ("bfloat16's tolerance: XNNPACK computes float16 in float16 on this CPU" if computes_float16_in_float16(manifest)
+               else f"{manifest['dtype']} tolerance") + ")"
             + ("; a step beyond it or with another token is judged against float32 eager, net of eager's own rounding"
                if manifest["dtype"] != "float32" else "")
         )

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvexport.cli import main
-from kvexport.checker.check import LOGIT_TOLERANCE, Float32Logits, check_half_precision_prompt, check_prompt
+from kvexport.checker.check import LOGIT_TOLERANCE, Float32Logits, check_half_precision_prompt, check_prompt, logit_tolerance
 
 
 def run_cli(capsys, *args) -> tuple[int, str, str]:
@@ -108,6 +108,21 @@ def test_a_float16_token_difference_is_a_rounding_tie_only_within_eager_float16s
                           float32_logits=Float32Logits(lambda: full))
     assert not report.match and report.first_divergence == 0 and report.rounding_ties == []
     assert report.artifact_token == 7 and report.near_tie is False
+
+
+@pytest.mark.parametrize("target, dtype, features, expected", [
+    ("executorch", "float16", ["avx2", "avx512_fp16"], LOGIT_TOLERANCE["bfloat16"]),  # XNNPACK sums in float16 there
+    ("executorch", "float16", ["asimddp", "asimdhp"], LOGIT_TOLERANCE["bfloat16"]),
+    ("executorch", "float16", ["avx2", "avx512f"], LOGIT_TOLERANCE["float16"]),  # in float32 there, as eager does
+    ("onnx", "float16", ["avx512_fp16"], LOGIT_TOLERANCE["float16"]),
+    ("executorch", "float32", ["avx512_fp16"], LOGIT_TOLERANCE["float32"]),
+])
+def test_a_float16_pte_is_held_to_the_tolerance_of_the_arithmetic_this_cpu_gives_it(monkeypatch, target, dtype, features, expected):
+    import platform
+
+    monkeypatch.setattr(platform, "system", lambda: "Linux")
+    monkeypatch.setattr("kvexport.bench.bench.cpu_info", lambda: ("a CPU", features))
+    assert logit_tolerance({"target": target, "dtype": dtype}) == expected
 
 
 def test_where_eager_float16_overflows_a_float16_artifact_is_held_to_float32_eager():
