@@ -580,27 +580,6 @@ def busy_lines(busy: dict | None) -> list[str]:
     return ["", line]
 
 
-# Instruction sets that decide which int8 / float kernels XNNPACK, ONNX Runtime and llama.cpp pick,
-# and so how fast the same program runs on two CPUs (docs/performance.md).
-CPU_FEATURES = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "avx512_fp16", "amx_int8", "asimddp", "asimdhp",
-                "i8mm", "sve")
-
-
-def cpu_info() -> tuple[str, list[str]]:
-    """The CPU's model name and which of ``CPU_FEATURES`` it has (Linux; elsewhere the name only)."""
-    name, flags = "", set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name" and not name:
-                name = value.strip()
-            elif key.strip() in ("flags", "Features") and not flags:
-                flags = set(value.split())
-    except OSError:
-        pass
-    return name or platform.processor() or platform.machine(), [f for f in CPU_FEATURES if f in flags]
-
-
 def parse_args(argv):
     from kvexport.runtime.options import OneLineParser  # here: the workers run this file without kvexport
 
@@ -670,6 +649,8 @@ def main(argv=None) -> int:
                     for key, title, digits in METRICS)
                 print(f"[{repeat + 1}/{args.repeats}] {job['label']}: {shown}", file=sys.stderr, flush=True)
     finish(jobs, args)
+    from kvexport.runtime.cpu import cpu_info
+
     cpu, features = cpu_info()
     busy = summarize([r.get("background_busy") for job in jobs for r in job.get("runs", [])])
     report = {

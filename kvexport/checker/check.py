@@ -9,7 +9,6 @@ choice) tells a near-tie from a bug. Both sides then stop.
 from __future__ import annotations
 
 import json
-import platform
 import statistics
 import sys
 from dataclasses import asdict, dataclass, field
@@ -18,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import InvalidOptionError
+from ..runtime.cpu import xnnpack_sums_float16_in_float16
 from ..runtime.generation import check_fits
 from ..runtime.programs import load_program
 from ..runtime.tokenizer import ArtifactTokenizer
@@ -33,11 +33,6 @@ QUANTIZED_STEPS = 256
 # reordering noise, far below what an export that drops the sliding window gives (docs/check.md).
 LOGIT_TOLERANCE = {"float32": 5e-2, "float16": 0.5, "bfloat16": 2.0}
 
-# XNNPACK computes float16 in float16 (its products summed in float16) on a CPU with float16
-# arithmetic (x86's AVX512-FP16, Arm's FP16 extension: every recent phone), and in float32 elsewhere,
-# as eager float16 does. There a float16 .pte keeps about bfloat16's precision, not float16's, and is
-# held to bfloat16's tolerance (docs/check.md#float16).
-FLOAT16_ARITHMETIC_FEATURES = ("avx512_fp16", "asimdhp")
 
 # Half precision: eager float16 is itself off float32 eager, so a step whose logits are beyond the
 # tolerance or whose token differs is judged against float32 eager (the same tokens). It passes if
@@ -338,14 +333,10 @@ def run_check(
 
 
 def computes_float16_in_float16(manifest: dict) -> bool:
-    """A float16 .pte on this CPU: XNNPACK picks its float16-arithmetic kernels here."""
-    from ..bench.bench import cpu_info
-
-    if manifest["dtype"] != "float16" or manifest["target"] != "executorch":
-        return False
-    if platform.system() == "Darwin":
-        return platform.machine() == "arm64"  # every Apple CPU of that architecture has it
-    return any(feature in FLOAT16_ARITHMETIC_FEATURES for feature in cpu_info()[1])
+    """A float16 .pte on a CPU where XNNPACK sums float16 products in float16, not in float32 as eager
+    float16 does: it keeps about bfloat16's precision there, and is held to bfloat16's tolerance
+    (docs/check.md#float16)."""
+    return manifest["dtype"] == "float16" and manifest["target"] == "executorch" and xnnpack_sums_float16_in_float16()
 
 
 def logit_tolerance(manifest: dict) -> float:

@@ -113,16 +113,6 @@ def bench_reading(monkeypatch, tmp_path, proc_file: str):
     return bench, fake
 
 
-def test_cpu_info_names_the_instruction_sets_that_pick_the_kernels(tmp_path, monkeypatch):
-    bench, cpuinfo = bench_reading(monkeypatch, tmp_path, "/proc/cpuinfo")
-
-    cpuinfo.write_text("processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: fpu sse2 avx2 fma avx512f avx512_vnni\n")
-    assert bench.cpu_info() == ("AMD EPYC", ["avx2", "avx512f", "avx512_vnni"])
-    cpuinfo.write_text("processor\t: 0\nFeatures\t: fp asimd asimddp i8mm\nCPU part\t: 0xd0c\n")  # ARM: no model name
-    name, features = bench.cpu_info()
-    assert features == ["asimddp", "i8mm"] and name
-
-
 def test_other_load_between_runs_is_measured_and_flagged(tmp_path, monkeypatch):
     bench, stat = bench_reading(monkeypatch, tmp_path, "/proc/stat")
     #                 user nice system idle iowait irq softirq steal

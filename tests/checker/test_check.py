@@ -121,7 +121,7 @@ def test_a_float16_pte_is_held_to_the_tolerance_of_the_arithmetic_this_cpu_gives
     import platform
 
     monkeypatch.setattr(platform, "system", lambda: "Linux")
-    monkeypatch.setattr("kvexport.bench.bench.cpu_info", lambda: ("a CPU", features))
+    monkeypatch.setattr("kvexport.runtime.cpu.cpu_info", lambda: ("a CPU", features))
     assert logit_tolerance({"target": target, "dtype": dtype}) == expected
 
 

@@ -1,0 +1,32 @@
+"""What the CPU offers the runtimes' kernels, read from /proc/cpuinfo."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import kvexport.runtime.cpu as cpu
+
+
+def reading(monkeypatch, tmp_path, text: str) -> None:
+    """/proc/cpuinfo is ``text`` for the test, on Linux."""
+    fake, real_path = tmp_path / "cpuinfo", Path
+    fake.write_text(text)
+    monkeypatch.setattr(cpu, "Path", lambda p: real_path(fake if p == "/proc/cpuinfo" else p))
+    monkeypatch.setattr(cpu.platform, "system", lambda: "Linux")
+
+
+def test_cpu_info_names_the_instruction_sets_that_pick_the_kernels(tmp_path, monkeypatch):
+    reading(monkeypatch, tmp_path, "processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: fpu sse2 avx2 fma avx512f avx512_vnni\n")
+    assert cpu.cpu_info() == ("AMD EPYC", ["avx2", "avx512f", "avx512_vnni"])
+    reading(monkeypatch, tmp_path, "processor\t: 0\nFeatures\t: fp asimd asimddp i8mm\nCPU part\t: 0xd0c\n")  # ARM: no model name
+    name, features = cpu.cpu_info()
+    assert features == ["asimddp", "i8mm"] and name
+
+
+def test_xnnpack_sums_float16_in_float16_where_the_cpu_has_float16_arithmetic(tmp_path, monkeypatch):
+    reading(monkeypatch, tmp_path, "model name\t: Intel Xeon\nflags\t\t: avx2 f16c avx512f avx512_bf16 avx512_fp16 amx_int8\n")
+    assert cpu.xnnpack_sums_float16_in_float16()
+    reading(monkeypatch, tmp_path, "model name\t: AMD EPYC\nflags\t\t: avx2 f16c avx512f avx512_bf16\n")  # F16C converts only
+    assert not cpu.xnnpack_sums_float16_in_float16()
+    reading(monkeypatch, tmp_path, "Features\t: fp asimd fphp asimdhp asimddp\n")
+    assert cpu.xnnpack_sums_float16_in_float16()
