@@ -33,7 +33,6 @@ QUANTIZED_STEPS = 256
 # reordering noise, far below what an export that drops the sliding window gives (docs/check.md).
 LOGIT_TOLERANCE = {"float32": 5e-2, "float16": 0.5, "bfloat16": 2.0}
 
-
 # Half precision: eager float16 is itself off float32 eager, so a step whose logits are beyond the
 # tolerance or whose token differs is judged against float32 eager (the same tokens). It passes if
 # the artifact is within the tolerance of float32 eager beyond eager's own error there; a token
