@@ -45,6 +45,10 @@ class GenaiProgram:
         config.clear_providers()
         if device == "cuda":
             check_runs_on_cuda(manifest)  # what onnxruntime-gpu's kernels take, as for kvexport's runner
+            if not og.is_cuda_available():  # else og.Model fails later with a message about the folder
+                raise InvalidOptionError(f"--runner genai --device cuda: this {PACKAGE} ({og.__version__}) has no CUDA; "
+                                         f"install {PACKAGE}-cuda=={og.__version__} in its place on a machine with an "
+                                         "NVIDIA GPU, or use --device cpu")
             config.append_provider("cuda")
         try:
             self._model = og.Model(config)

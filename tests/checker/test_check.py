@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import onnxruntime as ort
 import pytest
 import torch
 
@@ -56,8 +57,12 @@ def test_check_on_cuda_without_a_gpu_says_so(artifact, capsys):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_check_with_eager_on_the_gpu(artifact, capsys):
-    code, out, _ = run_cli(capsys, "check", artifact("tiny-gemma3"), "--device", "cuda", "--json")
+@pytest.mark.parametrize("target, dtype", [("executorch", "float32"), ("onnx", "float16")])
+def test_check_with_eager_on_the_gpu(artifact, capsys, target, dtype):
+    """Eager on the GPU; the `.pte` on the CPU, the ONNX graph on ONNX Runtime's CUDA provider."""
+    if target == "onnx" and "CUDAExecutionProvider" not in ort.get_available_providers():
+        pytest.skip("needs onnxruntime-gpu")
+    code, out, _ = run_cli(capsys, "check", artifact("tiny-gemma3", target, dtype=dtype), "--device", "cuda", "--json")
     assert code == 0, out
 
 

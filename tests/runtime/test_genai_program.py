@@ -105,3 +105,34 @@ def test_chat_with_runner_genai_replies_as_kvexport_s_runner(artifact, capsys, m
         turns[runner] = [{k: t[k] for k in ("reply_ids", "prefilled_tokens", "conversation_tokens", "reset")}
                          for t in map(json.loads, out.splitlines())]
     assert len(turns["genai"]) == 3 and turns["genai"] == turns["kvexport"]
+
+
+def _genai_has_cuda() -> bool:
+    try:
+        import onnxruntime_genai as og
+    except ModuleNotFoundError:
+        return False
+    return og.is_cuda_available()
+
+
+@pytest.mark.skipif(_genai_has_cuda(), reason="this onnxruntime-genai has CUDA")
+def test_runner_genai_on_cuda_without_its_cuda_build_says_so(artifact, capsys):
+    code, _, err = run_cli(capsys, "run", artifact("tiny-gemma3", "onnx", dtype="float16"), "--prompt", "Hi",
+                           "--runner", "genai", "--device", "cuda")
+    assert_one_line_error(code, err, "--runner genai --device cuda", "onnxruntime-genai-cuda==0.18.0")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _genai_has_cuda(), reason="needs onnxruntime-genai-cuda and a CUDA GPU")
+@pytest.mark.parametrize("name", ["tiny-gemma3", "tiny-llama"])
+def test_genai_on_cuda_matches_kvexport_s_runner_on_the_cpu(artifact, name):
+    """The float16 graph in genai on the GPU (its cache in GPU memory, its own ring handling) against
+    kvexport's runner on the CPU provider, which the other tests hold to eager transformers."""
+    from tests.runtime.test_onnx_program import FP16_PROVIDERS_ATOL
+
+    _, tokenizer = build_preset(name)
+    ids = tokenizer(PROMPT).input_ids
+    folder = artifact(name, "onnx", dtype="float16")
+    expected = greedy_with(load_program(folder).forward, ids, NEW_TOKENS)
+    got = greedy_with(load_program(folder, device="cuda", runner="genai").forward, ids, NEW_TOKENS)
+    assert_generation_matches(got, expected, FP16_PROVIDERS_ATOL, f"{name} in genai on cuda")
