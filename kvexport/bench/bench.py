@@ -50,8 +50,8 @@ by up to a quarter per path, so a ratio near 1 needs more than one run.
 
 Threads: ``torch.set_num_threads(N)`` (eager, and torch ops anywhere); ExecuTorch's threadpool
 (XNNPACK and the LLM custom ops, one pool per process shared by kvexport's runner and
-TextLLMRunner) is reset to N with ``executorch.extension.pybindings.portable_lib._unsafe_reset_threadpool``;
-ONNX Runtime gets ``intra_op_num_threads=N`` (inter-op 1), in onnxruntime-genai through its
+TextLLMRunner) is reset to N with ``executorch.extension.pybindings.portable_lib._unsafe_reset_threadpool``
+(through ``KVEXPORT_THREADS`` for kvexport's runners, as a user sets it); ONNX Runtime gets ``intra_op_num_threads=N`` (inter-op 1), in onnxruntime-genai through its
 config's session options; llama.cpp ``n_threads = n_threads_batch = N``.
 """
 
@@ -111,14 +111,6 @@ def _set_torch_threads(threads: int) -> None:
     torch.set_num_threads(threads)
 
 
-def _set_executorch_threads(threads: int) -> None:
-    from executorch.extension.pybindings.portable_lib import _threadpool_get_thread_count, _unsafe_reset_threadpool
-
-    _unsafe_reset_threadpool(threads)
-    if _threadpool_get_thread_count() != threads:
-        raise RuntimeError(f"ExecuTorch's threadpool has {_threadpool_get_thread_count()} threads, not {threads}")
-
-
 def _timed(prompt_ids: list[int], new_tokens: int, t0: float, first: float, end: float, n_new: int) -> dict:
     return {
         "prompt_tokens": len(prompt_ids),
@@ -163,18 +155,14 @@ def work_run(spec: dict) -> dict:
     from kvexport.runtime.generation import generate
     from kvexport.runtime.programs import load_program
 
+    from kvexport.runtime.cpu import THREADS_ENV
+
     folder = Path(spec["artifact"])
     manifest = read_manifest(folder)
-    threads = spec["threads"]
+    os.environ[THREADS_ENV] = str(spec["threads"])  # the runners size their runtime's threads from it
+    _set_torch_threads(spec["threads"])
     t = time.perf_counter()
-    if manifest["target"] == "onnx":
-        from kvexport.runtime.onnx_program import OnnxProgram
-
-        program = OnnxProgram(folder, manifest, "cpu", threads=threads)
-    else:
-        _set_torch_threads(threads)
-        _set_executorch_threads(threads)
-        program = load_program(folder, manifest)
+    program = load_program(folder, manifest)
     load_s = time.perf_counter() - t
     ids, n = spec["prompt_ids"], spec["new_tokens"]
     generate(program, ids, WARMUP_NEW_TOKENS)
@@ -189,12 +177,12 @@ def work_run(spec: dict) -> dict:
 
 def work_textllm(spec: dict) -> dict:
     from kvexport.artifact.manifest import read_manifest
-    from kvexport.runtime.executorch_program import register_kernels
+    from kvexport.runtime.executorch_program import register_kernels, set_executorch_threads
 
     folder = Path(spec["artifact"])  # with --pte, the kvexport artifact whose tokenizer it borrows
     manifest = read_manifest(folder)
     _set_torch_threads(spec["threads"])
-    _set_executorch_threads(spec["threads"])
+    set_executorch_threads(spec["threads"])
     register_kernels()
     from executorch.extension.llm.runner import GenerationConfig, TextLLMRunner
 

@@ -4,11 +4,30 @@ on two CPUs (docs/performance.md#the-host)."""
 
 from __future__ import annotations
 
+import os
 import platform
 from pathlib import Path
 
+from ..errors import InvalidOptionError
+
 CPU_FEATURES = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "avx512_fp16", "amx_int8", "asimddp", "asimdhp",
                 "i8mm", "sve")
+
+# Threads for the runtimes' own pools (ONNX Runtime's intra-op pool, ExecuTorch's threadpool,
+# onnxruntime-genai's session): for several processes side by side, which each default to one
+# thread per core and then spin against each other. torch follows OMP_NUM_THREADS.
+THREADS_ENV = "KVEXPORT_THREADS"
+
+
+def runtime_threads() -> int | None:
+    """``KVEXPORT_THREADS`` as a count, or None where it is unset (each runtime's own default)."""
+    value = os.environ.get(THREADS_ENV, "").strip()
+    if not value:
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise InvalidOptionError(f"{THREADS_ENV}={value!r}: give a whole number of threads, at least 1, or unset it")
+    return int(value)
+
 
 # XNNPACK sums float16 products in float16 on a CPU with float16 arithmetic (x86's AVX512-FP16, Arm's
 # FP16 extension: every recent phone), and in float32 elsewhere, as eager float16 does.

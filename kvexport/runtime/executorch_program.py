@@ -9,6 +9,7 @@ import numpy as np
 from ..artifact.manifest import program_mismatch
 from ..errors import ArtifactError, InvalidOptionError
 from ..logs import native_stderr_quiet
+from .cpu import runtime_threads
 from .programs import max_tokens_per_call
 
 
@@ -18,6 +19,8 @@ class ExecuTorchProgram:
         from executorch.runtime import Runtime
 
         register_kernels()
+        if (threads := runtime_threads()) is not None:
+            set_executorch_threads(threads)
 
         self.manifest = manifest
         self._chunk = max_tokens_per_call(manifest)
@@ -52,6 +55,17 @@ class ExecuTorchProgram:
     def reset(self) -> None:
         # Nothing to clear: a call at position 0 starts a new sequence (the masks ignore older state).
         pass
+
+
+def set_executorch_threads(threads: int) -> None:
+    """Size the threadpool of ExecuTorch's Python runtime (XNNPACK's kernels, TextLLMRunner), one per
+    process."""
+    from executorch.extension.pybindings.portable_lib import _threadpool_get_thread_count, _unsafe_reset_threadpool
+
+    if _threadpool_get_thread_count() != threads:
+        _unsafe_reset_threadpool(threads)
+    if _threadpool_get_thread_count() != threads:
+        raise RuntimeError(f"ExecuTorch's threadpool has {_threadpool_get_thread_count()} threads, not {threads}")
 
 
 # ExecuTorch's ScalarType codes of the manifest's dtypes.

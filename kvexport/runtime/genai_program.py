@@ -10,11 +10,13 @@ tokens) and its logits ``Generator.get_logits``. A sequence is one generator; a 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
 
 from ..errors import ArtifactError, InvalidOptionError, KvexportError
+from .cpu import runtime_threads
 from .onnx_artifact import check_against_genai_config, check_call, check_runs_on_cuda
 
 PACKAGE = "onnxruntime-genai"
@@ -43,6 +45,9 @@ class GenaiProgram:
         og = _import_genai(manifest)
         config = og.Config(str(folder))
         config.clear_providers()
+        if (threads := runtime_threads()) is not None:
+            options = {"intra_op_num_threads": threads, "inter_op_num_threads": 1}
+            config.overlay(json.dumps({"model": {"decoder": {"session_options": options}}}))
         if device == "cuda":
             check_runs_on_cuda(manifest)  # what onnxruntime-gpu's kernels take, as for kvexport's runner
             if not og.is_cuda_available():  # else og.Model fails later with a message about the folder

@@ -24,6 +24,7 @@ import numpy as np
 
 from ..artifact.manifest import MANIFEST, program_mismatch
 from ..errors import ArtifactError, InvalidOptionError
+from .cpu import runtime_threads
 from .onnx_artifact import GPU_HINT, check_against_genai_config, check_call, check_runs_on_cuda
 from .programs import max_tokens_per_call
 
@@ -121,7 +122,8 @@ class _Layer:
 
 class OnnxProgram:
     def __init__(self, folder: Path, manifest: dict, device: str, threads: int | None = None):
-        """``threads``: ONNX Runtime's intra-op threads (default: its own choice, one per physical core)."""
+        """``threads``: ONNX Runtime's intra-op threads (default: ``KVEXPORT_THREADS``, else its own
+        choice, one per physical core)."""
         import onnxruntime as ort
 
         if device not in ("cpu", "cuda"):
@@ -140,6 +142,7 @@ class OnnxProgram:
         providers = ["CUDAExecutionProvider", "CPUExecutionProvider"] if device == "cuda" else ["CPUExecutionProvider"]
         options = ort.SessionOptions()
         options.log_severity_level = 3  # errors only
+        threads = threads if threads is not None else runtime_threads()
         if threads is not None:
             options.intra_op_num_threads = threads
             options.inter_op_num_threads = 1

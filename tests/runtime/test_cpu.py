@@ -30,3 +30,24 @@ def test_xnnpack_sums_float16_in_float16_where_the_cpu_has_float16_arithmetic(tm
     assert not cpu.xnnpack_sums_float16_in_float16()
     reading(monkeypatch, tmp_path, "Features\t: fp asimd fphp asimdhp asimddp\n")
     assert cpu.xnnpack_sums_float16_in_float16()
+
+
+def test_kvexport_threads_sizes_each_runtime_s_pool(artifact, monkeypatch, capsys):
+    from executorch.extension.pybindings.portable_lib import _threadpool_get_thread_count
+
+    from kvexport.runtime.programs import load_program
+    from tests.test_cli import assert_one_line_error, run_cli
+
+    before = _threadpool_get_thread_count()
+    for threads in (1, 3):
+        monkeypatch.setenv("KVEXPORT_THREADS", str(threads))
+        onnx = load_program(artifact("tiny-gemma3", "onnx"))
+        assert onnx._session.get_session_options().intra_op_num_threads == threads
+        load_program(artifact("tiny-gemma3", "executorch"))
+        assert _threadpool_get_thread_count() == threads
+    monkeypatch.setenv("KVEXPORT_THREADS", str(before))
+    load_program(artifact("tiny-gemma3", "executorch"))  # the pool as this worker had it
+    for wrong in ("0", "two"):
+        monkeypatch.setenv("KVEXPORT_THREADS", wrong)
+        code, _, err = run_cli(capsys, "run", artifact("tiny-gemma3", "onnx"), "--prompt", "Hi")
+        assert_one_line_error(code, err, f"KVEXPORT_THREADS='{wrong}'", "at least 1")
