@@ -50,9 +50,10 @@ by up to a quarter per path, so a ratio near 1 needs more than one run.
 
 Threads: ``torch.set_num_threads(N)`` (eager, and torch ops anywhere); ExecuTorch's threadpool
 (XNNPACK and the LLM custom ops, one pool per process shared by kvexport's runner and
-TextLLMRunner) is reset to N with ``executorch.extension.pybindings.portable_lib._unsafe_reset_threadpool``
-(through ``KVEXPORT_THREADS`` for kvexport's runners, as a user sets it); ONNX Runtime gets ``intra_op_num_threads=N`` (inter-op 1), in onnxruntime-genai through its
-config's session options; llama.cpp ``n_threads = n_threads_batch = N``.
+TextLLMRunner) is reset to N with ``executorch.extension.pybindings.portable_lib._unsafe_reset_threadpool``;
+ONNX Runtime gets ``intra_op_num_threads=N`` (inter-op 1), in onnxruntime-genai through its
+config's session options; kvexport's runners take N as a user gives it, through ``KVEXPORT_THREADS``;
+llama.cpp ``n_threads = n_threads_batch = N``.
 """
 
 from __future__ import annotations
@@ -152,10 +153,9 @@ def work_eager(spec: dict) -> dict:
 
 def work_run(spec: dict) -> dict:
     from kvexport.artifact.manifest import read_manifest
+    from kvexport.runtime.cpu import THREADS_ENV
     from kvexport.runtime.generation import generate
     from kvexport.runtime.programs import load_program
-
-    from kvexport.runtime.cpu import THREADS_ENV
 
     folder = Path(spec["artifact"])
     manifest = read_manifest(folder)

@@ -12,6 +12,7 @@ a plain HF folder under the kvexport cache; later loads read that.
 from __future__ import annotations
 
 import contextlib
+import copy
 import errno
 import functools
 import importlib.util
@@ -386,10 +387,20 @@ def load_config(source: ModelSource):
             converted = _converted_folder(source.path, None)
             if (converted / "config.json").is_file():  # reading a GGUF's metadata takes seconds
                 return AutoConfig.from_pretrained(converted)
-            return _read_gguf(lambda: AutoConfig.from_pretrained(source.path.parent, gguf_file=source.path.name), source)
+            stat = source.path.stat()
+            return copy.deepcopy(_gguf_config(source, stat.st_size, stat.st_mtime_ns))
         return AutoConfig.from_pretrained(source.path)
     except (ValueError, KeyError, OSError, json.JSONDecodeError) as e:
         raise UnsupportedModelError(f"cannot read the config of '{source.label}': {_first_line(e)}")
+
+
+@functools.lru_cache(maxsize=4)
+def _gguf_config(source: ModelSource, size: int, mtime_ns: int):
+    """A GGUF file's config, read once per process while its size and mtime stay (transformers parses
+    the whole file's metadata for it: seconds)."""
+    from transformers import AutoConfig
+
+    return _read_gguf(lambda: AutoConfig.from_pretrained(source.path.parent, gguf_file=source.path.name), source)
 
 
 def _check_config_file(source: ModelSource) -> None:

@@ -62,8 +62,9 @@ def set_executorch_threads(threads: int) -> None:
     process."""
     from executorch.extension.pybindings.portable_lib import _threadpool_get_thread_count, _unsafe_reset_threadpool
 
-    if _threadpool_get_thread_count() != threads:
-        _unsafe_reset_threadpool(threads)
+    with native_stderr_quiet():  # the pool probes the CPU when it starts, and logs a reset
+        if _threadpool_get_thread_count() != threads:
+            _unsafe_reset_threadpool(threads)
     if _threadpool_get_thread_count() != threads:
         raise RuntimeError(f"ExecuTorch's threadpool has {_threadpool_get_thread_count()} threads, not {threads}")
 
