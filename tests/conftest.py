@@ -15,7 +15,7 @@ from kvexport.models.presets import PRESETS, build_preset
 # Under pytest-xdist each worker gets its share of the CPUs (make test runs one worker per core):
 # torch here, and the runtimes' pools (ONNX Runtime, ExecuTorch, genai) here and in the processes the
 # tests start, which inherit the variables. Two workers whose pools each take every core spin against
-# each other: eager and ONNX decoding ran 3x and 1.35x slower side by side (docs/development.md).
+# each other (docs/development.md#ci).
 WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 THREADS = max(1, (os.cpu_count() or 1) // WORKERS)
 torch.set_num_threads(THREADS)
