@@ -160,7 +160,8 @@ def work_run(spec: dict) -> dict:
     folder = Path(spec["artifact"])
     manifest = read_manifest(folder)
     os.environ[THREADS_ENV] = str(spec["threads"])  # the runners size their runtime's threads from it
-    _set_torch_threads(spec["threads"])
+    if manifest["target"] != "onnx":  # the ONNX runner imports no torch: its peak RSS stays its own
+        _set_torch_threads(spec["threads"])
     t = time.perf_counter()
     program = load_program(folder, manifest)
     load_s = time.perf_counter() - t
@@ -235,12 +236,12 @@ def work_genai(spec: dict) -> dict:
     import numpy as np
     import onnxruntime_genai as og
 
-    threads = spec["threads"]
+    from kvexport.runtime.genai_program import set_genai_threads
+
     t = time.perf_counter()
     config = og.Config(spec.get("genai_folder") or spec["artifact"])
     config.clear_providers()  # the CPU
-    options = {"intra_op_num_threads": threads, "inter_op_num_threads": 1}
-    config.overlay(json.dumps({"model": {"decoder": {"session_options": options}}}))
+    set_genai_threads(config, spec["threads"])
     model = og.Model(config)
     load_s = time.perf_counter() - t
     ids, n = spec["prompt_ids"], spec["new_tokens"]

@@ -19,8 +19,7 @@ class ExecuTorchProgram:
         from executorch.runtime import Runtime
 
         register_kernels()
-        if (threads := runtime_threads()) is not None:
-            set_executorch_threads(threads)
+        threads_as_asked()
 
         self.manifest = manifest
         self._chunk = max_tokens_per_call(manifest)
@@ -67,6 +66,12 @@ def set_executorch_threads(threads: int) -> None:
             _unsafe_reset_threadpool(threads)
     if _threadpool_get_thread_count() != threads:
         raise RuntimeError(f"ExecuTorch's threadpool has {_threadpool_get_thread_count()} threads, not {threads}")
+
+
+def threads_as_asked() -> None:
+    """ExecuTorch's threadpool sized by ``KVEXPORT_THREADS`` where it is set."""
+    if (threads := runtime_threads()) is not None:
+        set_executorch_threads(threads)
 
 
 # ExecuTorch's ScalarType codes of the manifest's dtypes.

@@ -32,6 +32,12 @@ def _import_genai(manifest: dict):
     return onnxruntime_genai
 
 
+def set_genai_threads(config, threads: int) -> None:
+    """The decoder session of an ``og.Config`` to ``threads`` intra-op threads (inter-op 1)."""
+    options = {"intra_op_num_threads": threads, "inter_op_num_threads": 1}
+    config.overlay(json.dumps({"model": {"decoder": {"session_options": options}}}))
+
+
 class GenaiProgram:
     def __init__(self, folder: Path, manifest: dict, device: str):
         if manifest["target"] != "onnx":
@@ -46,8 +52,7 @@ class GenaiProgram:
         config = og.Config(str(folder))
         config.clear_providers()
         if (threads := runtime_threads()) is not None:
-            options = {"intra_op_num_threads": threads, "inter_op_num_threads": 1}
-            config.overlay(json.dumps({"model": {"decoder": {"session_options": options}}}))
+            set_genai_threads(config, threads)
         if device == "cuda":
             check_runs_on_cuda(manifest)  # what onnxruntime-gpu's kernels take, as for kvexport's runner
             if not og.is_cuda_available():  # else og.Model fails later with a message about the folder

@@ -31,12 +31,10 @@ def run_with_textllm_runner(folder: Path, manifest: dict, args: argparse.Namespa
         version = manifest.get("versions", {}).get("executorch")
         raise KvexportError(f"--runner executorch needs executorch ({e.name} is not installed): "
                             f"pip install executorch{'==' + version if version else ''}")
-    from .cpu import runtime_threads
-    from .executorch_program import check_program_file, register_kernels, set_executorch_threads
+    from .executorch_program import check_program_file, register_kernels, threads_as_asked
 
     register_kernels()
-    if (threads := runtime_threads()) is not None:
-        set_executorch_threads(threads)
+    threads_as_asked()
     check_program_file(folder / manifest["program"], manifest)  # its runner trusts the .pte, check_fits the manifest
     weights = str(folder / manifest["weights"]) if manifest.get("weights") else None
     # Its tokenizer adds no BOS: the runner prepends num_bos of them itself.
