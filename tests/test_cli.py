@@ -477,12 +477,12 @@ MISLEADING_ARTIFACTS = {
                         ["kvexport.json says (by its vocab_size) logits is [1, 1, 50] but the program has [1, 1, 100]"]),
     "onnx-kv-heads": ("onnx", edit_manifest(lambda m: m["layers"][0].update(kv_heads=2)),
                       ["past_key_values.0.key is [1, 2, 6, 16] but the program has [1, 1, 'window_rows', 16]"]),
-    "onnx-window": ("onnx", edit_manifest(lambda m: [layer.update(window=8) for layer in m["layers"][:3]]),
+    "onnx-window": ("onnx", edit_manifest(lambda m: m["layers"][0].update(window=8)),
                     ["kvexport.json says windows [8] but the program has [6] (genai_config.json's sliding_window.window_size)"]),
-    "onnx-sliding-layers": ("onnx", edit_manifest(lambda m: m["layers"][2].update(cache="static", window=None)),
-                            ["kvexport.json says the sliding layers [0, 1] but the program has [0, 1, 2] (genai_config.json's sliding_window.layers)"]),
+    "onnx-sliding-layers": ("onnx", edit_manifest(lambda m: m["layers"][0].update(cache="static", window=None)),
+                            ["kvexport.json says the sliding layers [] but the program has [0] (genai_config.json's sliding_window.layers)"]),
     "onnx-a-layer-less": ("onnx", edit_manifest(lambda m: m["layers"].pop()),
-                          ["kvexport.json says the model has 3 layers but the program has 4"]),
+                          ["kvexport.json says the model has 1 layers but the program has 2"]),
     "onnx-dtype": ("onnx", edit_manifest(lambda m: m.update(dtype="float16")),
                    ["kvexport.json says its dtype is float16 but the program has logits of tensor(float)"]),
     "onnx-inputs": ("onnx", _drop_input("attention_mask"), ["kvexport.json says the graph's inputs are"]),
@@ -493,7 +493,7 @@ MISLEADING_ARTIFACTS = {
     "executorch-vocab-size": ("executorch", edit_manifest(lambda m: m.update(vocab_size=50)),
                               ["kvexport.json says vocab_size 50 but the program has 100 (get_vocab_size)"]),
     "executorch-a-layer-less": ("executorch", edit_manifest(lambda m: m["layers"].pop()),
-                                ["kvexport.json says the number of layers is 3 but the program has 4 (get_n_layers)"]),
+                                ["kvexport.json says the number of layers is 1 but the program has 2 (get_n_layers)"]),
     "executorch-tokens-per-call": ("executorch", edit_manifest(lambda m: m["interface"].update(max_tokens_per_call=32)),
                                    ["says interface.max_tokens_per_call 32 but the program has 64 (get_max_seq_len)"]),
     "executorch-dtype": ("executorch", edit_manifest(lambda m: m.update(dtype="float16")),
@@ -563,9 +563,9 @@ def test_a_cache_larger_than_memory_is_refused_before_loading(tmp_path, capsys, 
 
     assert pipeline.total_memory_bytes() > 2**20  # this machine's, as the OS says
     monkeypatch.setattr(pipeline.sources, "load_model", lambda *a, **k: pytest.fail("loaded the model"))
-    # tiny-llama's cache: 4 layers x 2 (keys, values) x 2 heads x 16 dims x 4 bytes = 1 KiB a position.
+    # tiny-llama's cache: 2 layers x 2 (keys, values) x 2 heads x 16 dims x 4 bytes = 0.5 KiB a position.
     monkeypatch.setattr(pipeline, "total_memory_bytes", lambda: 100 * 2**10)
     code, _, err = run_cli(capsys, "tiny-llama", "-o", tmp_path / "out", "--max-cache-len", "512")
-    assert_one_line_error(code, err, "--max-cache-len 512: the KV cache alone needs 0.5 MiB, more than this machine's "
-                                     "0.1 MiB of memory; --max-cache-len 100 is the most whose cache fits")
+    assert_one_line_error(code, err, "--max-cache-len 512: the KV cache alone needs 0.2 MiB, more than this machine's "
+                                     "0.1 MiB of memory; --max-cache-len 200 is the most whose cache fits")
     assert list(tmp_path.iterdir()) == []

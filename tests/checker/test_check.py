@@ -83,10 +83,12 @@ class Float32Standin:
 
 @pytest.fixture(scope="module")
 def llama_in_both_precisions():
-    from kvexport.models.presets import build_preset
+    """A tiny Llama deep enough (4 layers) that eager float16 is off float32 eager by more than the tolerance."""
+    from kvexport.models.presets import build_tiny, tiny_config
 
-    half, tokenizer = build_preset("tiny-llama", torch.float16)
-    return half, build_preset("tiny-llama", torch.float32)[0], tokenizer("The capital of France is")["input_ids"]
+    config = tiny_config("llama", {"num_hidden_layers": 4})
+    half, tokenizer = build_tiny(config, torch.float16)
+    return half, build_tiny(config, torch.float32)[0], tokenizer("The capital of France is")["input_ids"]
 
 
 def test_a_float16_check_judges_steps_beyond_its_tolerance_against_float32_eager(llama_in_both_precisions):

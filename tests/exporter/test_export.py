@@ -30,7 +30,7 @@ def test_program_has_one_dynamic_dim_and_no_step_state():
     assert int(ranges[0].lower) <= 2 and int(ranges[0].upper) == TEST_CACHE_LEN
     # All the state is in the cache buffers, which the (functionalized) program mutates.
     mutated = set(program.run_decompositions({}).graph_signature.buffers_to_mutate.values())
-    assert mutated == {f"caches.{i}.{kv}" for i in range(4) for kv in "kv"}
+    assert mutated == {f"caches.{i}.{kv}" for i in range(model.config.num_hidden_layers) for kv in "kv"}
 
 
 def test_decoding_many_steps_never_recompiles():

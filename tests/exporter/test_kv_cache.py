@@ -29,6 +29,7 @@ from kvexport.exporter.executorch.quantized_kv_cache import (
     quantize_rows,
 )
 from kvexport.exporter.kv_cache import CallState, RingKVCache, StaticKVCache, additive_mask, ring_positions
+from kvexport.models.architecture import layer_specs
 
 HEADS, DIM = 2, 4
 KV_HEADS = 1  # the custom-op caches are tested with grouped queries: two query heads per KV head
@@ -181,12 +182,12 @@ def test_ring_keeps_newest_tokens_of_a_call_longer_than_the_window():
 def test_ring_writes_are_worked_out_once_per_call_for_all_sliding_layers():
     """Which token each ring slot takes (``newest_in_slot``) depends on the call only: the program
     computes it once, not in each sliding layer (Gemma 3 270M: 8 small integer ops a layer, left
-    outside XNNPACK's delegate, 120 a decode step). tiny-gemma3 has three sliding layers."""
+    outside XNNPACK's delegate, 120 a decode step). Both of tiny-mistral's layers slide."""
     from kvexport.exporter.executorch import target as executorch
     from kvexport.models.presets import build_preset
 
-    model, _ = build_preset("tiny-gemma3")
-    sliding = sum(t == "sliding_attention" for t in model.config.layer_types)
+    model, _ = build_preset("tiny-mistral")
+    sliding = sum(spec.window is not None for spec in layer_specs(model.config))
     program = executorch.export(model, 32, 8)
     floor_divisions = [n for n in program.graph.nodes if n.target == torch.ops.aten.div.Tensor_mode]
     assert sliding > 1 and len(floor_divisions) == 1

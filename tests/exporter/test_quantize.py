@@ -267,14 +267,14 @@ def test_int4_onnx_export_runs_the_int4_model(tmp_path, capsys):
     assert manifest["export_options"]["quantize"] == "int4"
     assert "quantize_embedding" not in manifest["export_options"]
     ops = manifest["quantized_ops"]
-    # Per layer q/k/v as one, o, gate/up as one and down (4 layers x 4); the lm_head; the lookup.
-    assert ops == {"MatMulNBits": 17, "GatherBlockQuantized": 1}
+    # Per layer q/k/v as one, o, gate/up as one and down (2 layers x 4); the lm_head; the lookup.
+    assert ops == {"MatMulNBits": 9, "GatherBlockQuantized": 1}
     assert manifest["external_data"] == "model.onnx.data"
     # Rewritten by onnx, which creates it owner-only: as readable as the graph, for whoever deploys it.
     assert (folder / "model.onnx.data").stat().st_mode == (folder / "model.onnx").stat().st_mode
     assert [i["name"] for i in manifest["interface"]["inputs"]][:2] == ["input_ids", "attention_mask"]
     nbits = nbits_ops(folder / "model.onnx", with_block=True)  # the projections 4-bit, the lm_head 8-bit
-    assert sorted(bits for bits, *_ in nbits) == [4] * 16 + [8]
+    assert sorted(bits for bits, *_ in nbits) == [4] * 8 + [8]
     # The manifest names the lm_head's block the graph holds.
     assert (8, manifest["vocab_size"], manifest["quantization"]["lm_head"]["block_size"]) in nbits
 
@@ -300,8 +300,8 @@ def test_an_int4_lm_head_on_onnx_reads_zero_points_and_the_lookup_keeps_its_8_bi
     manifest = read_manifest(folder)
     assert manifest["quantization"]["lm_head"]["weights"] == "int4"
     assert manifest["export_options"]["quantize_lm_head"] == "int4"
-    assert manifest["quantized_ops"] == {"MatMulNBits": 17, "GatherBlockQuantized": 1}
-    assert sorted(bits for bits, *_ in nbits_ops(folder / "model.onnx")) == [4] * 17
+    assert manifest["quantized_ops"] == {"MatMulNBits": 9, "GatherBlockQuantized": 1}
+    assert sorted(bits for bits, *_ in nbits_ops(folder / "model.onnx")) == [4] * 9
     graph = onnx.load(str(folder / "model.onnx"), load_external_data=False).graph
     head = next(n for n in graph.node if n.op_type == "MatMulNBits"
                 and next(a.i for a in n.attribute if a.name == "N") == manifest["vocab_size"])

@@ -29,7 +29,7 @@ target = "executorch"
 model_type = "cohere2"
 head_dim = 16
 sliding_window = 6
-layer_types = ["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"]
+layer_types = ["sliding_attention", "full_attention"]
 
 [models.tiny-stablelm]
 model_type = "stablelm"

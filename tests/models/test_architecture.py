@@ -13,8 +13,8 @@ from kvexport.models.presets import preset_config
 
 def test_hybrid_layers_come_from_layer_types():
     specs = layer_specs(preset_config("tiny-gemma3"))
-    assert [s.window for s in specs] == [6, 6, 6, None]
-    assert [s.is_ring(64) for s in specs] == [True, True, True, False]
+    assert [s.window for s in specs] == [6, None]
+    assert [s.is_ring(64) for s in specs] == [True, False]
 
 
 def test_sliding_family_without_layer_types_slides_everywhere():

@@ -300,7 +300,7 @@ def test_offline_uses_the_cache_without_a_request(exported, log, tmp_path, capsy
     else:
         monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     code, _, err = run_cli(capsys, *args)
-    assert code == 130 and f"{REPO}: 4 layers" in err, err
+    assert code == 130 and f"{REPO}: 2 layers" in err, err
     assert log.requests == []
     assert list(tmp_path.iterdir()) == []
 

@@ -79,7 +79,7 @@ class Recorded:
     [
         ("tiny-gemma3", "executorch", "gemma-like", "S"),
         ("tiny-gemma3", "onnx", "gemma-like", "S"),
-        ("tiny-gemma3", "onnx", "chatml-like", None),
+        ("tiny-qwen2", "onnx", "chatml-like", None),
         ("tiny-mistral", "executorch", "chatml-like", "S"),
     ],
 )

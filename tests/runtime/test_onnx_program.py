@@ -41,13 +41,13 @@ def test_decode_writes_new_rows_in_place_and_binds_the_cache_once(artifact, monk
 
         monkeypatch.setattr(ort.IOBinding, method, record)
 
-    program = load_program(artifact("tiny-gemma3", "onnx"))  # layers 0-2: windows of 6; layer 3: full
-    static, window = program._layers[3].buffers["key"], program._layers[0].buffers["key"]
+    program = load_program(artifact("tiny-gemma3", "onnx"))  # layer 0: a window of 6; layer 1: full
+    static, window = program._layers[1].buffers["key"], program._layers[0].buffers["key"]
     # tiny Gemma 3 has one KV head, like Gemma 3 270M
     assert static.array.shape == (1, 1, TEST_CACHE_LEN, 16) and window.array.shape == (1, 1, 6, 16)
     at_load = {name: (shape, ptr) for name, shape, ptr in bound}
     assert at_load["past_key_values.0.key"] == at_load["present.0.key"] == ([1, 1, 6, 16], window.ptr)
-    assert at_load["past_key_values.3.key"] == at_load["present.3.key"] == ([1, 1, TEST_CACHE_LEN, 16], static.ptr)
+    assert at_load["past_key_values.1.key"] == at_load["present.1.key"] == ([1, 1, TEST_CACHE_LEN, 16], static.ptr)
 
     prompt = list(range(10, 20))
     bound.clear()

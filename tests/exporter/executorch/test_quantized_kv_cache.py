@@ -25,10 +25,10 @@ from tests.test_cli import assert_one_line_error, run_cli
 
 
 def test_an_int8_cache_counts_its_rows_scales_and_zero_points(tmp_path):
-    """tiny-gemma3: three rings of 6 slots, one full layer of 64 positions, one KV head of 16."""
+    """tiny-gemma3: a ring of 6 slots, a full layer of 64 positions, one KV head of 16."""
     plans = {kv: plan_export(ExportOptions("tiny-gemma3", max_cache_len=64, kv_cache=kv, out=tmp_path / kv)) for kv in ("float", "int8")}
     rows = sum(2 * layer["kv_heads"] * layer["slots"] for layer in plans["int8"].layers())
-    assert rows == 2 * (3 * 6 + 64)
+    assert rows == 2 * (6 + 64)
     assert plans["int8"].kv_cache_bytes == rows * (16 + INT8_KV_ROW_EXTRA_BYTES)
     assert plans["float"].kv_cache_bytes == rows * 16 * 4
     assert "KV cache int8 " in plans["int8"].summary()

@@ -103,12 +103,12 @@ def test_calibrated_scales_fit_the_calibration_text_without_saturating_it():
 
 
 def test_an_int8_buffer_takes_one_byte_a_channel(tmp_path):
-    """tiny-gemma3 on ONNX: three windows of 6 rows, one full layer of 64, one KV head of 16; the
+    """tiny-gemma3 on ONNX: a window of 6 rows, a full layer of 64, one KV head of 16; the
     scales are fixed (initializers), not per row."""
     plans = {kv: plan_export(ExportOptions("tiny-gemma3", target="onnx", max_cache_len=64, kv_cache=kv, out=tmp_path / kv))
              for kv in ("float", "int8")}  # fmt: skip
     rows = sum(2 * layer["kv_heads"] * layer["slots"] for layer in plans["int8"].layers())
-    assert rows == 2 * (3 * 6 + 64)
+    assert rows == 2 * (6 + 64)
     assert plans["int8"].kv_cache_bytes == rows * 16
     assert plans["float"].kv_cache_bytes == rows * 16 * 4
 
