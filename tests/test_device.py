@@ -25,7 +25,7 @@ allowed, blocked = {allowed!r}, {blocked!r}
 class Device:
     def find_spec(self, name, path=None, target=None):
         top = name.split(".")[0]
-        if top in blocked or (allowed and top not in allowed and top not in sys.stdlib_module_names):
+        if top in blocked or name in blocked or (allowed and top not in allowed and top not in sys.stdlib_module_names):
             raise ModuleNotFoundError(f"{{name}} is not installed on this device", name=name)
 sys.meta_path.insert(0, Device())
 sys.argv[0] = "kvexport.device"
@@ -35,7 +35,8 @@ runpy.run_module("kvexport.device", run_name="__main__", alter_sys=True)
 
 def run_device(args, allowed=(), blocked=()) -> subprocess.CompletedProcess:
     """``python -m kvexport.device ARGS`` where only the ``allowed`` top-level packages (and the
-    standard library) can be imported, or where the ``blocked`` ones cannot."""
+    standard library) can be imported, or where the ``blocked`` ones (top-level packages or modules
+    by their whole name) cannot."""
     script = _RUN_DEVICE.format(allowed=set(allowed), blocked=set(blocked))
     return subprocess.run(
         [sys.executable, "-c", script, *map(str, args)], capture_output=True, text=True, timeout=300
@@ -77,6 +78,16 @@ def test_a_pte_runs_without_transformers_from_a_packed_archive(artifact, capsys,
     assert done.returncode == 0, done.stderr
     expected = kvexport_run_json(capsys, folder, *args[:-1])
     assert json.loads(done.stdout)["new_ids"] == expected["new_ids"]
+
+
+def test_a_pte_runs_without_executorch_s_exporter(artifact, capsys):
+    """ExecuTorch's Python runtime imports one file of its exporter's package (``executorch.exir``),
+    whose ``__init__`` imports the whole export stack; kvexport's runner loads that file alone."""
+    folder = artifact("tiny-llama")
+    args = ["--prompt", PROMPT, "--max-new-tokens", NEW_TOKENS, "--ignore-eos", "--json"]
+    done = run_device([folder, *args], blocked={"transformers", "executorch.exir"})
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["new_ids"] == kvexport_run_json(capsys, folder, *args[:-1])["new_ids"]
 
 
 def test_a_pte_on_a_device_without_executorch_says_what_to_install(artifact):

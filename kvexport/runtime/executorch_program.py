@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+import types
 from pathlib import Path
 
 import numpy as np
@@ -16,10 +18,10 @@ from .programs import max_tokens_per_call
 class ExecuTorchProgram:
     def __init__(self, path: Path, manifest: dict, weights: Path | None = None, trace_events: bool = False):
         import torch
-        from executorch.runtime import Runtime
 
         register_kernels()
         threads_as_asked()
+        from executorch.runtime import Runtime
 
         self.manifest = manifest
         self._chunk = max_tokens_per_call(manifest)
@@ -59,6 +61,7 @@ class ExecuTorchProgram:
 def set_executorch_threads(threads: int) -> None:
     """Size the threadpool of ExecuTorch's Python runtime (XNNPACK's kernels, TextLLMRunner), one per
     process."""
+    import_runtime()
     from executorch.extension.pybindings.portable_lib import _threadpool_get_thread_count, _unsafe_reset_threadpool
 
     with native_stderr_quiet():  # the pool probes the CPU when it starts, and logs a reset
@@ -141,8 +144,37 @@ def register_kernels() -> None:
     """Register the kernels of ExecuTorch's LLM custom ops (``llama::custom_sdpa``, ``llama::update_cache``)
     and of its quantized ops (``quantized_decomposed::embedding_byte`` / ``embedding_4bit``, a quantized
     embedding) with the runtime; a ``.pte`` that uses them cannot load otherwise."""
+    import_runtime()
     import executorch.extension.llm.custom_ops.custom_ops  # noqa: F401
     import executorch.kernels.quantized  # noqa: F401
+
+
+_PORTABLE_LIB = "executorch.extension.pybindings.portable_lib"
+
+
+def import_runtime() -> None:
+    """Import ExecuTorch's Python runtime (``portable_lib``) without its exporter. ``portable_lib``
+    imports ``executorch.exir._warnings`` for one warning class, and that import runs the
+    ``executorch.exir`` package's ``__init__``, which imports the whole export stack: most of a
+    ``kvexport run`` of a ``.pte`` before its first token. While the runtime imports, a bare stand-in
+    holds the package's place, so that the one file loads alone; the stand-in and that file are dropped
+    after, and a later ``import executorch.exir`` (an export in the same process) imports the real
+    package. Where the exporter is already loaded, or anything else goes wrong, the plain import."""
+    if _PORTABLE_LIB in sys.modules or "executorch.exir" in sys.modules:
+        return
+    import executorch
+
+    stand_in = types.ModuleType("executorch.exir")
+    stand_in.__path__ = [str(Path(folder) / "exir") for folder in executorch.__path__]
+    sys.modules["executorch.exir"] = stand_in
+    try:
+        __import__(_PORTABLE_LIB)
+    except Exception:
+        sys.modules.pop(_PORTABLE_LIB, None)
+    finally:
+        del sys.modules["executorch.exir"]
+        sys.modules.pop("executorch.exir._warnings", None)
+    __import__(_PORTABLE_LIB)  # imported above, or the plain way
 
 
 def load(folder: Path, manifest: dict, device: str, trace_events: bool = False) -> ExecuTorchProgram:

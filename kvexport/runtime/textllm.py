@@ -24,16 +24,16 @@ def run_with_textllm_runner(folder: Path, manifest: dict, args: argparse.Namespa
         raise InvalidOptionError(f"ExecuTorch's runner has no {flags}; use the default --runner kvexport for them")
     prompt_ids = ArtifactTokenizer(folder).encode(args.prompt) if args.prompt else []
     check_fits(len(prompt_ids), args.max_new_tokens, manifest["max_cache_len"])
+    from .executorch_program import check_program_file, register_kernels, threads_as_asked
+
     try:
+        register_kernels()
         with native_stderr_quiet():  # its tokenizer library logs at import
             from executorch.extension.llm.runner import GenerationConfig, TextLLMRunner
     except ModuleNotFoundError as e:
         version = manifest.get("versions", {}).get("executorch")
         raise KvexportError(f"--runner executorch needs executorch ({e.name} is not installed): "
                             f"pip install executorch{'==' + version if version else ''}")
-    from .executorch_program import check_program_file, register_kernels, threads_as_asked
-
-    register_kernels()
     threads_as_asked()
     check_program_file(folder / manifest["program"], manifest)  # its runner trusts the .pte, check_fits the manifest
     weights = str(folder / manifest["weights"]) if manifest.get("weights") else None
