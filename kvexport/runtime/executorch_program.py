@@ -166,14 +166,16 @@ def import_runtime() -> None:
 
     stand_in = types.ModuleType("executorch.exir")
     stand_in.__path__ = [str(Path(folder) / "exir") for folder in executorch.__path__]
+    before = set(sys.modules)
     sys.modules["executorch.exir"] = stand_in
     try:
         __import__(_PORTABLE_LIB)
     except Exception:
         sys.modules.pop(_PORTABLE_LIB, None)
-    finally:
-        del sys.modules["executorch.exir"]
-        sys.modules.pop("executorch.exir._warnings", None)
+    finally:  # nothing of the exporter's package stays imported under the stand-in
+        for name in set(sys.modules) - before:
+            if name == "executorch.exir" or name.startswith("executorch.exir."):
+                del sys.modules[name]
     __import__(_PORTABLE_LIB)  # imported above, or the plain way
 
 

@@ -7,7 +7,7 @@ import sys
 
 _RUNTIME_THEN_EXPORTER = """
 import sys
-from kvexport.runtime.executorch_program import import_runtime, register_kernels
+from kvexport.runtime.executorch_program import register_kernels
 register_kernels()
 assert "executorch.extension.pybindings.portable_lib" in sys.modules
 assert not [name for name in sys.modules if name.startswith("executorch.exir")], "the exporter was imported"
