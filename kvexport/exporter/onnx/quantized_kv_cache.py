@@ -11,8 +11,9 @@ also depends on the position, which turns each rotary pair of channels (``i`` an
 an angle of its own, so the text is run again with every rotary embedding's positions moved on by
 offsets up to ``max_cache_len`` (``_rotary_positions_moved``): attention depends on relative
 positions only, so the hidden states stay the same and the keys are those the text gives that far
-into the cache. A key's scale is ``KEY_MARGIN`` above the largest of those, at most the pair's
-norm, which no position exceeds. A key or value beyond its scale is saturated.
+into the cache. Each scale is a margin above the largest magnitude the runs gave (``KEY_MARGIN``,
+``VALUE_MARGIN``): a prompt longer than the calibration text reaches further, and a key or value
+beyond its scale is saturated, which costs more than the coarser steps (docs/quantization.md).
 """
 
 from __future__ import annotations
@@ -27,8 +28,9 @@ WINDOW_HEAD_DIM_MULTIPLE = 16
 
 # Runs of the calibration text, at rotary offsets spread evenly over the cache.
 ROTARY_OFFSETS = 16
-# A key channel's scale: this much above the largest the runs gave, at most its rotary pair's norm.
+# A channel's scale: this much above the largest magnitude the runs gave.
 KEY_MARGIN = 1.25
+VALUE_MARGIN = 1.5
 
 
 @contextlib.contextmanager
@@ -56,11 +58,11 @@ def calibrate(decoder, ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tens
     offsets from 0 to ``max_cache_len - N``."""
     ids = ids[:, : decoder.max_cache_len]
     n = ids.shape[1]
-    peaks: list[list[torch.Tensor | None]] = [[None, None, None] for _ in decoder.caches]  # keys, values, pairs
+    peaks: list[list[torch.Tensor | None]] = [[None, None] for _ in decoder.caches]  # keys, values
 
     def observer(i: int):
         def observe(key: torch.Tensor, value: torch.Tensor) -> None:
-            new = [x[0].float().abs().amax(dim=1) for x in (key, value)] + [_pair_norms(key)]
+            new = [x[0].float().abs().amax(dim=1) for x in (key, value)]
             peaks[i] = [m if p is None else torch.maximum(p, m) for p, m in zip(peaks[i], new)]
 
         return observe
@@ -81,21 +83,10 @@ def calibrate(decoder, ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tens
             layer.observe = None
     tiny = torch.finfo(torch.float32).tiny  # a channel that is always 0 still gets a usable scale
     scales = []
-    for keys, values, pairs in peaks:
-        keys = torch.minimum(keys * KEY_MARGIN, pairs)
-        scales.append(tuple((p.clamp_min(tiny) / INT8_MAX)[None, :, None, :] for p in (keys, values)))
+    for keys, values in peaks:
+        scales.append(tuple((p * margin).clamp_min(tiny)[None, :, None, :] / INT8_MAX
+                            for p, margin in ((keys, KEY_MARGIN), (values, VALUE_MARGIN))))
     return scales
-
-
-def _pair_norms(key: torch.Tensor) -> torch.Tensor:
-    """``key [1, kv_heads, T, D]`` -> ``[kv_heads, D]``: the largest norm of each channel's rotary
-    pair (channels ``i`` and ``i + D/2``), which no position exceeds; each channel's own where D is odd."""
-    k = key[0].float()
-    d = k.shape[-1]
-    if d % 2:
-        return k.abs().amax(dim=1)
-    pair = torch.hypot(k[..., : d // 2], k[..., d // 2 :]).amax(dim=1)
-    return torch.cat([pair, pair], dim=-1)
 
 
 def use_int8_buffers(decoder, scales: list[tuple[torch.Tensor, torch.Tensor]]) -> None:

@@ -150,8 +150,8 @@ def describe_kv_cache(kv_cache: str) -> dict:
     return {
         "dtype": kv_cache,
         "scales": "float32 scale per KV head and channel, symmetric, fixed at export: the largest magnitude on "
-                  "kvexport's calibration text (keys: with its rotary positions moved across the cache, a quarter "
-                  "above that, at most each rotary pair's norm), saturating beyond it",
+                  "kvexport's calibration text (keys: with its rotary positions moved across the cache), a quarter "
+                  "above that for keys and a half for values, saturating beyond it",
         "op": "com.microsoft::GroupQueryAttention, k_quant_type and v_quant_type PER_CHANNEL, kv_cache_bit_width 8",
     }  # fmt: skip
 

@@ -16,7 +16,14 @@ from kvexport.errors import ArtifactError, UnsupportedModelError
 from kvexport.exporter.kv_calibration import calibration_ids
 from kvexport.exporter.onnx import target as onnx_target
 from kvexport.exporter.onnx.decoder import ExternalCacheDecoder
-from kvexport.exporter.onnx.quantized_kv_cache import INT8_MAX, _rotary_positions_moved, calibrate, use_int8_buffers
+from kvexport.exporter.onnx.quantized_kv_cache import (
+    INT8_MAX,
+    KEY_MARGIN,
+    VALUE_MARGIN,
+    _rotary_positions_moved,
+    calibrate,
+    use_int8_buffers,
+)
 from kvexport.exporter.pipeline import ExportOptions, plan_export
 from kvexport.models.architecture import layer_specs
 from kvexport.models.presets import build_preset, preset_config
@@ -76,10 +83,10 @@ def test_a_longer_cache_widens_the_key_scales_and_not_the_value_scales():
         torch.testing.assert_close(v_long, v_short, rtol=1e-5, atol=0)
 
 
-def test_calibrated_scales_fit_the_calibration_text_without_saturating_it():
+def test_calibrated_scales_fit_the_calibration_text_with_a_margin():
     """tiny-qwen3 (full layers, several KV heads): one scale per layer, KV head and channel; the
-    calibration's own keys and values land within int8 at those scales, and no key scale is wider
-    than its rotary pair's norm."""
+    calibration's own keys and values land within int8 at those scales, and each value channel's
+    peak is its scale's ``1 / VALUE_MARGIN`` (keys: the moved runs reach further than this one)."""
     model, tokenizer = build_preset("tiny-qwen3")
     decoder = ExternalCacheDecoder(model, TEST_CACHE_LEN)
     ids = calibration_ids(tokenizer)
@@ -94,12 +101,9 @@ def test_calibrated_scales_fit_the_calibration_text_without_saturating_it():
     past = [torch.zeros(1, spec.kv_heads, TEST_CACHE_LEN, spec.head_dim) for _ in range(2 * len(decoder.specs))]
     with torch.no_grad():
         decoder(ids[:, :TEST_CACHE_LEN], torch.ones_like(ids[:, :TEST_CACHE_LEN]), *past)
-    half = spec.head_dim // 2
     for (k, v), (k_scale, v_scale) in zip(seen, scales):
-        assert bool((k.abs() <= k_scale * INT8_MAX * (1 + 1e-6)).all())
-        pair = torch.hypot(k[0, :, :, :half], k[0, :, :, half:]).amax(dim=1)  # no position turns a key past it
-        assert bool((k_scale[0, :, 0] * INT8_MAX <= torch.cat([pair, pair], -1) * (1 + 1e-5)).all())
-        assert float((v.abs() / (v_scale * INT8_MAX)).max()) == pytest.approx(1.0, rel=1e-6)  # the peak is the scale's
+        assert float((k.abs() / (k_scale * INT8_MAX)).max()) <= 1 / KEY_MARGIN * (1 + 1e-6)
+        assert float((v.abs() / (v_scale * INT8_MAX)).max()) == pytest.approx(1 / VALUE_MARGIN, rel=1e-6)
 
 
 def test_an_int8_buffer_takes_one_byte_a_channel(tmp_path):
