@@ -92,19 +92,16 @@ def main(argv: list[str] | None = None) -> int:
     model.set_attn_implementation("kv_rounding")
 
     @torch.no_grad()
-    def log_probs():  # [positions, vocab], the lm_head applied in chunks (Gemma's vocabulary is 262k)
+    def log_probs():  # [positions, vocab] in chunks of positions (Gemma's vocabulary is 262k)
         hidden = model.model(sequence).last_hidden_state[0]
         cap = getattr(config, "final_logit_softcapping", None)
-        chunks = []
         for h in hidden.split(512):
             logits = model.lm_head(h).float()
-            chunks.append(torch.log_softmax(torch.tanh(logits / cap) * cap if cap else logits, -1))
-        return torch.cat(chunks)
+            yield torch.log_softmax(torch.tanh(logits / cap) * cap if cap else logits, -1)
 
     config = model.config.get_text_config()
-    reference = log_probs()
-    steps = reference[-len(greedy):]
-    top2 = steps.topk(2, -1).values
+    reference = list(log_probs())
+    top2 = torch.cat(reference)[-len(greedy):].topk(2, -1).values
     margins = top2[:, 0] - top2[:, 1]  # log-softmax keeps the logits' differences
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     print(f"{args.model}: {len(prompt_ids)} prompt tokens, {len(greedy)} steps")
@@ -116,13 +113,15 @@ def main(argv: list[str] | None = None) -> int:
             "bfloat16": lambda: cast_rounding(torch.bfloat16),
             "float16": lambda: cast_rounding(torch.float16),
         }[scheme]()
-        rounded = log_probs()
+        top, same, kl = [], 0, 0.0
+        for ref, rounded in zip(reference, log_probs()):
+            top.append(rounded.argmax(-1))
+            same += int((top[-1] == ref.argmax(-1)).sum())
+            kl += float((ref.exp() * (ref - rounded)).sum())
         rounding["fn"] = None
-        top = rounded[-len(greedy):].argmax(-1)
-        differ = (top != torch.tensor(greedy)).nonzero().flatten().tolist()
-        agreement = 1 - len(differ) / len(greedy)
-        everywhere = float((rounded.argmax(-1) == reference.argmax(-1)).float().mean())
-        kl = float((reference.exp() * (reference - rounded)).sum(-1).mean())
+        positions = sequence.shape[1]
+        differ = (torch.cat(top)[-len(greedy):] != torch.tensor(greedy)).nonzero().flatten().tolist()
+        agreement, everywhere, kl = 1 - len(differ) / len(greedy), same / positions, kl / positions
         print(f"{scheme:>10}: top-1 agreement {agreement:.1%} ({len(differ)} differ, eager's margins "
               f"{[round(float(margins[i]), 3) for i in differ]}); every position: {everywhere:.2%}, mean KL {kl:.2e}")
     return 0
