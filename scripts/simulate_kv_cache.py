@@ -90,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     AttentionInterface.register("kv_rounding", attention)
     AttentionMaskInterface.register("kv_rounding", sdpa_mask)
     model.set_attn_implementation("kv_rounding")
+    config = model.config.get_text_config()
 
     @torch.no_grad()
     def log_probs():  # [positions, vocab] in chunks of positions (Gemma's vocabulary is 262k)
@@ -99,7 +100,6 @@ def main(argv: list[str] | None = None) -> int:
             logits = model.lm_head(h).float()
             yield torch.log_softmax(torch.tanh(logits / cap) * cap if cap else logits, -1)
 
-    config = model.config.get_text_config()
     reference = list(log_probs())
     top2 = torch.cat(reference)[-len(greedy):].topk(2, -1).values
     margins = top2[:, 0] - top2[:, 1]  # log-softmax keeps the logits' differences
