@@ -42,15 +42,16 @@ def onnx_rounding(name: str, max_cache_len: int):
     """The ONNX export's own calibration, on a second copy of the model (the export's decoder wraps
     the model it is given)."""
     from kvexport.exporter.kv_calibration import calibration_ids
+    from kvexport.exporter.onnx.attention import dequantize_from_cache, quantize_to_cache
     from kvexport.exporter.onnx.decoder import ExternalCacheDecoder
-    from kvexport.exporter.onnx.quantized_kv_cache import INT8_MAX, calibrate
+    from kvexport.exporter.onnx.quantized_kv_cache import calibrate
     from kvexport.models.sources import load_model, resolve
 
     model, tokenizer = load_model(resolve(name))
     scales = calibrate(ExternalCacheDecoder(model, max_cache_len), calibration_ids(tokenizer))
 
-    def fixed(x, scale):  # as GroupQueryAttention writes a row: half to even, saturated
-        return (x / scale).round().clamp(-INT8_MAX - 1, INT8_MAX) * scale
+    def fixed(x, scale):  # [1, kv_heads, T, D] as GroupQueryAttention stores and reads it
+        return dequantize_from_cache(quantize_to_cache(x[0], scale), scale)[None].to(x.dtype)
 
     return lambda layer, q, k, v: (q, fixed(k, scales[layer][0]), fixed(v, scales[layer][1]))
 
