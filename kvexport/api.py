@@ -201,7 +201,9 @@ def export_in_this_process(model: str, target: str, output, quiet: bool = False,
 
 
 def _export_argv(model: str, target: str, output, options: dict) -> list[str]:
-    argv = ["export", model, "--target", target, "--json"]
+    """``kvexport export``'s arguments; the model name last, after ``--``: any string is a model
+    name here, one that looks like an option (``--help``) included."""
+    argv = ["export", "--target", target, "--json"]
     if output is not None:
         argv += ["--out", str(output)]
     for name, value in options.items():
@@ -210,7 +212,7 @@ def _export_argv(model: str, target: str, output, options: dict) -> list[str]:
             argv.append(flag)
         elif value is not None and value is not False:
             argv += [flag, str(value)]
-    return argv
+    return [*argv, "--", model]
 
 
 def _export_in_child(model: str, target: str, output, options: dict) -> Artifact:

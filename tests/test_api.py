@@ -40,6 +40,16 @@ def test_a_user_error_is_a_kvexport_error_with_the_cli_s_line(tmp_path, monkeypa
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("model", ["--help", "-o", "--target"])
+def test_a_model_name_that_looks_like_an_option_is_a_model_name(tmp_path, monkeypatch, model):
+    """The API runs the CLI in a child process: whatever the string, it is the model's name there
+    (issue 58, class 7: ``export("--help")`` ended in a JSONDecodeError)."""
+    monkeypatch.setenv("PYTHONHASHSEED", "7")  # the child process
+    with pytest.raises(kvexport.KvexportError, match=f"model '{model}' not found"):
+        kvexport.export(model, "onnx", tmp_path / "out")
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("target", ["executorch", "onnx"])
 def test_generate_is_kvexport_run(artifact, capsys, target):
     folder = artifact("tiny-gemma3", target)
