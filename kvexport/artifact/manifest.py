@@ -27,6 +27,13 @@ SOURCE_KINDS = ("preset", "alias", "folder", "gguf", "hub")
 _EDITED = "the manifest was edited or damaged, re-run kvexport export"
 
 
+def buffer_layers(layers: list[dict]) -> list[dict]:
+    """The layers that hold a KV cache of their own, in order (a ``shared`` layer reads an earlier
+    layer's, a ``conv`` layer holds a convolution's state): an ONNX graph's n-th past and present
+    buffers are the n-th of these."""
+    return [layer for layer in layers if layer["cache"] in ("static", "ring")]
+
+
 def sha256_file(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -165,19 +172,24 @@ def _check_details(path: Path, manifest: dict) -> None:
         refuse("layers", "a list of layer caches, one a layer", layers)
     for i, layer in enumerate(layers):
         window = layer.get("window")
+        shared = layer["cache"] == "shared"
+        if shared and not (_count(layer.get("reads")) and layer["reads"] < i and layers[layer["reads"]]["cache"] != "shared"):
+            refuse(f"layers[{i}].reads", "the index of an earlier layer that holds a cache", layer.get("reads"))
         if layer["cache"] == "ring" and (window is None or window >= max_cache_len):
             refuse(f"layers[{i}].window", f"a window below max_cache_len ({max_cache_len}) for a ring cache", window)
         if layer["cache"] == "static" and window is not None and window < max_cache_len:
             refuse(f"layers[{i}].cache", f'"ring" for a window of {window} below max_cache_len ({max_cache_len})', layer["cache"])
         # ONNX runtimes name and shape each layer's buffers from these (runtime/onnx_program.py
         # requires them).
-        for field in ("index", "kv_heads", "head_dim", "slots"):
+        for field in ("index", "kv_heads", "head_dim", "slots", "channels"):
             if field not in layer:
                 continue
             value = layer.get(field)
             if field == "index" and not (_count(value) and value == i):
                 refuse(f"layers[{i}].index", f"{i}, its place in the list", value)
-            if field != "index" and not _count(value, 1):
+            if field == "slots" and shared and value != 0:
+                refuse(f"layers[{i}].slots", "0 for a layer that holds no cache", value)
+            elif field != "index" and not (field == "slots" and shared) and not _count(value, 1):
                 refuse(f"layers[{i}].{field}", "a positive integer", value)
     interface = manifest.get("interface")
     if "interface" in manifest:
@@ -208,6 +220,7 @@ def _check_details(path: Path, manifest: dict) -> None:
         "quantization": (_quantization, "the quantization scheme"),
         "export_options": (lambda v: isinstance(v, dict), "the export's options"),
         "model_type": (lambda v: isinstance(v, str), "text"),
+        "genai_unsupported": (lambda v: isinstance(v, str) and v.isprintable(), "text (why genai cannot run the folder)"),
         "kv_cache_bytes": (_count, "a number of bytes"),
         "kv_cache": (lambda v: isinstance(v, dict) and v.get("dtype") == "int8", "the KV cache's element type (int8)"),
     }
@@ -257,7 +270,7 @@ def _plain_name(name: str) -> bool:
 
 
 def _layer(layer) -> bool:
-    return isinstance(layer, dict) and layer.get("cache") in ("ring", "static") and (
+    return isinstance(layer, dict) and layer.get("cache") in ("ring", "static", "shared", "conv") and (
         layer.get("window") is None or _count(layer.get("window"), 1)
     )
 

@@ -4,7 +4,7 @@ cache and masks are ours.
 ``ExportableDecoder``: ``forward(tokens[1, T], input_pos[1]) -> logits[1, vocab]`` with the cache
 in mutable buffers. That is ExecuTorch's LLM-runner calling convention with a start position (the
 runner passes ``[start]`` when the program's second input has one element). A target may give its
-own cache modules (``cache_builder``) or subclass it (the ONNX target's external cache).
+own cache kinds (``cache_kinds``) or subclass it (the ONNX target's external cache).
 """
 
 from __future__ import annotations
@@ -13,19 +13,9 @@ import torch
 from torch import nn
 
 from ..models.adapters import fixed_rotary_frequencies, prepare_for_export
-from ..models.architecture import LayerSpec, check_rope, layer_specs
+from ..models.architecture import check_rope, layer_specs
 from . import attention
-from .kv_cache import CallState, RingKVCache, StaticKVCache, additive_mask
-
-
-def build_caches(specs: list[LayerSpec], max_cache_len: int, dtype: torch.dtype, batch: int = 1) -> nn.ModuleList:
-    caches = []
-    for spec in specs:
-        if spec.is_ring(max_cache_len):
-            caches.append(RingKVCache(batch, spec.kv_heads, spec.window, spec.head_dim, dtype))
-        else:
-            caches.append(StaticKVCache(batch, spec.kv_heads, max_cache_len, spec.head_dim, dtype))
-    return nn.ModuleList(caches)
+from .kv_cache import PLAIN_CACHES, CacheKinds, CallState, additive_mask, build_caches
 
 
 def _prepare(model: nn.Module) -> nn.Module:
@@ -40,7 +30,9 @@ def _prepare(model: nn.Module) -> nn.Module:
 class ExportableDecoder(nn.Module):
     """A causal LM with an export-safe cache, returning the logits of the last position."""
 
-    def __init__(self, model: nn.Module, max_cache_len: int, cache_builder=build_caches, max_tokens_per_call: int | None = None):
+    def __init__(
+        self, model: nn.Module, max_cache_len: int, cache_kinds: CacheKinds = PLAIN_CACHES, max_tokens_per_call: int | None = None
+    ):
         super().__init__()
         self.model = _prepare(model)
         self.max_cache_len = max_cache_len
@@ -52,22 +44,25 @@ class ExportableDecoder(nn.Module):
         check_rope(model.config, max_cache_len)
         fixed_rotary_frequencies(self.model, max_cache_len)
         self.dtype = next(model.parameters()).dtype
-        self.caches = cache_builder(self.specs, max_cache_len, self.dtype)
-        # Layers sharing a mask: one per (layer_type, ring or not), built once per call.
+        caches = build_caches(self.specs, max_cache_len, self.dtype, cache_kinds)
+        # Caches with state are submodules (their buffers are the program's); the ONNX target's hold none.
+        self.caches = nn.ModuleList(caches) if all(isinstance(c, nn.Module) for c in caches) else caches
+        # One mask per layer type, built once per call from the type's first layer (one with a cache of
+        # its own: a layer that shares one comes after the layer it reads, and masks for itself); none
+        # for a convolution (batch 1 has no padding to mask).
         self._mask_groups = {}
         for i, spec in enumerate(self.specs):
-            self._mask_groups.setdefault(spec.layer_type, (i, spec.window))
+            self._mask_groups.setdefault(spec.layer_type, (i, spec.window) if spec.has_kv else None)
         # transformers takes one mask per layer type when the model mixes them, else a single one.
         self._mask_by_type = len(self._mask_groups) > 1
 
-    def reset_cache(self) -> None:
-        for cache in self.caches:
-            cache.k.zero_()
-            cache.v.zero_()
-
     def masks(self, positions: torch.Tensor):
         masks = {}
-        for layer_type, (index, window) in self._mask_groups.items():
+        for layer_type, group in self._mask_groups.items():
+            if group is None:
+                masks[layer_type] = None
+                continue
+            index, window = group
             key_pos = self.caches[index].key_positions(positions)
             masks[layer_type] = additive_mask(key_pos, positions, window, self.dtype)
         if self._mask_by_type:

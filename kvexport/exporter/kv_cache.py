@@ -1,6 +1,8 @@
-"""Export-safe KV caches: a static buffer for full-attention layers, a ring for sliding ones.
+"""Export-safe KV caches: a static buffer for full-attention layers, a ring for sliding ones, and
+none for a layer that shares an earlier layer's (``SharedKVCache``). ``build_caches`` gives each
+layer the kind its ``LayerSpec`` asks for, from a target's ``CacheKinds``.
 
-Both are plain ``nn.Module``s whose whole state is two tensor buffers. Nothing about the step is
+The first two are plain ``nn.Module``s whose whole state is two tensor buffers. Nothing about the step is
 kept in Python: the caller passes the positions of the new tokens as a tensor, so one exported
 program serves a prefill of any length and every decode step without guarding on the step.
 
@@ -12,8 +14,68 @@ runner drives an LLM; it needs no counter.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import nn
+
+from ..models.architecture import CONV, RING, SHARED, STATIC, LayerSpec
+from .attention import family_eager_attention
+
+# A target's cache for each kind of layer that holds one: ``make(batch, kv_heads, slots, head_dim,
+# dtype)``, slots being max_cache_len for STATIC and the window for RING. Each kind provides
+# ``attend`` (write the call's keys and attend to them) or ``update`` (write them and return the
+# keys to attend to), ``key_positions`` and, for layers that share it, ``read``.
+CacheKinds = dict[str, Callable[..., object]]
+
+
+def build_caches(specs: list[LayerSpec], max_cache_len: int, dtype: torch.dtype, kinds: CacheKinds) -> list:
+    """One cache per layer: ``kinds[STATIC]`` or ``kinds[RING]`` for a layer that holds its own, a
+    ``SharedKVCache`` for one that reads another's, a ``ConvState`` for a convolution."""
+    caches = []
+    for spec in specs:
+        kind = spec.cache_kind(max_cache_len)
+        if kind == SHARED:
+            caches.append(SharedKVCache(spec.reads))
+        elif kind == CONV:
+            caches.append(ConvState(*spec.conv_state, dtype))
+        else:
+            caches.append(kinds[kind](1, spec.kv_heads, spec.cache_slots(max_cache_len), spec.head_dim, dtype))
+    return caches
+
+
+class SharedKVCache(nn.Module):
+    """KV sharing: a layer with no cache of its own, whose queries attend to layer ``reads``'s cache
+    as that layer left it earlier in the same call (``read``). transformers runs such a layer on
+    the call's last token only (``_maybe_slice_kv_shared_inputs``), which is all the logits need;
+    a full layer's buffer serves queries of any length, a ring's only the call's last."""
+
+    def __init__(self, reads: int):
+        super().__init__()
+        self.reads = reads
+
+    def attend(self, module, query, key, value, mask, call: CallState, **kwargs):
+        # key and value are the producer's new rows (transformers hands them on): already cached.
+        return call.layers[self.reads].read(module, query, call, **kwargs)
+
+
+class ConvState(nn.Module):
+    """A short causal convolution's state: its last ``width`` inputs ``[1, channels, width]``, which
+    the next call's first outputs look back at. A call at position 0 starts from zeros (a new
+    sequence), as eager's convolution pads; no counter, no branch: the state is scaled by 0 or 1."""
+
+    def __init__(self, channels: int, width: int, dtype: torch.dtype):
+        super().__init__()
+        self.width = width
+        self.register_buffer("state", torch.zeros((1, channels, width), dtype=dtype), persistent=False)
+
+    def convolve(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, call: CallState) -> torch.Tensor:
+        """Depthwise convolution of ``x [1, channels, T]`` (weight ``[channels, 1, width + 1]``) over the
+        state and the call: ``T`` outputs, and the state becomes the last ``width`` inputs."""
+        continuing = (call.positions[:1] > 0).to(x.dtype)
+        inputs = torch.cat([self.state * continuing, x], dim=-1)
+        self.state.copy_(inputs[:, :, inputs.shape[-1] - self.width :])
+        return nn.functional.conv1d(inputs, weight, bias, groups=x.shape[1])
 
 
 class StaticKVCache(nn.Module):
@@ -35,8 +97,13 @@ class StaticKVCache(nn.Module):
         return self.k, self.v
 
     def key_positions(self, positions: torch.Tensor) -> torch.Tensor:
-        """Position held by each key column that ``update`` returns."""
+        """Position held by each key column that ``update`` (and ``read``) returns."""
         return torch.arange(self.slots, device=positions.device)
+
+    def read(self, module, query, call: CallState, **kwargs):
+        """Attention of the call's last ``query.shape[2]`` positions to the buffer this call wrote."""
+        mask = additive_mask(self.key_positions(call.positions), last_positions(call, query), None, query.dtype)
+        return family_eager_attention(module)(module, query, self.k, self.v, mask, **kwargs)
 
 
 class RingKVCache(nn.Module):
@@ -68,6 +135,24 @@ class RingKVCache(nn.Module):
 
     def key_positions(self, positions: torch.Tensor) -> torch.Tensor:
         return ring_key_positions(positions, self.window)
+
+    def read(self, module, query, call: CallState, **kwargs):
+        """Attention of the call's last position to the ring this call wrote, which holds its window."""
+        mask = ring_read_mask(call, query, self.window)
+        return family_eager_attention(module)(module, query, self.k, self.v, mask, **kwargs)
+
+
+def last_positions(call: CallState, query: torch.Tensor) -> torch.Tensor:
+    """Positions of a shared layer's queries: the call's last ``query.shape[2]``."""
+    return call.positions[call.positions.shape[0] - query.shape[2] :]
+
+
+def ring_read_mask(call: CallState, query: torch.Tensor, window: int) -> torch.Tensor:
+    """``[1, 1, 1, W]`` mask of a ring after the call, for a query at the call's last position: every
+    slot written so far is in its window. A ring keeps no older rows, so only that query can read it."""
+    torch._check(query.shape[2] == 1)
+    end = call.positions[-1:] + 1
+    return additive_mask(ring_positions(end, window), call.positions[-1:], window, query.dtype)
 
 
 def ring_key_positions(positions: torch.Tensor, window: int) -> torch.Tensor:
@@ -124,7 +209,7 @@ class CallState:
     no data-dependent integer in them.
     """
 
-    def __init__(self, layers: nn.ModuleList, positions: torch.Tensor, max_cache_len: int):
+    def __init__(self, layers, positions: torch.Tensor, max_cache_len: int):
         self.layers = layers
         self.positions = positions
         self.max_cache_len = max_cache_len
@@ -147,3 +232,6 @@ class CallState:
             torch._check(start + self.positions.shape[0] <= self.max_cache_len)
             self._start = start
         return self._start
+
+
+PLAIN_CACHES: CacheKinds = {STATIC: StaticKVCache, RING: RingKVCache}

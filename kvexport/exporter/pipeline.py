@@ -106,12 +106,18 @@ class ExportPlan:
 
     @property
     def kv_cache_bytes(self) -> int:
-        return sum(2 * layer["kv_heads"] * layer["slots"] * self.kv_row_bytes(layer["head_dim"]) for layer in self.layers())
+        """What the layers' own caches take (a layer that shares another's takes nothing)."""
+        return sum(
+            2 * layer["kv_heads"] * layer["slots"] * self.kv_row_bytes(layer["head_dim"])
+            for layer in self.layers()
+            if layer["cache"] != architecture.CONV
+        )
 
     @property
     def kv_cache_bytes_if_all_full(self) -> int:
-        """What the cache would take if every layer held max_cache_len positions (transformers' export)."""
-        return sum(2 * s.kv_heads * self.max_cache_len * self.kv_row_bytes(s.head_dim) for s in self.specs)
+        """What the cache would take if every layer held max_cache_len positions of its own
+        (transformers' export: no rings, no sharing)."""
+        return sum(2 * s.kv_heads * self.max_cache_len * self.kv_row_bytes(s.head_dim) for s in self.specs if s.has_kv)
 
     def kv_row_bytes(self, head_dim: int) -> int:
         """Bytes of one position of one KV head, in K or in V."""
@@ -120,24 +126,33 @@ class ExportPlan:
         return head_dim * self.dtype_bytes
 
     def layers(self) -> list[dict]:
-        # A ring's buffer holds RING_WINDOWS windows of rows on its target (ONNX's rings: 2).
-        ring_windows = get_target(self.options.target).RING_WINDOWS
-        return [
-            {
+        layers = []
+        for i, s in enumerate(self.specs):
+            kind = s.cache_kind(self.max_cache_len)
+            if kind == architecture.CONV:  # a float state [1, channels, slots], not a KV cache
+                channels, slots = s.conv_state
+                layers.append({"index": i, "layer_type": s.layer_type, "cache": kind, "window": None,
+                               "slots": slots, "channels": channels})  # fmt: skip
+                continue
+            layers.append({
                 "index": i,
                 "layer_type": s.layer_type,
-                "cache": "ring" if s.is_ring(self.max_cache_len) else "static",
+                "cache": kind,
+                **({"reads": s.reads} if kind == architecture.SHARED else {}),
                 "window": s.window,
-                "slots": s.cache_slots(self.max_cache_len) * (ring_windows if s.is_ring(self.max_cache_len) else 1),
+                "slots": s.cache_slots(self.max_cache_len),
                 "kv_heads": s.kv_heads,
                 "head_dim": s.head_dim,
-            }
-            for i, s in enumerate(self.specs)
-        ]
+            })  # fmt: skip
+        return layers
 
     def summary(self) -> str:
         o = self.options
         rings = sum(s.is_ring(self.max_cache_len) for s in self.specs)
+        shared = sum(s.reads is not None for s in self.specs)
+        convolutions = sum(not s.has_kv for s in self.specs)
+        sharing = f", {shared} reading another layer's cache" if shared else ""
+        sharing += f", {convolutions} short convolutions" if convolutions else ""
         schemes = [f"--{name.replace('_', '-')} {getattr(o, name)}" for name in quantize.OPTIONS if getattr(o, name)]
         kv = " int8" if o.kv_cache == "int8" else ""
         quantized = f" ({', '.join(schemes)})" if schemes else ""
@@ -147,7 +162,7 @@ class ExportPlan:
             else f" (default: the smaller of {self.max_positions} positions and {DEFAULT_MAX_CACHE_LEN})"
         )
         return (
-            f"{o.model}: {len(self.specs)} layers ({rings} sliding-window rings), max_cache_len "
+            f"{o.model}: {len(self.specs)} layers ({rings} sliding-window rings{sharing}), max_cache_len "
             f"{self.max_cache_len}{default}, calls of up to {self.prefill_chunk} tokens, KV cache{kv} {self.kv_cache_bytes / 2**20:.1f} MiB "
             f"({self.kv_cache_bytes / self.kv_cache_bytes_if_all_full:.0%} of full-length layers), "
             f"{o.dtype} -> {o.target}{quantized}"
@@ -174,6 +189,7 @@ def plan_export(options: ExportOptions, progress: Progress | None = None) -> Exp
     config = sources.load_config(source)
     specs = architecture.layer_specs(config)
     max_cache_len, max_positions = choose_max_cache_len(config, options.max_cache_len)
+    target.check_layers(specs, max_cache_len)
     if options.kv_cache != "float":
         target.check_kv_cache(options.kv_cache, architecture.text_config(config), specs, max_cache_len)
     architecture.check_rope(config, max_cache_len)
@@ -267,6 +283,8 @@ def export_model(options: ExportOptions, progress: Progress | None = None) -> Ex
     program_files = [written["program"], *([written["external_data"]] if written.get("external_data") else [])]
     program_bytes = sum(written["files"][name]["bytes"] for name in program_files)
     progress.info(f"wrote {plan.out} ({program_bytes / 2**20:.1f} MiB program)")
+    if written.get("genai_unsupported"):
+        progress.info(f"onnxruntime-genai cannot run it ({written['genai_unsupported']}); kvexport run and check can")
     return ExportResult(plan.out, written, dict(progress.seconds), peak_rss_mb())
 
 

@@ -36,7 +36,6 @@ class ProgramSpec:
 class Target(Protocol):
     SUPPORTED_DTYPES: tuple[str, ...]  # the --dtype values it takes
     RUNTIME_PACKAGES: tuple[str, ...]  # the packages whose versions kvexport.json records
-    RING_WINDOWS: int  # a sliding layer's buffer holds this many windows of rows
     INT8_KV_ROW_EXTRA_BYTES: int  # --kv-cache int8: what a row of head_dim int8 values takes besides them
     # Where --quantize applies: to the module before export (quantize_model), or to the written
     # program's weights after lowering (quantize_files); the other hook does nothing.
@@ -59,6 +58,10 @@ class Target(Protocol):
 
     def quantize_files(self, out_dir: Path, spec: ProgramSpec, quantization: Quantization) -> dict:
         """Quantize the written program's weights in place; return facts for ``kvexport.json``."""
+
+    def check_layers(self, specs: list, max_cache_len: int) -> None:
+        """Refuse, before the model loads, a model whose layers this target cannot describe
+        (``UnsupportedModelError``)."""
 
     def check_kv_cache(self, kv_cache: str, text_config, specs: list, max_cache_len: int) -> None:
         """Refuse, before the model loads, a ``--kv-cache`` other than float that this model's

@@ -20,6 +20,8 @@ from .spec import Matrix
 FORMAT = "kvexport-matrix-report"
 FORMAT_VERSION = 1
 STATUS_MARK = {"pass": "✓ pass", "fail": "✗ fail", "error": "✗ error"}
+# A row's check in onnxruntime-genai may also not apply: the export said genai cannot run the folder.
+GENAI_MARK = {**STATUS_MARK, "unsupported": "– unsupported"}
 
 
 def new_report(matrix: Matrix, shard: tuple[int, int], rows: list[dict]) -> dict:
@@ -53,8 +55,9 @@ def missing_rows(report: dict) -> list[int]:
 
 
 def _genai_passed(row: dict) -> bool:
-    """The row's check in onnxruntime-genai passed, or there was none (not an ONNX row)."""
-    return row.get("genai", {}).get("status", "pass") == "pass"
+    """The row's check in onnxruntime-genai passed, or there was none (not an ONNX row, or one that
+    genai cannot run, as its export said)."""
+    return row.get("genai", {}).get("status", "pass") in ("pass", "unsupported")
 
 
 def all_passed(report: dict, whole_matrix: bool = False) -> bool:
@@ -134,7 +137,7 @@ def to_markdown(report: dict) -> str:
             # Blank where the check never ran (the row failed before it); a quantized row's agreement.
             _agreement_or_divergence(row) if "max_logit_diff" in row else "",
             _number(row.get("max_logit_diff"), ".1e") if "max_logit_diff" in row else "",
-            STATUS_MARK[row["genai"]["status"]] if "genai" in row else "",
+            GENAI_MARK[row["genai"]["status"]] if "genai" in row else "",
             _number(row.get("export_seconds"), ".1f"),
             _number(row.get("export_peak_rss_mb"), ".0f"),
             _number(row.get("artifact_mb"), ".2f"),

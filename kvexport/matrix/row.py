@@ -16,6 +16,7 @@ import time
 import traceback
 from pathlib import Path
 
+from ..artifact.manifest import read_manifest
 from ..errors import KvexportError
 from .spec import Row
 
@@ -99,7 +100,6 @@ def _export(row: Row, model: str, folder: Path) -> dict:
 
 
 def _check(row: Row, folder: Path, runner: str = "kvexport") -> dict:
-    from ..artifact.manifest import read_manifest
     from ..checker.check import default_prompts, run_check
     from ..runtime.tokenizer import ArtifactTokenizer
 
@@ -112,7 +112,10 @@ def _check(row: Row, folder: Path, runner: str = "kvexport") -> dict:
 
 def _genai_check(row: Row, folder: Path) -> dict:
     """The same check with onnxruntime-genai running the artifact: ``status`` pass or fail (with
-    the reason), or error where genai could not run it."""
+    the reason), error where genai could not run it, or unsupported where the export said it cannot."""
+    reason = read_manifest(folder, verify=False).get("genai_unsupported")
+    if reason:
+        return {"status": "unsupported", "failure": {"stage": "genai", "reason": reason}}
     try:
         check = _check(row, folder, runner="genai")
     except Exception as e:  # genai's own refusal or crash: the reason is the column's cell

@@ -68,6 +68,8 @@ def _cell(rows: list[dict]) -> str:
     failed = [row for row in rows if row["status"] != "pass"]
     if not failed:
         return "✓"
+    if all(row["status"] == "unsupported" for row in failed):  # genai, as the export said
+        return "– (genai cannot run it)"
     failure = failed[0]["failure"] or {}
     reason = str(failure.get("reason", "")).replace("|", "\\|")
     if len(reason) > _REASON_CHARS:

@@ -14,6 +14,7 @@ from torch import nn
 
 def prepare_for_export(model: nn.Module) -> None:
     _experts_as_batched_matmuls(model)
+    _short_convolutions_with_state(model)
 
 
 def _experts_as_batched_matmuls(model: nn.Module) -> None:
@@ -28,6 +29,32 @@ def _experts_as_batched_matmuls(model: nn.Module) -> None:
     can_set = getattr(model, "_can_set_experts_implementation", None)
     if can_set is not None and can_set():
         model.set_experts_implementation("batched_mm")
+
+
+def _short_convolutions_with_state(model: nn.Module) -> None:
+    """LFM2's short gated convolutions (``*ShortConv``: LFM2, LFM2-MoE, LFM3).
+
+    transformers keeps their state in its own cache object, which the export does not pass (kvexport's
+    caches are its own); without one a convolution sees every call as a new sequence. Here it
+    convolves over the layer's ``ConvState`` (``kvexport_call``), the same gated computation:
+    ``out_proj(C * conv(B * x))`` with ``B, C, x`` from ``in_proj``. Without ``kvexport_call`` (plain
+    transformers) the module's own forward runs."""
+    import types
+
+    for module in model.modules():
+        if not (type(module).__name__.endswith("ShortConv") and hasattr(module, "conv_kernel_size")):
+            continue
+        original = module.forward
+
+        def forward(self, hidden_states, past_key_values=None, attention_mask=None, kvexport_call=None, _original=original, **kwargs):
+            if kvexport_call is None:
+                return _original(hidden_states, past_key_values=past_key_values, attention_mask=attention_mask, **kwargs)
+            b, c, x = self.in_proj(hidden_states).transpose(-1, -2).chunk(3, dim=-2)
+            state = kvexport_call.layers[self.layer_idx]
+            y = c * state.convolve(b * x, self.conv.weight, self.conv.bias, kvexport_call)
+            return self.out_proj(y.transpose(-1, -2).contiguous())
+
+        module.forward = types.MethodType(forward, module)
 
 
 def fixed_rotary_frequencies(model: nn.Module, max_cache_len: int) -> None:

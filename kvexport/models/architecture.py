@@ -14,6 +14,13 @@ from ..errors import UnsupportedModelError
 
 FULL = "full_attention"
 SLIDING = "sliding_attention"
+# A short gated convolution in place of attention (LFM2, LFM3): ``conv_L_cache`` taps over the
+# sequence, its state the last ``conv_L_cache - 1`` inputs.
+CONV = "conv"
+# A layer's cache kinds, as kvexport.json names them: a buffer of max_cache_len positions, a ring of
+# the window's positions, none (the layer attends to an earlier layer's cache: KV sharing), or a
+# convolution's state.
+STATIC, RING, SHARED = "static", "ring", "shared"
 
 # Families whose reason is worth naming precisely. Every other family is judged by the generic rules
 # in check_supported, from what its config and transformers say about it.
@@ -27,11 +34,12 @@ _REFUSED = {
     "falcon_h1": "a hybrid of attention and state-space layers",
     "bamba": "a hybrid of attention and state-space layers",
     "granitemoehybrid": "a hybrid of attention and state-space layers",
-    "lfm2": "a hybrid of attention and convolution layers",
     "qwen3_next": "a hybrid of attention and linear-attention layers",
     "recurrent_gemma": "a recurrent hybrid",
-    "gemma3n": "a multimodal model with shared KV layers",
-    "gemma3n_text": "a model with layers that share KV caches",
+    "gemma3n": "a multimodal model (its text model, gemma3n_text, is refused too)",
+    # Its KV-sharing layers run on every token of a call (Gemma 4's on the last one only), and after
+    # the call a sliding layer's cache no longer holds what the call's earlier tokens attend to.
+    "gemma3n_text": "a model whose KV-sharing layers attend from every token of a call to sliding windows the call has moved",
     "llama4": "chunked attention and multimodal inputs",
     "t5": "an encoder-decoder model",
     "bart": "an encoder-decoder model",
@@ -45,21 +53,43 @@ _MODALITIES = ("vision", "audio", "image", "video", "speech")
 
 @dataclass(frozen=True)
 class LayerSpec:
-    """One attention layer as the cache sees it."""
+    """One layer as the cache sees it: attention (its KV shape), or a convolution (its state)."""
 
     layer_type: str  # the key transformers uses for this layer's mask
     window: int | None  # sliding window, None for full attention
-    kv_heads: int
-    head_dim: int
+    kv_heads: int  # 0 for a convolution
+    head_dim: int  # 0 for a convolution
+    # KV sharing (Gemma 4, Gemma 3n): the earlier layer whose keys and values this layer attends to;
+    # it computes none of its own and holds no cache.
+    reads: int | None = None
+    # A convolution's state: (channels, the inputs before the call that it looks back at).
+    conv_state: tuple[int, int] | None = None
+
+    def cache_kind(self, max_cache_len: int) -> str:
+        if self.conv_state is not None:
+            return CONV
+        if self.reads is not None:
+            return SHARED
+        return RING if self.is_ring(max_cache_len) else STATIC
 
     def cache_slots(self, max_cache_len: int) -> int:
-        """Positions this layer holds: the window for a ring, else the whole context."""
+        """Positions this layer's own cache holds: none for a shared layer, the window for a ring,
+        a convolution's state, else the whole context."""
+        if self.conv_state is not None:
+            return self.conv_state[1]
+        if self.reads is not None:
+            return 0
         if self.window is not None and self.window < max_cache_len:
             return self.window
         return max_cache_len
 
     def is_ring(self, max_cache_len: int) -> bool:
-        return self.window is not None and self.window < max_cache_len
+        return self.reads is None and self.window is not None and self.window < max_cache_len
+
+    @property
+    def has_kv(self) -> bool:
+        """Whether the layer attends (keys and values), as opposed to convolving."""
+        return self.conv_state is None
 
 
 def text_config(config):
@@ -106,15 +136,32 @@ def check_supported(config) -> None:
         refuse("it is an encoder (is_decoder is false: bidirectional attention)")
     if getattr(text, "use_bidirectional_attention", False):
         refuse("it is configured for bidirectional attention")
+    if _in_any_layer(text, "kv_lora_rank"):
+        refuse(
+            "its attention is multi-head latent attention (kv_lora_rank: DeepSeek-V2/V3 style), whose cache holds "
+            "a latent that the keys and values are expanded from; kvexport caches keys and values"
+        )
     for layer_type in sorted(set(getattr(text, "layer_types", None) or ())):
+        if layer_type == CONV and getattr(text, "conv_L_cache", None):
+            continue  # LFM2's short convolution (models/adapters.py runs it over kvexport's state)
         if layer_type not in (FULL, SLIDING):
-            refuse(f"it has '{layer_type}' layers; only full and sliding-window attention layers are supported")
+            refuse(
+                f"it has '{layer_type}' layers; only full and sliding-window attention layers and short "
+                "convolutions are supported"
+            )
     try:
         heads = getattr(text, "num_attention_heads", None)
     except Exception as e:  # transformers refuses a global read of a per-layer attribute
-        refuse(f"its layers differ in shape ({type(e).__name__})")
+        refuse(f"its layers differ in their number of query heads ({type(e).__name__})")
     if not heads:
         refuse("it has no attention heads (a state-space or recurrent model)")
+
+
+def _in_any_layer(config, name: str) -> bool:
+    """Whether the config sets ``name``, for the model or (``per_layer_config``) for any layer."""
+    if getattr(config, "is_heterogeneous", False) and name in config.per_layer_attributes:
+        return any(getattr(layer, name, None) for layer in config.per_layer_config)
+    return bool(getattr(config, name, None))
 
 
 def rope_parameters(config) -> list[dict]:
@@ -186,21 +233,53 @@ def _causal_lm_class(model_type: str | None):
 
 
 def layer_specs(config) -> list[LayerSpec]:
-    """Per-layer attention kind, window and KV shape, from the config alone."""
+    """Per-layer attention kind, window, KV shape and KV sharing, from the config alone."""
     check_supported(config)
     config = text_config(config)
     n_layers = config.num_hidden_layers
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     window = getattr(config, "sliding_window", None)
     layer_types = getattr(config, "layer_types", None)
     if not layer_types:
         layer_types = [SLIDING if window else FULL] * n_layers
+    reads = _kv_shared_layers(config, layer_types[:n_layers])
     specs = []
-    for layer_type in layer_types[:n_layers]:
+    for i, layer_type in enumerate(layer_types[:n_layers]):
+        if layer_type == CONV:
+            specs.append(LayerSpec(CONV, None, 0, 0, conv_state=(config.hidden_size, config.conv_L_cache - 1)))
+            continue
         if layer_type == SLIDING and not window:
             raise UnsupportedModelError("the config has sliding-attention layers but no sliding_window")
-        specs.append(LayerSpec(layer_type, window if layer_type == SLIDING else None, kv_heads, head_dim))
+        kv_heads, head_dim = _kv_shape(config, i)
+        specs.append(LayerSpec(layer_type, window if layer_type == SLIDING else None, kv_heads, head_dim, reads.get(i)))
+    for i, j in reads.items():
+        if not specs[j].has_kv or (specs[i].kv_heads, specs[i].head_dim) != (specs[j].kv_heads, specs[j].head_dim):
+            raise UnsupportedModelError(f"layer {i} reads the KV cache of layer {j}, whose keys have another shape")
     return specs
+
+
+def _kv_shape(config, index: int) -> tuple[int, int]:
+    """Layer ``index``'s KV heads and head size: its own where the config gives layers their own
+    (``per_layer_config``: Gemma 4's full-attention layers), else the model's."""
+    layer = config.per_layer_config[index] if getattr(config, "is_heterogeneous", False) else config
+    heads = config.num_attention_heads
+    kv_heads = getattr(layer, "num_key_value_heads", None) or heads
+    head_dim = getattr(layer, "head_dim", None) or config.hidden_size // heads
+    return kv_heads, head_dim
+
+
+def _kv_shared_layers(config, layer_types: list[str]) -> dict[int, int]:
+    """``{consumer: producer}`` for KV sharing as transformers declares it (``kv_sharing_modes``:
+    ``"reuse"`` layers read what the ``"store"`` layer of their type computed), else nothing."""
+    try:
+        modes = getattr(config, "kv_sharing_modes", None) or []
+    except ValueError as e:  # a consumer type no earlier layer produces
+        raise UnsupportedModelError(f"its KV sharing is inconsistent ({e})")
+    producers = {layer_types[i]: i for i, mode in enumerate(modes) if mode == "store"}
+    reads = {}
+    for i, mode in enumerate(modes):
+        if mode == "reuse":
+            if layer_types[i] not in producers:
+                raise UnsupportedModelError(f"layer {i} shares a KV cache that no earlier '{layer_types[i]}' layer stores")
+            reads[i] = producers[layer_types[i]]
+    return reads
 

@@ -67,6 +67,32 @@ PRESETS: dict[str, tuple[str, dict]] = {
             "initializer_range": 0.3,  # at 0.5 this one has near-ties on the test prompt
         },
     ),
+    # Gemma 4 as its on-device models are built: full layers with a head size and KV-head count of
+    # their own (keys and values from one projection there), the last layer of each type reading the
+    # KV cache of an earlier one (four layers: each kind of layer meets each other), per-layer input
+    # embeddings, a double-wide MLP in the sharing layers, and the MoE block beside the MLP.
+    "tiny-gemma4": (
+        "gemma4_text",
+        {
+            "head_dim": 16,
+            "sliding_window": WINDOW,
+            "num_hidden_layers": 4,
+            "layer_types": ["sliding_attention", "full_attention"] * 2,
+            "global_head_dim": 32,
+            "num_global_key_value_heads": 1,
+            "attention_k_eq_v": True,
+            "num_kv_shared_layers": 2,
+            "hidden_size_per_layer_input": 8,
+            "vocab_size_per_layer_input": VOCAB_SIZE,
+            "use_double_wide_mlp": True,
+            "enable_moe_block": True,
+            "num_experts": 4,
+            "top_k_experts": 2,
+            "moe_intermediate_size": 32,
+        },
+    ),
+    # LFM2: a short gated convolution (a state of conv_L_cache - 1 inputs) before an attention layer.
+    "tiny-lfm2": ("lfm2", {"layer_types": ["conv", "full_attention"], "block_auto_adjust_ff_dim": False}),
     "tiny-smollm3": ("smollm3", {"no_rope_layer_interval": 2, "tie_word_embeddings": True}),
     # Attention sinks, a mixture of experts (top 2 of 4) and alternating sliding / full layers.
     "tiny-gpt-oss": (

@@ -42,6 +42,11 @@ class GenaiProgram:
     def __init__(self, folder: Path, manifest: dict, device: str):
         if manifest["target"] != "onnx":
             raise InvalidOptionError(f"--runner genai runs ONNX artifacts; this one is {manifest['target']}")
+        if "genai_unsupported" in manifest:
+            raise InvalidOptionError(
+                f"--runner genai: {PACKAGE} cannot run {folder}: {manifest['genai_unsupported']}; "
+                "run it with kvexport's runner (--runner kvexport, the default)"
+            )
         if "genai_config" not in manifest:
             raise ArtifactError(f"{folder} has no genai_config.json (an ONNX artifact of another kvexport); re-export it")
         if device not in ("cpu", "cuda"):

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..artifact.manifest import program_mismatch, read_listed_file
+from ..artifact.manifest import buffer_layers, program_mismatch, read_listed_file
 from ..errors import ArtifactError, InvalidOptionError, PromptTooLongError
 
 
@@ -50,14 +50,17 @@ def check_against_genai_config(folder: Path, manifest: dict) -> None:
         config = json.loads(read_listed_file(folder, manifest, name))
         context, decoder = config["model"]["context_length"], config["model"]["decoder"]
         sliding = decoder.get("sliding_window") or {}
+        # genai sizes a buffer per layer that holds one; the first's shape is the default, and the
+        # graph's inputs give each its own (checked against the manifest by kvexport's runner).
+        layers = buffer_layers(manifest["layers"])
         facts = [
             ("max_cache_len", manifest["max_cache_len"], context, "context_length"),
-            ("KV heads", sorted({layer["kv_heads"] for layer in manifest["layers"]}), [decoder["num_key_value_heads"]],
-             "num_key_value_heads"),
-            ("head_dim", sorted({layer["head_dim"] for layer in manifest["layers"]}), [decoder["head_size"]], "head_size"),
-            ("the sliding layers", [layer["index"] for layer in manifest["layers"] if layer["cache"] == "ring"],
+            ("layers with a cache", len(layers), decoder["num_hidden_layers"], "num_hidden_layers"),
+            ("KV heads", layers[0]["kv_heads"], decoder["num_key_value_heads"], "num_key_value_heads"),
+            ("head_dim", layers[0]["head_dim"], decoder["head_size"], "head_size"),
+            ("the sliding layers", [n for n, layer in enumerate(layers) if layer["cache"] == "ring"],
              sliding.get("layers", []), "sliding_window.layers"),
-            ("windows", sorted({layer["window"] for layer in manifest["layers"] if layer["cache"] == "ring"}),
+            ("windows", sorted({layer["window"] for layer in layers if layer["cache"] == "ring"}),
              [sliding["window_size"]] if sliding else [], "sliding_window.window_size"),
         ]
     except (TypeError, ValueError, KeyError, AttributeError) as e:  # not JSON, or not genai's layout

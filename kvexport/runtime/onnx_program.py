@@ -11,7 +11,8 @@ writes the call's rows in place:
 - a full-attention layer's buffer ``[1, kv_heads, max_cache_len, head_dim]``, of which the kernel
   reads rows ``0 .. start+T-1``, so a decode step costs the filled length;
 - a sliding layer's buffer ``[1, kv_heads, window, head_dim]``, which the kernel keeps itself
-  (``sliding_window_cache``: the newest positions in order from row 0, the oldest evicted).
+  (``sliding_window_cache``: the newest positions in order from row 0, the oldest evicted);
+- none for a layer that shares an earlier layer's cache (``shared``): the graph reads that one's.
 
 The call's start is the width of ``attention_mask`` (ones) less its tokens.
 """
@@ -22,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..artifact.manifest import MANIFEST, program_mismatch
+from ..artifact.manifest import MANIFEST, buffer_layers, program_mismatch
 from ..errors import ArtifactError, InvalidOptionError
 from .cpu import runtime_threads
 from .onnx_artifact import GPU_HINT, check_against_genai_config, check_call, check_runs_on_cuda
@@ -35,7 +36,9 @@ _ORT_TYPES = {"float32": "tensor(float)", "float16": "tensor(float16)", "bfloat1
 def _check_onnx_fields(manifest: dict) -> None:
     """What an ONNX artifact's manifest has besides the fields every artifact has (``read_manifest``
     checked their types where present): this runner names and sizes the buffers from them."""
-    lacks = [key for key in ("interface", "external_data", "genai_config") if key not in manifest]
+    lacks = [key for key in ("interface", "external_data") if key not in manifest]
+    if "genai_config" not in manifest and "genai_unsupported" not in manifest:
+        lacks.append("genai_config")
     lacks += [f"interface.{key}" for key in ("inputs", "outputs") if not lacks and key not in manifest["interface"]]
     lacks += [
         f"layers[{i}].{field}"
@@ -55,10 +58,11 @@ def _check_against_graph(session, manifest: dict) -> None:
     said = [entry["name"] for entry in manifest["interface"]["inputs"]]
     if sorted(said) != sorted(graph):
         raise program_mismatch("the graph's inputs are", ", ".join(said), ", ".join(graph))
-    layers = manifest["layers"]
+    layers = buffer_layers(manifest["layers"])
     in_graph = sum(name.startswith("past_key_values.") and name.endswith(".key") for name in graph)
     if len(layers) != in_graph:
-        raise program_mismatch("the model has", f"{len(layers)} layers", f"{in_graph}")
+        holding = " that hold a cache" if len(layers) < len(manifest["layers"]) else ""
+        raise program_mismatch("the model has", f"{len(layers)} layers{holding}", f"{in_graph}")
     if "logits" not in outputs:
         raise program_mismatch("the graph has", "an output logits", "none")
     expected_type = _ORT_TYPES[manifest["dtype"]]
@@ -67,12 +71,12 @@ def _check_against_graph(session, manifest: dict) -> None:
     if outputs["logits"].type != expected_type:
         raise program_mismatch("its dtype is", manifest["dtype"], f"logits of {outputs['logits'].type}")
     _check_shape("logits", [1, 1, manifest["vocab_size"]], outputs["logits"].shape, "vocab_size")
-    for spec in layers:
+    for n, spec in enumerate(layers):
         shape = [1, spec["kv_heads"], _rows(spec, manifest["max_cache_len"]), spec["head_dim"]]
         fields = f"layers[{spec['index']}]'s kv_heads, head_dim and " + ("max_cache_len" if spec["cache"] == "static" else "window")
         for kv in ("key", "value"):
-            name = _cache_name("past", kv, spec["index"])
-            if name not in graph or _cache_name("present", kv, spec["index"]) not in outputs:
+            name = _cache_name("past", kv, n)
+            if name not in graph or _cache_name("present", kv, n) not in outputs:
                 raise program_mismatch("the graph has", name, "no such input")
             if graph[name].type != cache_type:
                 raise program_mismatch("its KV cache's dtype is", cache_dtype, f"{name} of {graph[name].type}")
@@ -85,7 +89,8 @@ def _cache_dtype(manifest: dict) -> str:
 
 
 def _cache_name(kind: str, kv: str, index) -> str:
-    """onnxruntime-genai's names, as the exporter writes them (exporter/onnx/target.py's PAST, PRESENT)."""
+    """onnxruntime-genai's names, as the exporter writes them (exporter/onnx/target.py's PAST,
+    PRESENT): ``index`` counts the layers that hold a cache (``buffer_layers``)."""
     return f"past_key_values.{index}.{kv}" if kind == "past" else f"present.{index}.{kv}"
 
 
@@ -114,8 +119,8 @@ class _Buffer:
 
 
 class _Layer:
-    def __init__(self, ort, spec: dict, max_cache_len: int, dtype: np.dtype, device: str):
-        self.index = spec["index"]
+    def __init__(self, ort, index: int, spec: dict, max_cache_len: int, dtype: np.dtype, device: str):
+        self.index = index  # in the graph's names: the n-th layer that holds a cache
         self.shape = [1, spec["kv_heads"], _rows(spec, max_cache_len), spec["head_dim"]]  # GroupQueryAttention's layout
         self.buffers = {kv: _Buffer(ort, tuple(self.shape), dtype, device) for kv in ("key", "value")}
 
@@ -154,10 +159,14 @@ class OnnxProgram:
             # onnxruntime falls back to the CPU (with a warning) when CUDA or cuDNN cannot load.
             raise InvalidOptionError(f"--device cuda: ONNX Runtime could not start CUDA here; {GPU_HINT}")
         _check_against_graph(self._session, manifest)  # before any buffer is sized from the manifest
-        check_against_genai_config(folder, manifest)
+        if "genai_config" in manifest:
+            check_against_genai_config(folder, manifest)
         self._dtype = np.dtype(manifest["dtype"])
         self._cache_dtype = np.dtype(_cache_dtype(manifest))
-        self._layers = [_Layer(ort, spec, self._max_cache_len, self._cache_dtype, device) for spec in manifest["layers"]]
+        self._layers = [
+            _Layer(ort, n, spec, self._max_cache_len, self._cache_dtype, device)
+            for n, spec in enumerate(buffer_layers(manifest["layers"]))
+        ]
         # Tokens per call: the interface's limit (--prefill-chunk).
         self._chunk = max_tokens_per_call(manifest)
         # Host memory for the small inputs and the logits: ONNX Runtime copies them across itself.

@@ -68,6 +68,17 @@ def test_a_listed_file_that_is_missing_or_changed_is_refused(tmp_path):
         artifact.read_manifest(out)
 
 
+def test_a_shared_layer_reading_an_earlier_cache_is_accepted(tmp_path):
+    out = tmp_path / "out"
+    with staging.staged_folder(out) as tmp:
+        (tmp / "model.pte").write_bytes(b"program")
+        manifest = minimal_manifest()
+        manifest["layers"] += [{"cache": "shared", "reads": 0, "window": 4, "slots": 0}, {"cache": "shared", "reads": 1}]
+        artifact.write_manifest(tmp, manifest)
+    layers = artifact.read_manifest(out)["layers"]
+    assert [layer["cache"] for layer in artifact.buffer_layers(layers)] == ["ring", "static"]
+
+
 @pytest.mark.parametrize(
     "change, phrase",
     [
@@ -106,6 +117,14 @@ def test_a_listed_file_that_is_missing_or_changed_is_refused(tmp_path):
         (lambda m: m.update(bos_token_id=-1), "'bos_token_id' should be a token id"),
         (lambda m: m.update(format_version=True), "has format version true"),
         (lambda m: m.update(target=["onnx"]), "'target' should be 'executorch' or 'onnx', not [\"onnx\"]"),
+        # KV sharing: a shared layer reads an earlier layer that holds a cache, and holds none itself.
+        (lambda m: m["layers"].append({"cache": "shared", "reads": 2, "window": None}),
+         "'layers[2].reads' should be the index of an earlier layer that holds a cache, not 2"),
+        (lambda m: m["layers"].extend([{"cache": "shared", "reads": 0, "window": 4}, {"cache": "shared", "reads": 2}]),
+         "'layers[3].reads' should be the index of an earlier layer that holds a cache, not 2"),
+        (lambda m: m["layers"].append({"cache": "shared", "reads": 1, "slots": 8}),
+         "'layers[2].slots' should be 0 for a layer that holds no cache, not 8"),
+        (lambda m: m.update(genai_unsupported=["why"]), "'genai_unsupported' should be text"),
     ],
     ids=[
         "cache-len-string",
@@ -141,6 +160,10 @@ def test_a_listed_file_that_is_missing_or_changed_is_refused(tmp_path):
         "negative-bos",
         "format-version-bool",
         "target-a-list",
+        "shared-reading-itself",
+        "shared-reading-a-shared-layer",
+        "shared-with-slots",
+        "genai-unsupported-not-text",
     ],
 )
 def test_an_inconsistent_manifest_is_refused(tmp_path, change, phrase):

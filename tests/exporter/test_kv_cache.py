@@ -13,6 +13,7 @@ clearing anything.
 from __future__ import annotations
 
 from functools import partial
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -28,7 +29,7 @@ from kvexport.exporter.executorch.quantized_kv_cache import (
     key_rotation,
     quantize_rows,
 )
-from kvexport.exporter.kv_cache import CallState, RingKVCache, StaticKVCache, additive_mask, ring_positions
+from kvexport.exporter.kv_cache import CallState, ConvState, RingKVCache, StaticKVCache, additive_mask, ring_positions
 from kvexport.models.architecture import layer_specs
 
 HEADS, DIM = 2, 4
@@ -47,8 +48,9 @@ def reference_attention(q, k, v, window):
     return torch.softmax(scores, dim=-1) @ v
 
 
-def cached_attention(cache, calls, q, k, v, window):
-    """The same attention computed call by call through the cache and our masks."""
+def cached_attention(cache, calls, q, k, v, window, max_len=None, after_call=None):
+    """The same attention computed call by call through the cache and our masks; ``after_call(positions)``
+    after each call (a layer that shares the cache reading it)."""
     outs, start = [], 0
     for n in calls:
         positions = torch.arange(start, start + n)
@@ -56,11 +58,13 @@ def cached_attention(cache, calls, q, k, v, window):
         mask = additive_mask(cache.key_positions(positions), positions, window, torch.float32)
         scores = q[:, :, start:start + n] @ keys.transpose(-1, -2) / DIM**0.5 + mask
         outs.append(torch.softmax(scores, dim=-1) @ values)
+        if after_call:
+            after_call(positions)
         start += n
     return torch.cat(outs, dim=2)
 
 
-def custom_op_attention(cache, calls, q, k, v, window, max_len):
+def custom_op_attention(cache, calls, q, k, v, window, max_len, after_call=None):
     """The same through a custom-op cache, called as kvexport's attention calls it."""
     outs, start = [], 0
     for n in calls:
@@ -70,6 +74,8 @@ def custom_op_attention(cache, calls, q, k, v, window, max_len):
         part = slice(start, start + n)
         out, _ = cache.attend(None, q[:, :, part], k[:, :, part], v[:, :, part], mask, call, scaling=DIM**-0.5)
         outs.append(out.transpose(1, 2))  # the kernel answers sequence-major, [1, T, heads, D]
+        if after_call:
+            after_call(positions)
         start += n
     return torch.cat(outs, dim=2)
 
@@ -93,7 +99,7 @@ def quantized_rows(x):
 
 FAMILIES = {
     # name: (ring, static, attention through the cache, KV heads)
-    "plain": (RingKVCache, StaticKVCache, lambda c, calls, q, k, v, w, m: cached_attention(c, calls, q, k, v, w), HEADS),
+    "plain": (RingKVCache, StaticKVCache, cached_attention, HEADS),
     # One KV head: a ring attends through window_attention (XNNPACK's matmuls); more: custom_sdpa.
     "custom_op": (CustomOpRingCache, CustomOpStaticCache, custom_op_attention, KV_HEADS),
     "custom_op_kv_heads_2": (CustomOpRingCache, CustomOpStaticCache, custom_op_attention, HEADS),
@@ -105,15 +111,16 @@ FAMILIES = {
 }
 
 
+# A layer's window (None: full attention), the cache's length, a sequence's call lengths.
+WINDOWS = st.one_of(st.none(), st.integers(1, 12))
+CACHE_LENS = st.integers(1, 40)
+CALLS = st.lists(st.integers(1, 16), min_size=1, max_size=10)
+SEEDS = st.integers(0, 2**16)
+
+
 @pytest.mark.parametrize("family", list(FAMILIES))
 @settings(max_examples=300, deadline=None)
-@given(
-    window=st.one_of(st.none(), st.integers(1, 12)),
-    max_len=st.integers(1, 40),
-    calls=st.lists(st.integers(1, 16), min_size=1, max_size=10),
-    earlier_calls=st.lists(st.integers(1, 16), max_size=4),
-    seed=st.integers(0, 2**16),
-)
+@given(window=WINDOWS, max_len=CACHE_LENS, calls=CALLS, earlier_calls=st.lists(st.integers(1, 16), max_size=4), seed=SEEDS)
 def test_cache_attention_equals_full_history(family, window, max_len, calls, earlier_calls, seed):
     # Calls of random lengths (a prefill, then decodes or further chunks) up to the cache size.
     ring, static, attention, kv_heads = FAMILIES[family]
@@ -139,6 +146,42 @@ def test_cache_attention_equals_full_history(family, window, max_len, calls, ear
         rotation = key_rotation(DIM)
         q, k, v = quantized_rows(q @ rotation), quantized_rows(k @ rotation), quantized_rows(v)
     torch.testing.assert_close(got, reference_attention(q, k, v, window), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+@settings(max_examples=150, deadline=None)
+@given(window=WINDOWS, max_len=CACHE_LENS, calls=CALLS, readers=st.integers(1, 16), seed=SEEDS)
+def test_a_layer_sharing_the_cache_reads_what_each_call_left(family, window, max_len, calls, readers, seed):
+    """KV sharing: after every call, a layer that holds no cache attends with queries at the call's
+    last positions (a ring: the last one only; a full buffer: up to the whole call) to the cache as
+    the call left it, and sees what full-history attention sees there."""
+    ring, static, attention, kv_heads = FAMILIES[family]
+    is_ring = window is not None and window < max_len
+    cache = ring(1, kv_heads, window, DIM, torch.float32) if is_ring else static(1, kv_heads, max_len, DIM, torch.float32)
+    gen = torch.Generator().manual_seed(seed)
+    kept = fit(calls, max_len)
+    total = sum(kept)
+    q, reader_q = (torch.randn(1, HEADS, total, DIM, generator=gen) for _ in range(2))
+    k, v = (torch.randn(1, kv_heads, total, DIM, generator=gen) for _ in range(2))
+    if family.startswith("int8"):  # what the reader sees: its query and the rows as the cache quantizes them
+        rotation = key_rotation(DIM)
+        seen_q, seen_k, seen_v = quantized_rows(reader_q @ rotation), quantized_rows(k @ rotation), quantized_rows(v)
+    else:
+        seen_q, seen_k, seen_v = reader_q, k, v
+    expected = reference_attention(seen_q, seen_k, seen_v, window)
+    # The plain caches read through the family's eager attention, which repeats KV heads for the module.
+    module = SimpleNamespace(num_key_value_groups=HEADS // kv_heads, training=False)
+    checked = []
+
+    def read(positions):
+        n = 1 if is_ring else min(readers, positions.shape[0])
+        last = slice(int(positions[-1]) + 1 - n, int(positions[-1]) + 1)
+        out, _ = cache.read(module, reader_q[:, :, last], CallState(None, positions, max_len), scaling=DIM**-0.5)
+        torch.testing.assert_close(out.transpose(1, 2), expected[:, :, last], atol=1e-5, rtol=1e-5)
+        checked.append(n)
+
+    attention(cache, kept, q, k, v, window, max_len, after_call=read)
+    assert len(checked) == len(kept)
 
 
 @pytest.mark.parametrize("head_dim", [16, 64, 96, 256])
@@ -191,3 +234,36 @@ def test_ring_writes_are_worked_out_once_per_call_for_all_sliding_layers():
     program = executorch.export(model, 32, 8)
     floor_divisions = [n for n in program.graph.nodes if n.target == torch.ops.aten.div.Tensor_mode]
     assert sliding > 1 and len(floor_divisions) == 1
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    taps=st.integers(2, 5),
+    calls=st.lists(st.integers(1, 9), min_size=1, max_size=8),
+    earlier_calls=st.lists(st.integers(1, 9), max_size=3),
+    seed=SEEDS,
+)
+def test_a_convolution_state_gives_the_whole_sequence_s_convolution(taps, calls, earlier_calls, seed):
+    """LFM2's short convolution call by call through its state (prefills, decode steps, calls
+    shorter than the state) against transformers' own convolution of the whole sequence; a new
+    sequence at position 0 starts from zeros whatever an earlier one left."""
+    from transformers.models.lfm2.modeling_lfm2 import causal_conv1d_fn
+
+    channels = 3
+    gen = torch.Generator().manual_seed(seed)
+    weight, bias = torch.randn(channels, 1, taps, generator=gen), torch.randn(channels, generator=gen)
+    state = ConvState(channels, taps - 1, torch.float32)
+
+    def run(calls):
+        x = torch.randn(1, channels, sum(calls), generator=gen)
+        outs, start = [], 0
+        for n in calls:
+            call = CallState(None, torch.arange(start, start + n), 64)
+            outs.append(state.convolve(x[:, :, start:start + n], weight, bias, call))
+            start += n
+        return x, torch.cat(outs, dim=-1)
+
+    if earlier_calls:
+        run(earlier_calls)
+    x, got = run(calls)
+    torch.testing.assert_close(got, causal_conv1d_fn(x, weight.squeeze(1), bias), atol=1e-6, rtol=1e-6)

@@ -39,11 +39,11 @@ def test_a_window_as_long_as_the_cache_needs_no_ring():
         ("stablelm", {}, "AttentionInterface"),  # its layers do not pass the attention's arguments on
         ("minimax", {}, "'linear_attention' layers"),
         ("llama4_text", {}, "'chunked_attention' layers"),
-        ("lfm3", {}, "'conv' layers"),
         ("roberta", {}, "encoder"),
         ("gemma3", {}, r"multimodal model \(vision_config\)"),
         ("mllama", {}, "multimodal"),
         ("distilbert", {}, "no causal-LM class"),
+        ("deepseek_v3", {}, "multi-head latent attention"),
     ],
 )
 def test_unsupported_families_are_refused_with_the_reason(model_type, kwargs, phrase):
@@ -66,6 +66,74 @@ def test_unsupported_families_are_refused_with_the_reason(model_type, kwargs, ph
 def test_families_nobody_listed_are_accepted_from_their_config(model_type, kinds):
     """Decoder-only families with full or sliding attention need no entry anywhere in kvexport."""
     assert {s.window for s in layer_specs(AutoConfig.for_model(model_type))} == kinds
+
+
+def test_every_causal_lm_of_transformers_is_accepted_or_refused_in_one_line():
+    """The export plan's first step (no weights) for every model type AutoModelForCausalLM takes,
+    each config at transformers' defaults: it is accepted, or refused with one line that says why;
+    never a traceback (docs/design.md#supported-families has the counts)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    accepted, refused, unbuildable = [], [], []
+    for model_type in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES):
+        try:
+            config = AutoConfig.for_model(model_type)
+        except Exception:  # a config with no usable defaults, which no export can start from
+            unbuildable.append(model_type)
+            continue
+        try:
+            assert layer_specs(config), model_type
+            accepted.append(model_type)
+        except UnsupportedModelError as e:
+            assert "\n" not in str(e) and str(e).startswith(f"architecture '{model_type}' is not supported: "), str(e)
+            refused.append(model_type)
+    assert unbuildable == ["gemma4_assistant"]  # a drafter: its config needs its target model's
+    assert {"llama", "gemma3_text", "gemma4_text", "cohere2", "gpt_oss", "lfm2", "lfm2_moe", "lfm3"} <= set(accepted)
+    assert {"deepseek_v3", "qwen3_5_text", "llama4_text", "mamba", "gemma3n_text"} <= set(refused)
+    assert len(accepted) + len(refused) + len(unbuildable) == len(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+def test_gemma4_layers_have_their_own_shapes_and_share_caches_as_transformers_builds_them():
+    """Each layer's KV shape and the layer whose cache it reads, from the config alone, against the
+    attention modules transformers builds from it (Gemma 4: full layers with their own head size and
+    KV heads, the last layer of each type reading the last earlier one of its type)."""
+    from kvexport.models.presets import build_preset
+
+    model, _ = build_preset("tiny-gemma4")
+    specs = layer_specs(model.config)
+    assert [s.reads for s in specs] == [None, None, 0, 1]
+    for spec, layer in zip(specs, model.model.layers):
+        attention = layer.self_attn
+        assert spec.head_dim == attention.head_dim
+        assert spec.kv_heads == model.config.num_attention_heads // attention.num_key_value_groups
+        assert (spec.reads is not None) == attention.is_kv_shared_layer
+        assert spec.window == attention.sliding_window
+    assert {(s.head_dim, s.kv_heads) for s in specs} == {(16, 2), (32, 1)}
+
+
+def test_short_convolutions_come_from_layer_types_as_transformers_builds_them():
+    """LFM2's convolution layers (``conv`` in ``layer_types``): a state of ``conv_L_cache - 1`` inputs
+    of every channel, against the modules transformers builds."""
+    from kvexport.models.presets import build_preset
+
+    model, _ = build_preset("tiny-lfm2")
+    specs = layer_specs(model.config)
+    assert [s.cache_kind(64) for s in specs] == ["conv", "static"]
+    conv = model.model.layers[0].conv
+    assert specs[0].conv_state == (conv.conv.in_channels, conv.conv_kernel_size - 1)
+
+
+def test_a_layer_that_shares_a_cache_holds_none(tmp_path):
+    """kvexport.json's cache size counts the layers that hold a cache; the layers that read another's
+    add nothing (against every layer holding a full-length cache of its own)."""
+    plan = plan_export(ExportOptions("tiny-gemma4", "executorch", tmp_path / "out", 64))
+    layers = plan.layers()
+    assert [layer["cache"] for layer in layers] == ["ring", "static", "shared", "shared"]
+    assert [layer.get("reads") for layer in layers] == [None, None, 0, 1]
+    assert [layer["slots"] for layer in layers] == [6, 64, 0, 0]
+    row = 4  # float32 bytes a position of one KV head per unit of head size
+    assert plan.kv_cache_bytes == 2 * row * (2 * 6 * 16 + 1 * 64 * 32)
+    assert plan.kv_cache_bytes_if_all_full == 2 * row * 64 * 2 * (2 * 16 + 1 * 32)
 
 
 def test_gemma3_270m_cache_at_8192_is_a_fraction_of_full_length_layers(tmp_path):

@@ -81,6 +81,10 @@ class Recorded:
         ("tiny-gemma3", "onnx", "gemma-like", "S"),
         ("tiny-qwen2", "onnx", "chatml-like", None),
         ("tiny-mistral", "executorch", "chatml-like", "S"),
+        # A convolution's state kept across turns (a new conversation starts it over at position 0).
+        ("tiny-lfm2", "executorch", "chatml-like", "S"),
+        # Layers reading another layer's cache, kept across turns.
+        ("tiny-gemma4", "onnx", "gemma-like", None),
     ],
 )
 def test_each_turn_feeds_only_its_new_tokens_and_replies_as_a_fresh_generation(

@@ -21,8 +21,9 @@ import executorch.extension.llm.custom_ops.custom_ops  # noqa: F401  (registers 
 import torch
 from torch import nn
 
+from ...models.architecture import RING, STATIC
 from ..attention import family_eager_attention, plain_softmax_attention
-from ..kv_cache import CallState, ring_key_positions
+from ..kv_cache import CacheKinds, CallState, additive_mask, last_positions, ring_key_positions, ring_read_mask
 
 
 def _to_seq_major(x: torch.Tensor) -> torch.Tensor:
@@ -51,6 +52,16 @@ class CustomOpStaticCache(nn.Module):
     def key_positions(self, positions: torch.Tensor) -> torch.Tensor:
         return torch.arange(self.k.shape[1], device=positions.device)
 
+    def read(self, module, query, call: CallState, scaling=None, **kwargs):
+        """A shared layer's queries, the call's last ``query.shape[2]``, over the buffer this call wrote."""
+        end = call.start + call.positions.shape[0]
+        if plain_softmax_attention(kwargs):
+            start = end - query.shape[2]
+            return torch.ops.llama.custom_sdpa(_to_seq_major(query), self.k, self.v, start, None, 0.0, True, scaling), None
+        keys, values = _to_seq_major(self.k[:, :end]), _to_seq_major(self.v[:, :end])
+        mask = additive_mask(torch.arange(end), last_positions(call, query), None, query.dtype)
+        return family_eager_attention(module)(module, query, keys, values, mask, scaling=scaling, **kwargs)
+
 
 class CustomOpRingCache(nn.Module):
     """Sliding window W: W slots, position p at slot p % W; attends to the ring as it was before the
@@ -67,21 +78,27 @@ class CustomOpRingCache(nn.Module):
         k_new, v_new = _to_seq_major(key), _to_seq_major(value)
         keys = torch.cat([self.k, k_new], dim=1)
         values = torch.cat([self.v, v_new], dim=1)
-        if not plain_softmax_attention(kwargs):
-            result = family_eager_attention(module)(
-                module, query, _to_seq_major(keys), _to_seq_major(values), mask, scaling=scaling, **kwargs
-            )
-        elif self.k.shape[2] == 1:  # one KV head
-            # Runs inside the delegate; custom_sdpa is a call out of it (docs/performance.md).
-            result = (window_attention(query, keys, values, mask, scaling), None)
-        else:
-            # The kernel takes a float32 mask whatever the activations' dtype (float16 ones fail at run time).
-            out = torch.ops.llama.custom_sdpa(_to_seq_major(query), keys, values, 0, mask[0, 0].float(), 0.0, False, scaling)
-            result = (out, None)
+        result = self._attention(module, query, keys, values, mask, scaling, kwargs)
         newest, slots = call.ring_writes(self.window)
         torch.ops.llama.update_cache_with_indices(k_new.index_select(1, newest), self.k, 0, slots[None])
         torch.ops.llama.update_cache_with_indices(v_new.index_select(1, newest), self.v, 0, slots[None])
         return result
+
+    def read(self, module, query, call: CallState, scaling=None, **kwargs):
+        """A shared layer's query at the call's last position, over the ring as this call left it."""
+        return self._attention(module, query, self.k, self.v, ring_read_mask(call, query, self.window), scaling, kwargs)
+
+    def _attention(self, module, query, keys, values, mask, scaling, kwargs):
+        """Attention of ``query`` over sequence-major ``keys``/``values`` under ``mask``."""
+        if not plain_softmax_attention(kwargs):
+            return family_eager_attention(module)(
+                module, query, _to_seq_major(keys), _to_seq_major(values), mask, scaling=scaling, **kwargs
+            )
+        if self.k.shape[2] == 1:  # one KV head
+            # Runs inside the delegate; custom_sdpa is a call out of it (docs/performance.md).
+            return window_attention(query, keys, values, mask, scaling), None
+        # The kernel takes a float32 mask whatever the activations' dtype (float16 ones fail at run time).
+        return torch.ops.llama.custom_sdpa(_to_seq_major(query), keys, values, 0, mask[0, 0].float(), 0.0, False, scaling), None
 
     def key_positions(self, positions: torch.Tensor) -> torch.Tensor:
         return ring_key_positions(positions, self.window)
@@ -107,11 +124,4 @@ def window_attention(query, keys, values, mask, scaling=None) -> torch.Tensor:
     return torch.bmm(probs.reshape(1, h * t, -1), v).reshape(1, h, t, d).transpose(1, 2)
 
 
-def build_custom_op_caches(specs, max_cache_len: int, dtype: torch.dtype, batch: int = 1) -> nn.ModuleList:
-    caches = []
-    for spec in specs:
-        if spec.is_ring(max_cache_len):
-            caches.append(CustomOpRingCache(batch, spec.kv_heads, spec.window, spec.head_dim, dtype))
-        else:
-            caches.append(CustomOpStaticCache(batch, spec.kv_heads, max_cache_len, spec.head_dim, dtype))
-    return nn.ModuleList(caches)
+CUSTOM_OP_CACHES: CacheKinds = {STATIC: CustomOpStaticCache, RING: CustomOpRingCache}

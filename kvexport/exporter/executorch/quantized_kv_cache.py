@@ -20,14 +20,17 @@ reads the rows dequantized, unrotated, through its own eager attention. Soft-cap
 
 from __future__ import annotations
 
+import functools
+
 import executorch.extension.llm.custom_ops.custom_ops  # noqa: F401  (registers torch.ops.llama.*)
 import executorch.kernels.quantized  # noqa: F401  (the out variants of quantized_decomposed.*)
 import torch
 from torch import nn
 from torch.ao.quantization.fx._decomposed import quantized_decomposed_lib  # noqa: F401
 
+from ...models.architecture import RING, STATIC
 from ..attention import family_eager_attention, plain_softmax_attention
-from ..kv_cache import CallState, ring_key_positions
+from ..kv_cache import CacheKinds, CallState, additive_mask, last_positions, ring_key_positions, ring_read_mask
 
 INT8 = torch.int8
 QMIN, QMAX = torch.iinfo(INT8).min, torch.iinfo(INT8).max
@@ -127,6 +130,16 @@ class QuantizedStaticCache(_QuantizedRows):
     def key_positions(self, positions: torch.Tensor) -> torch.Tensor:
         return torch.arange(self.k.shape[1], device=positions.device)
 
+    def read(self, module, query, call: CallState, scaling=None, **kwargs):
+        """A shared layer's queries, the call's last ``query.shape[2]``, over the rows this call wrote."""
+        end = call.start + call.positions.shape[0]
+        if plain_softmax_attention(kwargs):
+            rows = self.buffers_in_order()
+            return quantized_sdpa(query @ self.rotation, rows, end - query.shape[2], None, scaling), None
+        keys, values = self.dequantized(buffer[:, :end] for buffer in self.buffers_in_order())
+        mask = additive_mask(torch.arange(end), last_positions(call, query), None, query.dtype)
+        return family_eager_attention(module)(module, query, keys, values, mask, scaling=scaling, **kwargs)
+
 
 class QuantizedRingCache(_QuantizedRows):
     """Sliding window W: W slots, position p at slot p % W; attends to the ring as it was before the
@@ -155,14 +168,27 @@ class QuantizedRingCache(_QuantizedRows):
     def key_positions(self, positions: torch.Tensor) -> torch.Tensor:
         return ring_key_positions(positions, self.window)
 
+    def read(self, module, query, call: CallState, scaling=None, **kwargs):
+        """A shared layer's query at the call's last position, over the ring as this call left it."""
+        mask = ring_read_mask(call, query, self.window)
+        if plain_softmax_attention(kwargs):
+            return quantized_sdpa(query @ self.rotation, self.buffers_in_order(), 0, mask[0, 0].float(), scaling), None
+        keys, values = self.dequantized(self.buffers_in_order())
+        return family_eager_attention(module)(module, query, keys, values, mask, scaling=scaling, **kwargs)
 
-def build_quantized_caches(specs, max_cache_len: int, dtype: torch.dtype, batch: int = 1) -> nn.ModuleList:
-    rotations = {d: key_rotation(d).to(dtype) for d in {spec.head_dim for spec in specs}}  # one constant per size
-    caches = []
-    for spec in specs:
-        rotation = rotations[spec.head_dim]
-        if spec.is_ring(max_cache_len):
-            caches.append(QuantizedRingCache(batch, spec.kv_heads, spec.window, spec.head_dim, dtype, rotation))
-        else:
-            caches.append(QuantizedStaticCache(batch, spec.kv_heads, max_cache_len, spec.head_dim, dtype, rotation))
-    return nn.ModuleList(caches)
+
+def _with_rotation(cache_class):
+    """A cache kind whose layers of one head size share one rotation constant."""
+
+    def make(batch: int, kv_heads: int, slots: int, head_dim: int, dtype: torch.dtype):
+        return cache_class(batch, kv_heads, slots, head_dim, dtype, _rotation(head_dim, dtype))
+
+    return make
+
+
+@functools.cache
+def _rotation(head_dim: int, dtype: torch.dtype) -> torch.Tensor:
+    return key_rotation(head_dim).to(dtype)
+
+
+QUANTIZED_CACHES: CacheKinds = {STATIC: _with_rotation(QuantizedStaticCache), RING: _with_rotation(QuantizedRingCache)}

@@ -27,8 +27,6 @@ SUPPORTED_DTYPES = ("float32", "float16")
 RUNTIME_PACKAGES = ("executorch",)
 # --quantize applies to the module before export.
 QUANTIZES_MODULE = True
-# A sliding layer's ring has window slots (RingKVCache).
-RING_WINDOWS = 1
 # --kv-cache int8: each row has a float32 scale and an int8 zero point.
 INT8_KV_ROW_EXTRA_BYTES = 4 + 1
 
@@ -45,14 +43,18 @@ def export(
     dtype or in int8 (``kv_cache``; its scales are chosen per row as it is written, so
     ``calibration_ids`` is not needed). A call takes at most ``max_tokens_per_call`` tokens, the
     size ExecuTorch plans activation memory for."""
-    from .custom_op_cache import build_custom_op_caches
-    from .quantized_kv_cache import build_quantized_caches
+    from .custom_op_cache import CUSTOM_OP_CACHES
+    from .quantized_kv_cache import QUANTIZED_CACHES
     from .stacked_projections import stacked_projections
     from .xnnpack_rewrites import rotary_as_matmul
 
-    caches = build_quantized_caches if kv_cache == "int8" else build_custom_op_caches
+    caches = QUANTIZED_CACHES if kv_cache == "int8" else CUSTOM_OP_CACHES
     with rotary_as_matmul(model), stacked_projections(model):
         return export_decoder(ExportableDecoder(model, max_cache_len, caches, max_tokens_per_call))
+
+
+def check_layers(specs: list, max_cache_len: int) -> None:
+    """Every kind of layer runs on ExecuTorch: nothing to refuse."""
 
 
 def check_kv_cache(kv_cache: str, text_config, specs: list, max_cache_len: int) -> None:

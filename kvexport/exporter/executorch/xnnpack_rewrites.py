@@ -27,6 +27,8 @@ import torch
 from executorch.exir.dialects._ops import ops as exir_ops
 from executorch.exir.pass_base import ExportPass
 
+from ...models.architecture import layer_specs, text_config
+
 _VIEW = exir_ops.edge.aten.view_copy.default
 _MEAN = exir_ops.edge.aten.mean.dim
 
@@ -117,18 +119,20 @@ def _rotation(rotate_half, dim: int, dtype: torch.dtype) -> torch.Tensor | None:
 def rotary_as_matmul(model: torch.nn.Module):
     """While tracing, the model's modeling file computes ``rotate_half`` as a matrix product.
 
-    The matrices are built before tracing, one per rotary width the config implies; an unexpected
-    width falls back to the original function.
+    The matrices are built before tracing, one per rotary width the config implies (every attention
+    layer's head size, and its rotated part where the config rotates part of it); an unexpected width
+    falls back to the original function.
     """
     module = sys.modules[type(model).__module__]
     original = getattr(module, "rotate_half", None)
     if original is None:
         yield
         return
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    config = text_config(model.config)
     dtype = next(model.parameters()).dtype
-    widths = {head_dim, int(head_dim * getattr(config, "partial_rotary_factor", 1.0))}
+    head_dims = {spec.head_dim for spec in layer_specs(config) if spec.has_kv}  # each layer's own (Gemma 4)
+    partial = getattr(config, "partial_rotary_factor", 1.0)
+    widths = head_dims | {int(d * partial) for d in head_dims}
     # Registered as buffers and read back through the model at call time, so the program holds them
     # as the model's constants (a tensor captured from elsewhere becomes a lifted constant, which
     # XNNPACK's lowering does not take).

@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 
 from ...errors import UnsupportedModelError
+from ...models.architecture import RING, STATIC
 
 
 def _attention(query, keys, values, num_heads: int, kv_num_heads: int, scale: float, bias, softcap: float, sinks):
@@ -246,14 +247,43 @@ class _BufferLayer:
         )  # fmt: skip
         return out.view(1, t, heads, -1), None
 
+    def read(self, module, query, call, scaling=None, softcap=None, s_aux=None, dropout=0.0, **kwargs):
+        """A shared layer's queries (the call's last ``query.shape[2]``) over the present buffer this
+        layer's node wrote, in plain ops: the kernel would write the call's rows again. Row ``r``
+        holds position ``r`` in a full layer's buffer, ``total - kept + r`` in a window's (the
+        newest ``kept = min(total, rows)`` positions in order), so a window serves the call's last
+        query only: the rows an earlier one needs may be gone."""
+        _, heads, t, d = query.shape
+        rows = torch.arange(self.present_k.shape[2])
+        total = call.positions[-1:] + 1
+        if self.window:
+            torch._check(t == 1)
+            rows = total - torch.clamp(total, max=self.present_k.shape[2]) + rows
+        bias = _visible(rows, call.positions[call.positions.shape[0] - t :], self.window or 0)
+        keys = dequantize_from_cache(self.present_k[0], self.k_scale)
+        values = dequantize_from_cache(self.present_v[0], self.v_scale)
+        q = query.transpose(1, 2).reshape(1, t, heads * d)
+        scale = float(scaling if scaling is not None else d**-0.5)
+        out = _attention(q, keys, values, heads, keys.shape[0], scale, bias, float(softcap or 0.0), s_aux)
+        return out.view(1, t, heads, -1), None
+
 
 class ExternalStaticLayer(_BufferLayer):
     """A full-attention layer: ``max_cache_len`` rows, row i holds position i."""
+
+    def __init__(self, batch: int, kv_heads: int, slots: int, head_dim: int, dtype: torch.dtype):
+        super().__init__()  # the shape is the runner's buffer's
 
 
 class ExternalWindowLayer(_BufferLayer):
     """A sliding layer: a buffer of ``window`` rows (the runner may give more), the newest
     positions in order from row 0."""
+
+    def __init__(self, batch: int, kv_heads: int, window: int, head_dim: int, dtype: torch.dtype):
+        super().__init__(window)
+
+
+EXTERNAL_LAYERS = {STATIC: ExternalStaticLayer, RING: ExternalWindowLayer}
 
 
 def lengths_from_mask(path) -> None:

@@ -6,13 +6,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ...models.architecture import LayerSpec
 from ..decoder import ExportableDecoder
-from .attention import ExternalStaticLayer, ExternalWindowLayer
-
-
-def build_external_layers(specs: list[LayerSpec], max_cache_len: int, dtype: torch.dtype) -> list:
-    return [ExternalWindowLayer(spec.window) if spec.is_ring(max_cache_len) else ExternalStaticLayer() for spec in specs]
+from .attention import EXTERNAL_LAYERS
 
 
 class ExternalCacheDecoder(ExportableDecoder):
@@ -21,24 +16,24 @@ class ExternalCacheDecoder(ExportableDecoder):
     cache, P, are the mask's width less T (the mask is ones). Every past is a whole head-major
     buffer ``[1, kv_heads, rows, head_dim]`` and its present the same buffer with the call written
     (in place when the runner binds both to one buffer): ``max_cache_len`` rows for a full-attention
-    layer, ``window`` or more for a sliding one. See ``attention``.
+    layer, ``window`` or more for a sliding one; a layer that shares another's cache has none. See
+    ``attention``.
     """
 
     def __init__(self, model: nn.Module, max_cache_len: int):
-        super().__init__(model, max_cache_len, build_external_layers)
-
-    def reset_cache(self) -> None:  # the runner owns the cache
-        pass
+        super().__init__(model, max_cache_len, EXTERNAL_LAYERS)
+        # The layers whose buffers cross the graph boundary, in the graph's order, with their specs.
+        self.buffer_layers = [(layer, spec) for layer, spec in zip(self.caches, self.specs) if spec.reads is None]
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *past: torch.Tensor):
-        for layer, past_k, past_v in zip(self.caches, past[0::2], past[1::2], strict=True):
+        for (layer, _), past_k, past_v in zip(self.buffer_layers, past[0::2], past[1::2], strict=True):
             layer.bind(past_k, past_v)
         t, total = input_ids.shape[1], attention_mask.shape[1]
         torch._check(t <= total)
         torch._check(total <= self.max_cache_len)
         positions = torch.arange(total - t, total, device=input_ids.device)
         logits = self.logits_at(input_ids, positions)[:, None]
-        return (logits, *[kv for layer in self.caches for kv in (layer.present_k, layer.present_v)])
+        return (logits, *[kv for layer, _ in self.buffer_layers for kv in (layer.present_k, layer.present_v)])
 
 
 def external_cache_example_inputs(decoder: ExternalCacheDecoder) -> tuple[torch.Tensor, ...]:
@@ -47,7 +42,7 @@ def external_cache_example_inputs(decoder: ExternalCacheDecoder) -> tuple[torch.
     t = min(8, decoder.max_tokens_per_call, decoder.max_cache_len - 2)
     start = min(5, decoder.max_cache_len - t)
     past = []
-    for layer, spec in zip(decoder.caches, decoder.specs):
+    for layer, spec in decoder.buffer_layers:
         rows = layer.window or decoder.max_cache_len
         dtype = decoder.dtype if layer.k_scale is None else torch.int8  # int8: --kv-cache int8
         past += [torch.zeros((1, spec.kv_heads, rows, spec.head_dim), dtype=dtype) for _ in range(2)]

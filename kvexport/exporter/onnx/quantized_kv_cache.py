@@ -53,12 +53,12 @@ def _rotary_positions_moved(model: torch.nn.Module, offset: int):
 
 
 def calibrate(decoder, ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Each layer's fixed key and value scales ``[1, kv_heads, 1, D]`` (float32), from eager calls
+    """Each buffer layer's fixed key and value scales ``[1, kv_heads, 1, D]`` (float32), from eager calls
     of ``decoder`` (an ``ExternalCacheDecoder`` with float buffers) on ``ids [1, N]`` at rotary
     offsets from 0 to ``max_cache_len - N``."""
     ids = ids[:, : decoder.max_cache_len]
     n = ids.shape[1]
-    peaks: list[list[torch.Tensor | None]] = [[None, None] for _ in decoder.caches]  # keys, values
+    peaks: list[list[torch.Tensor | None]] = [[None, None] for _ in decoder.buffer_layers]  # keys, values
 
     def observer(i: int):
         def observe(key: torch.Tensor, value: torch.Tensor) -> None:
@@ -68,18 +68,18 @@ def calibrate(decoder, ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tens
         return observe
 
     past = []
-    for layer, spec in zip(decoder.caches, decoder.specs):
+    for layer, spec in decoder.buffer_layers:
         rows = layer.window or n
         past += [torch.zeros((1, spec.kv_heads, rows, spec.head_dim), dtype=decoder.dtype) for _ in range(2)]
     offsets = sorted({round(float(x)) for x in torch.linspace(0, decoder.max_cache_len - n, ROTARY_OFFSETS)})
     try:
-        for i, layer in enumerate(decoder.caches):
+        for i, (layer, _) in enumerate(decoder.buffer_layers):
             layer.observe = observer(i)
         for offset in offsets:
             with torch.no_grad(), _rotary_positions_moved(decoder.model, offset):
                 decoder(ids, torch.ones_like(ids), *past)
     finally:
-        for layer in decoder.caches:
+        for layer, _ in decoder.buffer_layers:
             layer.observe = None
     tiny = torch.finfo(torch.float32).tiny  # a channel that is always 0 still gets a usable scale
     scales = []
@@ -90,9 +90,9 @@ def calibrate(decoder, ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tens
 
 
 def use_int8_buffers(decoder, scales: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """Give every layer of ``decoder`` its fixed scales, as buffers of the decoder (the graph's
-    initializers): its buffers are int8 from then on."""
-    for i, (layer, (k_scale, v_scale)) in enumerate(zip(decoder.caches, scales, strict=True)):
+    """Give every layer of ``decoder`` that holds buffers its fixed scales, as buffers of the decoder
+    (the graph's initializers): its buffers are int8 from then on."""
+    for i, ((layer, _), (k_scale, v_scale)) in enumerate(zip(decoder.buffer_layers, scales, strict=True)):
         decoder.register_buffer(f"k_scale_{i}", k_scale)
         decoder.register_buffer(f"v_scale_{i}", v_scale)
         layer.k_scale, layer.v_scale = getattr(decoder, f"k_scale_{i}"), getattr(decoder, f"v_scale_{i}")

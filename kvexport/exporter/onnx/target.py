@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from ...artifact.manifest import buffer_layers
 from ...errors import UnsupportedModelError
 from ..quantization import Quantization
 from ..targets import ProgramSpec
@@ -36,8 +37,6 @@ SUPPORTED_DTYPES = ("float32", "float16")
 RUNTIME_PACKAGES = ("onnx", "onnxruntime", "onnxscript", "onnxruntime_genai")
 # --quantize applies to the written graph.
 QUANTIZES_MODULE = False
-# A sliding layer's buffer has window rows (onnxruntime-genai adds a slack of its own).
-RING_WINDOWS = 1
 # --kv-cache int8: rows are int8 values only; the scales are fixed, one per KV head and channel.
 INT8_KV_ROW_EXTRA_BYTES = 0
 GENAI_CONFIG = "genai_config.json"
@@ -68,13 +67,6 @@ def export(
     rotary tables are computed from a call of ``max_cache_len`` tokens); ``max_tokens_per_call``
     is the interface's limit, which runners keep to (``interface``)."""
     decoder = ExternalCacheDecoder(model, max_cache_len)
-    windows = {layer.window for layer in decoder.caches if layer.window}
-    if len(windows) > 1:  # genai_config.json has one sliding_window section
-        raise UnsupportedModelError(
-            f"sliding layers with different windows ({sorted(windows)}): the ONNX target supports one window per model"
-        )
-    if len({(spec.kv_heads, spec.head_dim) for spec in decoder.specs}) > 1:  # genai_config.json has one of each
-        raise UnsupportedModelError("layers with different KV head counts or head sizes: the ONNX target needs one of each")
     if kv_cache == "int8":
         use_int8_buffers(decoder, calibrate(decoder, calibration_ids))
     with rotary_as_kernel(decoder.model):
@@ -85,13 +77,28 @@ def export(
 PAST, PRESENT = "past_key_values.{index}.{kv}", "present.{index}.{kv}"
 
 
+def check_layers(specs: list, max_cache_len: int) -> None:
+    """Refuse, before the model loads, layers this target cannot describe."""
+    if any(not s.has_kv for s in specs):
+        raise UnsupportedModelError(
+            "its short convolutions keep a state between calls, which the ONNX target does not pass across "
+            "the graph yet; export it with --target executorch"
+        )
+    windows = sorted({s.window for s in specs if s.is_ring(max_cache_len)})
+    if len(windows) > 1:  # genai_config.json has one sliding_window section
+        raise UnsupportedModelError(
+            f"sliding layers with different windows ({windows}): the ONNX target supports one window per model"
+        )
+
+
 def io_names(layers: list[dict]) -> tuple[list[str], list[str]]:
-    """Graph input and output names, in ``ExternalCacheDecoder.forward``'s order."""
+    """Graph input and output names, in ``ExternalCacheDecoder.forward``'s order: the n-th buffer
+    layer's (``buffer_layers``) past and present are numbered n."""
     inputs, outputs = ["input_ids", "attention_mask"], ["logits"]
-    for layer in layers:
+    for n, _ in enumerate(buffer_layers(layers)):
         for kv in ("key", "value"):
-            inputs.append(PAST.format(index=layer["index"], kv=kv))
-            outputs.append(PRESENT.format(index=layer["index"], kv=kv))
+            inputs.append(PAST.format(index=n, kv=kv))
+            outputs.append(PRESENT.format(index=n, kv=kv))
     return inputs, outputs
 
 
@@ -125,14 +132,27 @@ def lower(program: torch.export.ExportedProgram, spec: ProgramSpec, out_dir: Pat
     fold_rotations_into_attention(path, spec.max_cache_len)
     _check(path)
     graph = onnx.load(str(path), load_external_data=False)
-    (out_dir / GENAI_CONFIG).write_text(json.dumps(genai_config(spec), indent=2) + "\n")
-    return {
-        "program": PROGRAM_FILE,
-        "external_data": DATA_FILE,
-        "genai_config": GENAI_CONFIG,
-        "opset": _opset(graph),
-        "interface": interface(graph, spec),
-    }
+    facts = {"program": PROGRAM_FILE, "external_data": DATA_FILE}
+    if reason := genai_cannot_run(spec.layers):
+        facts["genai_unsupported"] = reason
+    else:
+        (out_dir / GENAI_CONFIG).write_text(json.dumps(genai_config(spec), indent=2) + "\n")
+        facts["genai_config"] = GENAI_CONFIG
+    return {**facts, "opset": _opset(graph), "interface": interface(graph, spec)}
+
+
+def genai_cannot_run(layers: list[dict]) -> str | None:
+    """Why onnxruntime-genai cannot run the graph of these layers (None: it can).
+
+    A layer that shares a sliding layer's cache reads the window buffer the kernel left, row ``r``
+    holding position ``total - min(total, rows) + r``, which holds where the buffer has the
+    window's rows, as kvexport's runner gives it. genai gives it more, and the kernel compacts
+    such a buffer to the window when it fills, so where its newest rows end depends on the
+    calls so far, which the graph cannot know."""
+    by_index = {layer["index"]: layer for layer in layers}
+    if any(layer["cache"] == "shared" and by_index[layer["reads"]]["cache"] == "ring" for layer in layers):
+        return "layers that share a sliding layer's cache read a window buffer of exactly the window's rows, which genai does not allocate"
+    return None
 
 
 def check_kv_cache(kv_cache: str, text_config, specs: list, max_cache_len: int) -> None:
@@ -159,9 +179,11 @@ def describe_kv_cache(kv_cache: str) -> dict:
 def genai_config(spec: ProgramSpec) -> dict:
     """onnxruntime-genai's description of the folder: the graph's names, the cache's shape, and
     greedy search to ``max_cache_len``. Its sliding layers get window-sized buffers it never slides
-    itself (the kernel evicts), and ``past_present_share_buffer`` binds each present to its past."""
-    layers = spec.layers
-    sliding = [layer["index"] for layer in layers if layer["cache"] == "ring"]
+    itself (the kernel evicts), and ``past_present_share_buffer`` binds each present to its past.
+    genai knows a layer by its buffers: ``num_hidden_layers`` counts the layers that hold a cache,
+    and where their shapes differ it reads each from the graph's inputs (the first is the default)."""
+    layers = buffer_layers(spec.layers)
+    sliding = [n for n, layer in enumerate(layers) if layer["cache"] == "ring"]
     eos = spec.eos_token_ids or [-1]  # -1: no end-of-sequence token
     decoder = {
         "session_options": {"log_id": "onnxruntime-genai", "provider_options": []},
@@ -314,7 +336,7 @@ def _tidy(model, layers: list[dict]) -> None:
 
     inputs = {v.name: v for v in model.graph.inputs}
     names = {str(inputs["input_ids"].shape[1]): "T", str(inputs["attention_mask"].shape[1]): "total"}
-    rings = {layer["index"] for layer in layers if layer["cache"] == "ring"}
+    rings = {n for n, layer in enumerate(buffer_layers(layers)) if layer["cache"] == "ring"}
     for value in model.graph.inputs:
         if (match := _CACHE_NAME.fullmatch(value.name)) and isinstance(value.shape[2], ir.SymbolicDim):
             names[str(value.shape[2])] = "window_rows" if int(match.group(2)) in rings else "cache_rows"
@@ -364,7 +386,7 @@ _ONNX_DTYPES = {1: "float32", 10: "float16", 16: "bfloat16", 7: "int64", 6: "int
 _CACHE_NAME = re.compile(r"(past_key_values|present)\.(\d+)\.(key|value)")
 
 
-def _describe(value, layers_by_index: dict) -> dict:
+def _describe(value, layers_by_buffer: list) -> dict:
     dims = [d.dim_param or d.dim_value for d in value.type.tensor_type.shape.dim]
     entry = {"name": value.name, "dtype": _ONNX_DTYPES[value.type.tensor_type.elem_type], "shape": dims}
     match = _CACHE_NAME.fullmatch(value.name)
@@ -376,8 +398,8 @@ def _describe(value, layers_by_index: dict) -> dict:
         entry["meaning"] = "logits of the call's last position"
     elif match:
         kind, index, kv = match.group(1), int(match.group(2)), match.group(3)
-        layer = layers_by_index[index]
-        entry["layer"] = index
+        layer = layers_by_buffer[index]
+        entry["layer"] = layer["index"]
         if kind == "past" and layer["cache"] == "static":
             entry["meaning"] = f"the layer's whole {kv} buffer (rows 0 .. P-1 filled)"
         elif kind == "past":
@@ -387,12 +409,17 @@ def _describe(value, layers_by_index: dict) -> dict:
     return entry
 
 
+SHARED_LAYERS = (
+    "; a layer that shares an earlier layer's cache has none (past_key_values.n is the n-th layer that holds one)"
+)
+
+
 def interface(graph, spec: ProgramSpec) -> dict:
     """The graph's inputs and outputs, and how a runtime drives the cache: enough for any runtime."""
-    layers_by_index = {layer["index"]: layer for layer in spec.layers}
+    layers_by_buffer = buffer_layers(spec.layers)
     return {
-        "inputs": [_describe(v, layers_by_index) for v in graph.graph.input],
-        "outputs": [_describe(v, layers_by_index) for v in graph.graph.output],
+        "inputs": [_describe(v, layers_by_buffer) for v in graph.graph.input],
+        "outputs": [_describe(v, layers_by_buffer) for v in graph.graph.output],
         "symbols": SYMBOLS,
         "calls": "contiguous: each call starts where the previous one ended; start at 0 for a new sequence",
         # --prefill-chunk: kvexport's runner splits a longer prompt; the graph itself takes any T.
@@ -400,7 +427,8 @@ def interface(graph, spec: ProgramSpec) -> dict:
         "convention": f"onnxruntime-genai's ({GENAI_CONFIG}): past_present_share_buffer, sliding layers "
         "with slide_key_value_cache false",
         "cache": {
-            "owner": "the runtime: per layer, a key and a value buffer allocated once and filled with zeros",
+            "owner": "the runtime: per layer, a key and a value buffer allocated once and filled with zeros"
+            + (SHARED_LAYERS if len(layers_by_buffer) < len(spec.layers) else ""),
             "layout": "static: [1, kv_heads, cache_rows, head_dim]; ring: [1, kv_heads, window_rows, head_dim] "
             "(head-major, ONNX Runtime's GroupQueryAttention)",
             "static": "past = the whole buffer; present = the same buffer with rows P .. P+T-1 written: bind present "

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kvexport.exporter.decoder import ExportableDecoder
-from kvexport.exporter.executorch.quantized_kv_cache import build_quantized_caches
+from kvexport.exporter.executorch.quantized_kv_cache import QUANTIZED_CACHES
 from kvexport.exporter.executorch.target import INT8_KV_ROW_EXTRA_BYTES
 from kvexport.exporter.pipeline import ExportOptions, plan_export
 from kvexport.models.presets import build_preset
@@ -60,7 +60,7 @@ def test_the_int8_pte_computes_what_its_module_computes(artifact):
     folder = artifact("tiny-gpt-oss", kv_cache="int8")
     program = load_program(folder)
     assert program.manifest["kv_cache"]["dtype"] == "int8"
-    module = ExportableDecoder(model, TEST_CACHE_LEN, build_quantized_caches)
+    module = ExportableDecoder(model, TEST_CACHE_LEN, QUANTIZED_CACHES)
     assert {cache.k.dtype for cache in module.caches} == {torch.int8}
     expected = greedy_with(torch_forward(module), ids, NEW_TOKENS)
     assert_generation_matches(greedy_with(program.forward, ids, NEW_TOKENS), expected, 1e-3, "tiny-gpt-oss int8 KV")
