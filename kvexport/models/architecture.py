@@ -41,6 +41,11 @@ _REFUSED = {
     # the call a sliding layer's cache no longer holds what the call's earlier tokens attend to.
     "gemma3n_text": "a model whose KV-sharing layers attend from every token of a call to sliding windows the call has moved",
     "llama4": "chunked attention and multimodal inputs",
+    # Even with every layer full (no chunked attention), its rotary embedding multiplies complex
+    # numbers (torch.polar, view_as_complex): ExecuTorch's program then fails to load, and the ONNX
+    # exporter has no decomposition for complex inputs.
+    "llama4_text": "Llama 4's text model, whose rotary embedding is complex-valued (neither target runs complex "
+    "numbers) and whose layers use chunked attention",
     "t5": "an encoder-decoder model",
     "bart": "an encoder-decoder model",
     "whisper": "an encoder-decoder speech model",

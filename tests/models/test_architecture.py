@@ -38,7 +38,8 @@ def test_a_window_as_long_as_the_cache_needs_no_ring():
         ("falcon_mamba", {}, "AttentionInterface"),  # no attention to route at all
         ("stablelm", {}, "AttentionInterface"),  # its layers do not pass the attention's arguments on
         ("minimax", {}, "'linear_attention' layers"),
-        ("llama4_text", {}, "'chunked_attention' layers"),
+        ("llama4_text", {}, "rotary embedding is complex-valued"),
+        ("llama4_text", {"layer_types": ["full_attention"] * 48}, "rotary embedding is complex-valued"),
         ("roberta", {}, "encoder"),
         ("gemma3", {}, r"multimodal model \(vision_config\)"),
         ("mllama", {}, "multimodal"),
