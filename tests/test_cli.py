@@ -294,8 +294,11 @@ def test_run_json_fields(artifact, capsys):
         ("Hello", ["--max-new-tokens", "100"], ["exceeds the artifact's max_cache_len 64", "at most 59"]),
         ("", [], ["prompt is empty", "give some text"]),
         ("Hello", ["--max-new-tokens", "0"], ["--max-new-tokens must be at least 1"]),
+        # A command line's bytes that are not UTF-8, as Python decodes them (surrogateescape).
+        ("ab\udcffcd", [], ["the text is not valid UTF-8 (the byte 0xff at character 2)"]),
     ],
-    ids=["prompt-longer-than-cache", "prompt-plus-new-tokens-beyond-cache", "empty-prompt", "zero-new-tokens"],
+    ids=["prompt-longer-than-cache", "prompt-plus-new-tokens-beyond-cache", "empty-prompt", "zero-new-tokens",
+         "prompt-not-utf8"],
 )
 def test_run_and_check_refuse_what_cannot_fit(artifact, capsys, command, prompt, extra, phrases, monkeypatch):
     from kvexport.checker import check

@@ -307,7 +307,17 @@ def worker_main(spec_path: str) -> int:
 
 
 def exact_prompt(tokenizer, n: int) -> tuple[str, list[int]]:
-    """A text whose encoding (special tokens included) has exactly ``n`` tokens, and those ids."""
+    """A text whose encoding (special tokens included) has exactly ``n`` tokens, and those ids; the
+    empty text where the tokenizer's special tokens alone are ``n`` (a BOS-only prompt)."""
+    from kvexport.errors import InvalidOptionError
+
+    specials = tokenizer.encode("")
+    if n <= len(specials):
+        if n == len(specials):
+            return "", specials
+        raise InvalidOptionError(
+            f"--prompt-tokens {n}: this tokenizer adds {len(specials)} special tokens to every prompt; ask for at least {len(specials)}"
+        )
     words = (_FILLER * (2 + n // 20)).split()
     text = ""
     for word in words:
@@ -322,7 +332,7 @@ def exact_prompt(tokenizer, n: int) -> tuple[str, list[int]]:
                     return part, tokenizer.encode(part)
             continue
         text = longer
-    raise SystemExit(f"bench: cannot build a prompt of exactly {n} tokens with this tokenizer")
+    raise InvalidOptionError(f"--prompt-tokens {n}: no prefix of bench's text encodes to exactly {n} tokens with this tokenizer; try {n + 1}")
 
 
 def gguf_of(model: str) -> str | None:

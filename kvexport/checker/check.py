@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import InvalidOptionError
+from ..models.architecture import text_config
 from ..runtime.cpu import xnnpack_sums_float16_in_float16
 from ..runtime.generation import check_fits
 from ..runtime.programs import load_program
@@ -153,6 +154,12 @@ def load_reference(manifest: dict, model_name: str | None, device: str, dtype: s
     if device == "cuda" and not torch.cuda.is_available():
         raise InvalidOptionError("--device cuda: no CUDA GPU is available here (torch.cuda.is_available() is False)")
     source = sources.resolve(model_name) if model_name else sources.resolve_recorded(manifest["source"])
+    vocab_size = text_config(sources.load_config(source)).vocab_size
+    if vocab_size != manifest["vocab_size"]:  # the logits could not be compared (before the weights load)
+        raise InvalidOptionError(
+            f"{source.name} has a vocabulary of {vocab_size} tokens and the artifact one of {manifest['vocab_size']}: "
+            "check compares an artifact with the model it was exported from; give that model (or leave out --model)"
+        )
     model, _ = sources.load_model(source, dtype or manifest["dtype"])
     return model.to(device)
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from ..errors import ArtifactError, InvalidOptionError, KvexportError, PromptTooLongError
 from .generation import Sampling, generate
-from .tokenizer import ArtifactTokenizer
+from .tokenizer import ArtifactTokenizer, check_utf8
 
 
 @dataclass
@@ -150,6 +150,7 @@ class Conversation:
         ``stop()`` returning True ends the reply there (what was generated is kept); ``on_notice(line)``
         gets, before the reply, what the user should know (the conversation starts over). The turn's
         ``notices`` also say when the reply was cut by a full cache."""
+        check_utf8(text)  # the user's own text, where the position of a bad byte means something
         user = {"role": "user", "content": text}
         messages = [*self.messages, user]
         ids = self.tokenizer.encode_chat(messages)
@@ -276,6 +277,8 @@ def chat_command(artifact: Path, system: str | None, max_new_tokens: int | None,
     if max_new_tokens is not None and max_new_tokens < 1:
         raise InvalidOptionError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
     stdin = sys.stdin
+    if hasattr(stdin, "reconfigure"):  # bytes that are not UTF-8 reach the turn, which refuses it in one line
+        stdin.reconfigure(errors="surrogateescape")
     interactive = stdin.isatty()
     with open_artifact(artifact) as (folder, manifest):
         tokenizer = ArtifactTokenizer(folder)

@@ -19,13 +19,20 @@ CPU_FEATURES = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "av
 THREADS_ENV = "KVEXPORT_THREADS"
 
 
+# More threads than any runtime's pool takes (ONNX Runtime's count is a C int): a typo, refused.
+MAX_THREADS = 1024
+
+
 def runtime_threads() -> int | None:
-    """``KVEXPORT_THREADS`` as a count, or None where it is unset (each runtime's own default)."""
+    """``KVEXPORT_THREADS`` as a count, or None where it is unset (each runtime's own default). ASCII
+    digits only: ``str.isdigit`` takes superscripts that ``int`` does not."""
     value = os.environ.get(THREADS_ENV, "").strip()
     if not value:
         return None
-    if not value.isdigit() or int(value) < 1:
-        raise InvalidOptionError(f"{THREADS_ENV}={value!r}: give a whole number of threads, at least 1, or unset it")
+    if not (value.isascii() and value.isdigit()) or not 1 <= int(value) <= MAX_THREADS:
+        raise InvalidOptionError(
+            f"{THREADS_ENV}={value!r}: give a whole number of threads, at least 1 and at most {MAX_THREADS}, or unset it"
+        )
     return int(value)
 
 

@@ -11,7 +11,7 @@ from datetime import datetime
 from pathlib import Path
 
 from ..artifact.manifest import MANIFEST, read_listed_file, read_manifest
-from ..errors import ArtifactError, KvexportError
+from ..errors import ArtifactError, InvalidOptionError, KvexportError
 
 _DAMAGED = "the artifact is damaged, re-run kvexport export"
 
@@ -74,6 +74,7 @@ class ArtifactTokenizer:
             raise ArtifactError(f"{folder / 'tokenizer_config.json'}: its chat_template is not a template; {_DAMAGED}")
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        check_utf8(text)
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int]) -> str:
@@ -139,3 +140,19 @@ class ArtifactTokenizer:
         ids = self.encode(text.split(marker, 1)[1], add_special_tokens=False)
         special = {i for i, token in self._tok.get_added_tokens_decoder().items() if token.special}
         return ids[:1] if ids and ids[0] in special else []
+
+
+def check_utf8(text: str) -> None:
+    """Refuse text that is not Unicode: bytes that were not UTF-8 (a command line or stdin decoded
+    with ``surrogateescape`` keeps them as lone surrogates), which no tokenizer can encode. Replacing
+    them would tokenize something other than what the user gave."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        bad = text[e.start]
+        try:
+            what = f"the byte 0x{bad.encode('utf-8', 'surrogateescape')[0]:02x}"
+        except UnicodeEncodeError:
+            what = f"a lone surrogate U+{ord(bad):04X}"
+        raise InvalidOptionError(f"the text is not valid UTF-8 ({what} at character {e.start}); give it as UTF-8")
+

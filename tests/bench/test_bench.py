@@ -75,6 +75,19 @@ def test_bench_prompt_has_exactly_the_requested_tokens(artifact):
     for n in (2, 7, 40):
         text, ids = bench.exact_prompt(tokenizer, n)
         assert len(ids) == n and tokenizer.encode(text) == ids
+    # One token: the BOS the tokenizer adds to any prompt (issue 58, class 9: was bench's own message).
+    assert bench.exact_prompt(tokenizer, 1) == ("", tokenizer.encode(""))
+
+
+def test_bench_refuses_fewer_prompt_tokens_than_the_tokenizer_adds_in_one_line():
+    from kvexport.errors import InvalidOptionError
+
+    class TwoSpecials:
+        def encode(self, text):
+            return [0, *map(ord, text), 1]
+
+    with pytest.raises(InvalidOptionError, match="--prompt-tokens 1: this tokenizer adds 2 special tokens to every prompt"):
+        bench_module.exact_prompt(TwoSpecials(), 1)
 
 
 def test_bench_refuses_a_prompt_that_does_not_fit(artifact):

@@ -12,6 +12,8 @@ import torch
 from kvexport.cli import main
 from kvexport.checker.check import LOGIT_TOLERANCE, Float32Logits, check_half_precision_prompt, check_prompt, logit_tolerance
 
+from tests.test_cli import assert_one_line_error
+
 
 def run_cli(capsys, *args) -> tuple[int, str, str]:
     with pytest.raises(SystemExit) as exit_info:
@@ -39,6 +41,16 @@ def test_check_fails_against_another_model_and_reports_the_divergence(artifact, 
     first = report["prompts"][0]
     assert first["match"] is False and first["first_divergence"] is not None
     assert first["eager_margin"] > 0 and first["near_tie"] is False
+
+
+def test_check_against_a_model_of_another_vocabulary_is_refused_before_it_loads(artifact, capsys, tmp_path):
+    """Issue 58, class 8: the logits could not be compared (was a numpy broadcast traceback); the
+    config says so before any weight loads (the folder has none)."""
+    from kvexport.models.presets import tiny_config
+
+    tiny_config("llama", {"vocab_size": 120}).save_pretrained(tmp_path / "vocab-120")
+    code, _, err = run_cli(capsys, "check", artifact("tiny-gemma3"), "--model", str(tmp_path / "vocab-120"))
+    assert_one_line_error(code, err, "has a vocabulary of 120 tokens and the artifact one of 100")
 
 
 def test_check_human_output_names_the_tolerance(artifact, capsys):

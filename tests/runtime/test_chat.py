@@ -372,6 +372,15 @@ def test_chat_refuses_a_turn_that_cannot_fit_and_goes_on(artifact, capsys, monke
     assert len(out.splitlines()) == 1  # the next turn got its reply
 
 
+def test_chat_refuses_a_line_that_is_not_utf8_and_goes_on(artifact, capsys, monkeypatch):
+    """Issue 58, class 5: stdin's bytes as they come (a TextIOWrapper, as sys.stdin is); a line that
+    is not UTF-8 was a UnicodeDecodeError traceback ending the chat."""
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"ab\xffcd\nHi\n"), encoding="utf-8"))
+    code, out, err = run_cli(capsys, "chat", artifact("tiny-gemma3", "onnx"), "--json", "--max-new-tokens", "2")
+    assert_one_line_error(code, err, "the text is not valid UTF-8 (the byte 0xff at character 2)")
+    assert len(out.splitlines()) == 1  # the next turn got its reply
+
+
 def test_chat_needs_a_chat_template(artifact, tmp_path, capsys, monkeypatch):
     folder = with_template(artifact("tiny-gemma3", "onnx"), tmp_path, None)
     code, _, err = chat_cli(capsys, monkeypatch, "Hi\n", folder)

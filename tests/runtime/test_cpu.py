@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
 import kvexport.runtime.cpu as cpu
+from kvexport.errors import InvalidOptionError
 
 
 def reading(monkeypatch, tmp_path, text: str) -> None:
@@ -51,3 +56,22 @@ def test_kvexport_threads_sizes_each_runtime_s_pool(artifact, monkeypatch, capsy
         monkeypatch.setenv("KVEXPORT_THREADS", wrong)
         code, _, err = run_cli(capsys, "run", artifact("tiny-gemma3", "onnx"), "--prompt", "Hi")
         assert_one_line_error(code, err, f"KVEXPORT_THREADS='{wrong}'", "at least 1")
+
+
+# What an environment variable can hold: any text but NUL and lone surrogates.
+ENV_TEXT = st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\0"), max_size=12)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(value=st.one_of(ENV_TEXT, st.integers(-10, 10**12).map(str), st.sampled_from(["²", "٣", "1e3", " 4 ", "0x10"])))
+def test_kvexport_threads_is_a_count_or_one_line(monkeypatch, value):
+    """Whatever the variable holds: a count of 1 to MAX_THREADS, unset, or the one-line refusal
+    (issue 58, class 6: a superscript digit or a huge number ended in a traceback)."""
+    monkeypatch.setenv("KVEXPORT_THREADS", value)
+    try:
+        threads = cpu.runtime_threads()
+    except InvalidOptionError as e:
+        assert "\n" not in str(e) and str(e).startswith("KVEXPORT_THREADS=")
+        return
+    stripped = os.environ.get("KVEXPORT_THREADS", "").strip()
+    assert threads is None if not stripped else threads == int(stripped) and 1 <= threads <= cpu.MAX_THREADS

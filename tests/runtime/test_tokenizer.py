@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from kvexport.errors import ArtifactError
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvexport.errors import ArtifactError, InvalidOptionError
 from kvexport.models import sources
 from kvexport.models.chat_templates import GEMMA3
 from kvexport.models.presets import build_preset
-from kvexport.runtime.tokenizer import ArtifactTokenizer
+from kvexport.runtime.tokenizer import ArtifactTokenizer, check_utf8
 
 CONVERSATIONS = [
     [{"role": "user", "content": "  What is 2 + 2? "}],
@@ -78,3 +81,18 @@ def test_a_gemma3_model_without_a_template_gets_gemmas(tmp_path, turn_tokens, ex
     saved_tokenizer(tmp_path, None, turn_tokens)
     _, tokenizer = sources.load_model(sources.resolve(str(tmp_path)))
     assert tokenizer.chat_template == expected
+
+
+@given(st.binary(max_size=24))
+def test_text_from_any_bytes_is_utf8_or_refused_in_one_line(data):
+    """Issue 58, class 5: a command line or stdin decoded with surrogateescape (Python's way with
+    bytes that are not UTF-8) reaches the tokenizer as lone surrogates; they are refused in one line
+    that names the first bad byte, and valid UTF-8 passes."""
+    text = data.decode("utf-8", "surrogateescape")
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        with pytest.raises(InvalidOptionError, match=f"the byte 0x{data[e.start]:02x} at character "):
+            check_utf8(text)
+    else:
+        check_utf8(text)
