@@ -63,7 +63,7 @@ def check_against_genai_config(folder: Path, manifest: dict) -> None:
             ("windows", sorted({layer["window"] for layer in layers if layer["cache"] == "ring"}),
              [sliding["window_size"]] if sliding else [], "sliding_window.window_size"),
         ]
-    except (TypeError, ValueError, KeyError, AttributeError) as e:  # not JSON, or not genai's layout
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError) as e:  # not JSON, or not genai's layout
         raise ArtifactError(f"{folder / name} is not an onnxruntime-genai config ({type(e).__name__}); re-run kvexport export")
     for what, says, has, field in facts:
         if says != has:
