@@ -106,7 +106,8 @@ class ExportPlan:
 
     @property
     def kv_cache_bytes(self) -> int:
-        """What the layers' own caches take (a layer that shares another's takes nothing)."""
+        """What the layers' own KV caches take (a layer that shares another's takes nothing; a
+        convolution's state is not a KV cache)."""
         return sum(
             2 * layer["kv_heads"] * layer["slots"] * self.kv_row_bytes(layer["head_dim"])
             for layer in self.layers()
@@ -151,8 +152,8 @@ class ExportPlan:
         rings = sum(s.is_ring(self.max_cache_len) for s in self.specs)
         shared = sum(s.reads is not None for s in self.specs)
         convolutions = sum(not s.has_kv for s in self.specs)
-        sharing = f", {shared} reading another layer's cache" if shared else ""
-        sharing += f", {convolutions} short convolutions" if convolutions else ""
+        other_kinds = f", {shared} reading another layer's cache" if shared else ""
+        other_kinds += f", {convolutions} short convolutions" if convolutions else ""
         schemes = [f"--{name.replace('_', '-')} {getattr(o, name)}" for name in quantize.OPTIONS if getattr(o, name)]
         kv = " int8" if o.kv_cache == "int8" else ""
         quantized = f" ({', '.join(schemes)})" if schemes else ""
@@ -162,7 +163,7 @@ class ExportPlan:
             else f" (default: the smaller of {self.max_positions} positions and {DEFAULT_MAX_CACHE_LEN})"
         )
         return (
-            f"{o.model}: {len(self.specs)} layers ({rings} sliding-window rings{sharing}), max_cache_len "
+            f"{o.model}: {len(self.specs)} layers ({rings} sliding-window rings{other_kinds}), max_cache_len "
             f"{self.max_cache_len}{default}, calls of up to {self.prefill_chunk} tokens, KV cache{kv} {self.kv_cache_bytes / 2**20:.1f} MiB "
             f"({self.kv_cache_bytes / self.kv_cache_bytes_if_all_full:.0%} of full-length layers), "
             f"{o.dtype} -> {o.target}{quantized}"
