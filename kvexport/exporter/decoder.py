@@ -44,7 +44,7 @@ class ExportableDecoder(nn.Module):
         check_rope(model.config, max_cache_len)
         fixed_rotary_frequencies(self.model, max_cache_len)
         self.dtype = next(model.parameters()).dtype
-        caches = build_caches(self.specs, max_cache_len, self.dtype, cache_kinds)
+        caches = build_caches(self.specs, max_cache_len, self.dtype, cache_kinds, self.max_tokens_per_call)
         # Caches with state are submodules (their buffers are the program's); the ONNX target's hold none.
         self.caches = nn.ModuleList(caches) if all(isinstance(c, nn.Module) for c in caches) else caches
         # One mask per layer type, built once per call from the type's first layer (one with a cache of

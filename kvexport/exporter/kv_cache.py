@@ -1,6 +1,7 @@
 """Export-safe KV caches: a static buffer for full-attention layers, a ring for sliding ones, and
-none for a layer that shares an earlier layer's (``SharedKVCache``). ``build_caches`` gives each
-layer the kind its ``LayerSpec`` asks for, from a target's ``CacheKinds``.
+none for a layer that shares an earlier layer's (``SharedKVCache``); and the fixed-size states of
+layers that do not attend (``ConvState``, ``GatedDeltaState``). ``build_caches`` gives each layer
+the kind its ``LayerSpec`` asks for, from a target's ``CacheKinds``.
 
 The first two are plain ``nn.Module``s whose whole state is two tensor buffers. Nothing about the step is
 kept in Python: the caller passes the positions of the new tokens as a tensor, so one exported
@@ -19,7 +20,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from ..models.architecture import CONV, RING, SHARED, STATIC, LayerSpec
+from ..models.architecture import CONV, RECURRENT, RING, SHARED, STATIC, LayerSpec
 from .attention import family_eager_attention
 
 # A target's cache for each kind of layer that holds one: ``make(batch, kv_heads, slots, head_dim,
@@ -29,9 +30,12 @@ from .attention import family_eager_attention
 CacheKinds = dict[str, Callable[..., object]]
 
 
-def build_caches(specs: list[LayerSpec], max_cache_len: int, dtype: torch.dtype, kinds: CacheKinds) -> list:
+def build_caches(
+    specs: list[LayerSpec], max_cache_len: int, dtype: torch.dtype, kinds: CacheKinds, max_tokens_per_call: int
+) -> list:
     """One cache per layer: ``kinds[STATIC]`` or ``kinds[RING]`` for a layer that holds its own, a
-    ``SharedKVCache`` for one that reads another's, a ``ConvState`` for a convolution."""
+    ``SharedKVCache`` for one that reads another's, a ``ConvState`` for a convolution, a
+    ``GatedDeltaState`` for linear attention (calls of at most ``max_tokens_per_call`` tokens)."""
     caches = []
     for spec in specs:
         kind = spec.cache_kind(max_cache_len)
@@ -39,6 +43,8 @@ def build_caches(specs: list[LayerSpec], max_cache_len: int, dtype: torch.dtype,
             caches.append(SharedKVCache(spec.reads))
         elif kind == CONV:
             caches.append(ConvState(*spec.conv_state, dtype))
+        elif kind == RECURRENT:
+            caches.append(GatedDeltaState(spec.conv_state, spec.recurrent_state, max_tokens_per_call, dtype))
         else:
             caches.append(kinds[kind](1, spec.kv_heads, spec.cache_slots(max_cache_len), spec.head_dim, dtype))
     return caches
@@ -76,6 +82,81 @@ class ConvState(nn.Module):
         inputs = torch.cat([self.state * continuing, x], dim=-1)
         self.state.copy_(inputs[:, :, inputs.shape[-1] - self.width :])
         return nn.functional.conv1d(inputs, weight, bias, groups=x.shape[1])
+
+
+class GatedDeltaState(nn.Module):
+    """Linear attention with the gated delta rule (Qwen 3.5, Qwen3-Next): the convolution in front of
+    it (``conv``) and one float32 ``[key size, value size]`` matrix per value head (``state``), the
+    same size at every position.
+
+    A call of ``T`` tokens is one chunk of transformers' chunked form (``torch_chunk_gated_delta_rule``
+    with ``chunk_size = T``): a few matmuls, so one program serves a prefill of any length up to
+    ``max_tokens`` and a 1-token decode (where it is the recurrent form's arithmetic). The chunk's
+    triangular system is solved on a fixed ``chunk x chunk`` matrix (the call's, padded) by blocked
+    inversion: a fixed number of matmuls, where forward substitution would loop over ``T`` rows.
+    """
+
+    def __init__(self, conv_state: tuple[int, int], recurrent_state: tuple[int, int, int], max_tokens: int, dtype):
+        super().__init__()
+        self.conv = ConvState(*conv_state, dtype)
+        self.chunk = 1 << max(max_tokens - 1, 0).bit_length()  # the call's bound, as a power of two
+        self.register_buffer("state", torch.zeros((1, *recurrent_state), dtype=torch.float32), persistent=False)
+
+    def delta_rule(self, query, key, value, g, beta, call: CallState) -> torch.Tensor:
+        """Outputs ``[1, T, value heads, value size]`` for queries and keys ``[1, T, key heads, key
+        size]``, values ``[1, T, value heads, value size]``, log decays ``g`` and rates ``beta``
+        ``[1, T, value heads]``; the state moves on to the call's end."""
+        torch._check(query.shape[1] <= self.chunk)
+        dtype = value.dtype
+        group = value.shape[2] // key.shape[2]  # value heads per key head
+        query, key = query.repeat_interleave(group, dim=2), key.repeat_interleave(group, dim=2)
+        query, key, value, g, beta = (x.transpose(1, 2).float() for x in (query, key, value, g, beta))
+        query = _l2norm(query) * query.shape[-1] ** -0.5
+        key = _l2norm(key)
+        decay = g.cumsum(-1)  # log of the decay from the call's start to each token
+        n = decay.shape[-1]
+        causal = torch.ones((n, n), dtype=torch.bool, device=g.device).tril()
+        pairwise = (decay[..., :, None] - decay[..., None, :]).masked_fill(~causal, float("-inf")).exp()
+        k_beta = key * beta[..., None]
+        solve = _unit_lower_inverse(((k_beta @ key.transpose(-1, -2)) * pairwise).tril(-1), self.chunk)
+        new_values = solve @ (value * beta[..., None])
+        decayed_k_beta = solve @ (k_beta * decay.exp()[..., None])
+        # A call at position 0 starts a new sequence: from a zero state, as eager does.
+        state = self.state * (call.positions[:1] > 0).float()
+        corrections = new_values - decayed_k_beta @ state
+        out = (query * decay.exp()[..., None]) @ state + ((query @ key.transpose(-1, -2)) * pairwise) @ corrections
+        last = decay[..., -1:]
+        to_end = (key * (last - decay).exp()[..., None]).transpose(-1, -2)
+        self.state.copy_(state * last.exp()[..., None] + to_end @ corrections)
+        return out.transpose(1, 2).to(dtype)
+
+
+def _l2norm(x: torch.Tensor) -> torch.Tensor:
+    """transformers' ``l2norm`` (that of flash-linear-attention), with its epsilon."""
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + 1e-6)
+
+
+def _unit_lower_inverse(lower: torch.Tensor, size: int) -> torch.Tensor:
+    """``(I + lower)^-1`` for a strictly lower-triangular ``[1, H, T, T]``, ``T <= size``: padded to
+    ``size`` (a power of two) and inverted blockwise, ``[[A, 0], [B, D]]^-1 = [[A^-1, 0], [-D^-1 B A^-1,
+    D^-1]]``, the halves' inverses found together, down to 1 x 1."""
+    n = lower.shape[-1]
+    padded = nn.functional.pad(lower, (0, size - n, 0, size - n))
+    return _block_inverse(padded[0])[None, :, :n, :n]
+
+
+def _block_inverse(lower: torch.Tensor) -> torch.Tensor:
+    """``_unit_lower_inverse`` of a batch ``[B, size, size]``; the halves go along the batch, so the
+    rank stays 3 (XNNPACK takes at most 6 dimensions)."""
+    batch, size = lower.shape[0], lower.shape[-1]
+    if size == 1:
+        return torch.ones_like(lower)
+    h = size // 2
+    halves = _block_inverse(torch.cat([lower[:, :h, :h], lower[:, h:, h:]]))
+    first, second = halves[:batch], halves[batch:]
+    below = -(second @ lower[:, h:, :h] @ first)
+    top = torch.cat([first, torch.zeros_like(first)], dim=-1)
+    return torch.cat([top, torch.cat([below, second], dim=-1)], dim=-2)
 
 
 class StaticKVCache(nn.Module):

@@ -23,6 +23,10 @@ DEFAULT_MAX_CACHE_LEN = 2048
 # many. ExecuTorch plans activation memory for the largest call, so the chunk bounds RSS
 # (docs/performance.md).
 DEFAULT_PREFILL_CHUNK = 512
+# The default for a model with linear attention: a call's delta rule solves a triangular system padded
+# to the longest call (kv_cache.GatedDeltaState), which every decode step pays for; transformers'
+# own chunk size.
+LINEAR_ATTENTION_PREFILL_CHUNK = 64
 
 
 @dataclass
@@ -76,10 +80,10 @@ def choose_max_cache_len(config, requested: int | None) -> tuple[int, int | None
     return requested, limit
 
 
-def choose_prefill_chunk(max_cache_len: int, requested: int | None) -> int:
+def choose_prefill_chunk(max_cache_len: int, requested: int | None, default: int = DEFAULT_PREFILL_CHUNK) -> int:
     """The most tokens one forward call takes: the request, checked, or the default (at most the cache)."""
     if requested is None:
-        return min(max_cache_len, DEFAULT_PREFILL_CHUNK)
+        return min(max_cache_len, default)
     if requested < 1:
         raise InvalidOptionError(f"--prefill-chunk must be a positive number of tokens, got {requested}")
     if requested > max_cache_len:
@@ -107,11 +111,11 @@ class ExportPlan:
     @property
     def kv_cache_bytes(self) -> int:
         """What the layers' own KV caches take (a layer that shares another's takes nothing; a
-        convolution's state is not a KV cache)."""
+        convolution's or a linear-attention layer's state is not a KV cache)."""
         return sum(
             2 * layer["kv_heads"] * layer["slots"] * self.kv_row_bytes(layer["head_dim"])
             for layer in self.layers()
-            if layer["cache"] != architecture.CONV
+            if layer["cache"] in (architecture.STATIC, architecture.RING, architecture.SHARED)
         )
 
     @property
@@ -130,10 +134,11 @@ class ExportPlan:
         layers = []
         for i, s in enumerate(self.specs):
             kind = s.cache_kind(self.max_cache_len)
-            if kind == architecture.CONV:  # a float state [1, channels, slots], not a KV cache
-                channels, slots = s.conv_state
+            if kind in (architecture.CONV, architecture.RECURRENT):  # float states, not a KV cache
+                channels, slots = s.conv_state  # the convolution's [1, channels, slots]
+                recurrent = {"state": list(s.recurrent_state)} if s.recurrent_state else {}  # [heads, key, value], float32
                 layers.append({"index": i, "layer_type": s.layer_type, "cache": kind, "window": None,
-                               "slots": slots, "channels": channels})  # fmt: skip
+                               "slots": slots, "channels": channels, **recurrent})  # fmt: skip
                 continue
             layers.append({
                 "index": i,
@@ -151,9 +156,11 @@ class ExportPlan:
         o = self.options
         rings = sum(s.is_ring(self.max_cache_len) for s in self.specs)
         shared = sum(s.reads is not None for s in self.specs)
-        convolutions = sum(not s.has_kv for s in self.specs)
+        linear = sum(s.recurrent_state is not None for s in self.specs)
+        convolutions = sum(not s.has_kv for s in self.specs) - linear
         other_kinds = f", {shared} reading another layer's cache" if shared else ""
         other_kinds += f", {convolutions} short convolutions" if convolutions else ""
+        other_kinds += f", {linear} linear attention" if linear else ""
         schemes = [f"--{name.replace('_', '-')} {getattr(o, name)}" for name in quantize.OPTIONS if getattr(o, name)]
         kv = " int8" if o.kv_cache == "int8" else ""
         quantized = f" ({', '.join(schemes)})" if schemes else ""
@@ -194,7 +201,9 @@ def plan_export(options: ExportOptions, progress: Progress | None = None) -> Exp
     if options.kv_cache != "float":
         target.check_kv_cache(options.kv_cache, architecture.text_config(config), specs, max_cache_len)
     architecture.check_rope(config, max_cache_len)
-    prefill_chunk = choose_prefill_chunk(max_cache_len, options.prefill_chunk)
+    linear = any(s.cache_kind(max_cache_len) == architecture.RECURRENT for s in specs)
+    default_chunk = LINEAR_ATTENTION_PREFILL_CHUNK if linear else DEFAULT_PREFILL_CHUNK
+    prefill_chunk = choose_prefill_chunk(max_cache_len, options.prefill_chunk, default_chunk)
     dtype_bytes = sources.DTYPES[options.dtype]
     plan = ExportPlan(options, out, source, config, specs, max_cache_len, max_positions, dtype_bytes, prefill_chunk)
     _refuse_a_cache_beyond_memory(plan)

@@ -9,12 +9,14 @@ that shares the feature needs no code of its own.
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 
 def prepare_for_export(model: nn.Module) -> None:
     _experts_as_batched_matmuls(model)
     _short_convolutions_with_state(model)
+    _linear_attention_with_state(model)
 
 
 def _experts_as_batched_matmuls(model: nn.Module) -> None:
@@ -57,6 +59,57 @@ def _short_convolutions_with_state(model: nn.Module) -> None:
         module.forward = types.MethodType(forward, module)
 
 
+def _linear_attention_with_state(model: nn.Module) -> None:
+    """Gated-delta linear attention (``*GatedDeltaNet``: Qwen 3.5, Qwen 3.5 MoE, Qwen3-Next).
+
+    transformers keeps its convolution and recurrent states in its own cache, picks the recurrent or
+    the chunked form by the call's length (a branch on ``T``) and loops over chunks (a loop over
+    ``T``). Here the same projections, convolution, gate and norm run around the layer's
+    ``GatedDeltaState`` (``kvexport_call``), which computes the call as one chunk. Without
+    ``kvexport_call`` (plain transformers) the module's own forward runs."""
+    import types
+
+    from torch.nn import functional as F
+    from transformers.activations import ACT2FN
+
+    for module in model.modules():
+        if not (type(module).__name__.endswith("GatedDeltaNet") and hasattr(module, "A_log")):
+            continue
+        original = module.forward
+
+        def forward(self, hidden_states, cache_params=None, attention_mask=None, kvexport_call=None, _original=original, **kwargs):
+            if kvexport_call is None:
+                return _original(hidden_states, cache_params=cache_params, attention_mask=attention_mask, **kwargs)
+            batch, n, _ = hidden_states.shape
+            mixed_qkv, z, b, a = _gated_delta_projections(self, hidden_states)
+            state = kvexport_call.layers[self.layer_idx]
+            mixed_qkv = state.conv.convolve(mixed_qkv.transpose(1, 2), self.conv1d.weight, self.conv1d.bias, kvexport_call)
+            mixed_qkv = ACT2FN[self.activation](mixed_qkv).transpose(1, 2)
+            query, key, value = mixed_qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+            query = query.reshape(batch, n, -1, self.head_k_dim)
+            key = key.reshape(batch, n, -1, self.head_k_dim)
+            value = value.reshape(batch, n, -1, self.head_v_dim)
+            g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+            out = state.delta_rule(query, key, value, g, b.sigmoid(), kvexport_call)
+            out = self.norm(out.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
+            return self.out_proj(out.reshape(batch, n, -1))
+
+        module.forward = types.MethodType(forward, module)
+
+
+def _gated_delta_projections(module: nn.Module, hidden_states):
+    """``(queries, keys and values concatenated [B, T, channels], z [B, T, heads, size], b, a)`` from
+    the layer's input projections: Qwen 3.5's four, or Qwen3-Next's two interleaved ones."""
+    batch, n, _ = hidden_states.shape
+    if hasattr(module, "in_proj_qkvz"):
+        query, key, value, z, b, a = module.fix_query_key_value_ordering(
+            module.in_proj_qkvz(hidden_states), module.in_proj_ba(hidden_states)
+        )
+        return torch.cat([x.reshape(batch, n, -1) for x in (query, key, value)], dim=-1), z, b, a
+    z = module.in_proj_z(hidden_states).reshape(batch, n, -1, module.head_v_dim)
+    return module.in_proj_qkv(hidden_states), z, module.in_proj_b(hidden_states), module.in_proj_a(hidden_states)
+
+
 def fixed_rotary_frequencies(model: nn.Module, max_cache_len: int) -> None:
     """Rotary embeddings whose frequencies transformers recomputes from the sequence's length
     (``dynamic_rope_update``: rope types ``dynamic`` and ``longrope``) keep the ones eager uses for
@@ -71,8 +124,6 @@ def fixed_rotary_frequencies(model: nn.Module, max_cache_len: int) -> None:
     else (Hunyuan's ``ntk_alpha``) is left alone: transformers never updates it.
     """
     import types
-
-    import torch
 
     from ..errors import UnsupportedModelError
 

@@ -17,10 +17,16 @@ SLIDING = "sliding_attention"
 # A short gated convolution in place of attention (LFM2, LFM3): ``conv_L_cache`` taps over the
 # sequence, its state the last ``conv_L_cache - 1`` inputs.
 CONV = "conv"
+# Linear attention (Qwen 3.5, Qwen3-Next): a gated delta rule behind a short causal convolution,
+# whose state is one fixed-size matrix per value head, whatever the position.
+LINEAR = "linear_attention"
 # A layer's cache kinds, as kvexport.json names them: a buffer of max_cache_len positions, a ring of
-# the window's positions, none (the layer attends to an earlier layer's cache: KV sharing), or a
-# convolution's state.
-STATIC, RING, SHARED = "static", "ring", "shared"
+# the window's positions, none (the layer attends to an earlier layer's cache: KV sharing), a
+# convolution's state, or a linear-attention layer's convolution and recurrent states.
+STATIC, RING, SHARED, RECURRENT = "static", "ring", "shared", "recurrent"
+# The config attributes a linear-attention layer is built from (Qwen 3.5's names).
+_LINEAR_ATTENTION_SIZES = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                           "linear_value_head_dim", "linear_conv_kernel_dim")  # fmt: skip
 
 # Families whose reason is worth naming precisely. Every other family is judged by the generic rules
 # in check_supported, from what its config and transformers say about it.
@@ -34,7 +40,8 @@ _REFUSED = {
     "falcon_h1": "a hybrid of attention and state-space layers",
     "bamba": "a hybrid of attention and state-space layers",
     "granitemoehybrid": "a hybrid of attention and state-space layers",
-    "qwen3_next": "a hybrid of attention and linear-attention layers",
+    "olmo_hybrid": "a hybrid whose linear-attention layers convolve queries, keys and values apart (kvexport "
+    "runs Qwen 3.5's and Qwen3-Next's layout)",
     "recurrent_gemma": "a recurrent hybrid",
     "gemma3n": "a multimodal model (its text model, gemma3n_text, is refused too)",
     # Its KV-sharing layers run on every token of a call (Gemma 4's on the last one only), and after
@@ -58,7 +65,8 @@ _MODALITIES = ("vision", "audio", "image", "video", "speech")
 
 @dataclass(frozen=True)
 class LayerSpec:
-    """One layer as the cache sees it: attention (its KV shape), or a convolution (its state)."""
+    """One layer as the cache sees it: attention (its KV shape), a convolution (its state), or
+    linear attention (its convolution's state and its recurrent state)."""
 
     layer_type: str  # the key transformers uses for this layer's mask
     window: int | None  # sliding window, None for full attention
@@ -69,8 +77,12 @@ class LayerSpec:
     reads: int | None = None
     # A convolution's state: (channels, the inputs before the call that it looks back at).
     conv_state: tuple[int, int] | None = None
+    # Linear attention's recurrent state: (value heads, key size, value size), kept in float32.
+    recurrent_state: tuple[int, int, int] | None = None
 
     def cache_kind(self, max_cache_len: int) -> str:
+        if self.recurrent_state is not None:
+            return RECURRENT
         if self.conv_state is not None:
             return CONV
         if self.reads is not None:
@@ -93,7 +105,7 @@ class LayerSpec:
 
     @property
     def has_kv(self) -> bool:
-        """Whether the layer attends (keys and values), as opposed to convolving."""
+        """Whether the layer attends (keys and values), as opposed to convolving or recurring."""
         return self.conv_state is None
 
 
@@ -130,7 +142,8 @@ def check_supported(config) -> None:
     causal_lm = _causal_lm_class(model_type)
     if causal_lm is None:
         refuse("transformers has no causal-LM class for it (AutoModelForCausalLM does not take it)")
-    if not getattr(causal_lm, "_supports_attention_backend", False):
+    # Qwen 3.5's class does not declare it, for its linear layers; its attention layers use the interface.
+    if not _gated_delta_layers(text) and not getattr(causal_lm, "_supports_attention_backend", False):
         refuse(
             f"{causal_lm.__name__} does not route its attention through transformers' AttentionInterface, "
             "which kvexport's cache plugs into"
@@ -149,10 +162,12 @@ def check_supported(config) -> None:
     for layer_type in sorted(set(getattr(text, "layer_types", None) or ())):
         if layer_type == CONV and getattr(text, "conv_L_cache", None):
             continue  # LFM2's short convolution (models/adapters.py runs it over kvexport's state)
+        if layer_type == LINEAR and _gated_delta_layers(text):
+            continue  # a gated delta rule (models/adapters.py runs it over kvexport's state)
         if layer_type not in (FULL, SLIDING):
             refuse(
-                f"it has '{layer_type}' layers; only full and sliding-window attention layers and short "
-                "convolutions are supported"
+                f"it has '{layer_type}' layers; only full and sliding-window attention layers, short "
+                "convolutions and gated-delta linear attention are supported"
             )
     try:
         heads = getattr(text, "num_attention_heads", None)
@@ -160,6 +175,13 @@ def check_supported(config) -> None:
         refuse(f"its layers differ in their number of query heads ({type(e).__name__})")
     if not heads:
         refuse("it has no attention heads (a state-space or recurrent model)")
+
+
+def _gated_delta_layers(config) -> bool:
+    """Whether the config has linear-attention layers built as Qwen 3.5's gated delta rule."""
+    return LINEAR in (getattr(config, "layer_types", None) or ()) and all(
+        getattr(config, name, None) for name in _LINEAR_ATTENTION_SIZES
+    )
 
 
 def _in_any_layer(config, name: str) -> bool:
@@ -252,6 +274,9 @@ def layer_specs(config) -> list[LayerSpec]:
         if layer_type == CONV:
             specs.append(LayerSpec(CONV, None, 0, 0, conv_state=(config.hidden_size, config.conv_L_cache - 1)))
             continue
+        if layer_type == LINEAR:
+            specs.append(_linear_attention(config))
+            continue
         if layer_type == SLIDING and not window:
             raise UnsupportedModelError("the config has sliding-attention layers but no sliding_window")
         kv_heads, head_dim = _kv_shape(config, i)
@@ -260,6 +285,18 @@ def layer_specs(config) -> list[LayerSpec]:
         if not specs[j].has_kv or (specs[i].kv_heads, specs[i].head_dim) != (specs[j].kv_heads, specs[j].head_dim):
             raise UnsupportedModelError(f"layer {i} reads the KV cache of layer {j}, whose keys have another shape")
     return specs
+
+
+def _linear_attention(config) -> LayerSpec:
+    """A gated delta rule's states: its convolution over the concatenated queries, keys and values,
+    and one ``key size x value size`` matrix per value head."""
+    key_dim = config.linear_num_key_heads * config.linear_key_head_dim
+    value_dim = config.linear_num_value_heads * config.linear_value_head_dim
+    return LayerSpec(
+        LINEAR, None, 0, 0,
+        conv_state=(2 * key_dim + value_dim, config.linear_conv_kernel_dim - 1),
+        recurrent_state=(config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim),
+    )  # fmt: skip
 
 
 def _kv_shape(config, index: int) -> tuple[int, int]:

@@ -93,6 +93,19 @@ PRESETS: dict[str, tuple[str, dict]] = {
     ),
     # LFM2: a short gated convolution (a state of conv_L_cache - 1 inputs) before an attention layer.
     "tiny-lfm2": ("lfm2", {"layer_types": ["conv", "full_attention"], "block_auto_adjust_ff_dim": False}),
+    # Qwen 3.5: gated-delta linear attention (a convolution and a recurrent state) before a gated
+    # full-attention layer, more value heads than key heads as in the real ones.
+    "tiny-qwen3.5": (
+        "qwen3_5_text",
+        {
+            "layer_types": ["linear_attention", "full_attention"],
+            "head_dim": 16,
+            "linear_num_key_heads": 2,
+            "linear_num_value_heads": 4,
+            "linear_key_head_dim": 16,
+            "linear_value_head_dim": 16,
+        },
+    ),
     "tiny-smollm3": ("smollm3", {"no_rope_layer_interval": 2, "tie_word_embeddings": True}),
     # Attention sinks, a mixture of experts (top 2 of 4) and alternating sliding / full layers.
     "tiny-gpt-oss": (

@@ -29,7 +29,15 @@ from kvexport.exporter.executorch.quantized_kv_cache import (
     key_rotation,
     quantize_rows,
 )
-from kvexport.exporter.kv_cache import CallState, ConvState, RingKVCache, StaticKVCache, additive_mask, ring_positions
+from kvexport.exporter.kv_cache import (
+    CallState,
+    ConvState,
+    GatedDeltaState,
+    RingKVCache,
+    StaticKVCache,
+    additive_mask,
+    ring_positions,
+)
 from kvexport.models.architecture import layer_specs
 
 HEADS, DIM = 2, 4
@@ -267,3 +275,46 @@ def test_a_convolution_state_gives_the_whole_sequence_s_convolution(taps, calls,
         run(earlier_calls)
     x, got = run(calls)
     torch.testing.assert_close(got, causal_conv1d_fn(x, weight.squeeze(1), bias), atol=1e-6, rtol=1e-6)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    max_tokens=st.integers(1, 20),
+    group=st.sampled_from([1, 2]),
+    calls=st.lists(st.integers(1, 20), min_size=1, max_size=6),
+    earlier_calls=st.lists(st.integers(1, 20), max_size=2),
+    seed=SEEDS,
+)
+def test_a_gated_delta_state_gives_the_token_by_token_recurrence(max_tokens, group, calls, earlier_calls, seed):
+    """Qwen 3.5's linear attention call by call, each call one chunk of any length up to the bound,
+    against transformers' own recurrent form over the whole sequence, one token at a time; a new
+    sequence at position 0 starts from a zero state whatever an earlier one left."""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import torch_recurrent_gated_delta_rule
+
+    key_heads, key_dim, value_dim = 2, 4, 3
+    value_heads = key_heads * group
+    calls = [min(n, max_tokens) for n in calls]
+    earlier_calls = [min(n, max_tokens) for n in earlier_calls]
+    gen = torch.Generator().manual_seed(seed)
+    state = GatedDeltaState((1, 1), (value_heads, key_dim, value_dim), max_tokens, torch.float32)
+
+    def run(calls):
+        n = sum(calls)
+        q, k = (torch.randn(1, n, key_heads, key_dim, generator=gen) for _ in range(2))
+        v = torch.randn(1, n, value_heads, value_dim, generator=gen)
+        # Decays as transformers makes them (-exp(A_log) * softplus), some steep; rates in (0, 1).
+        g = -torch.rand(value_heads, generator=gen) * 8 * torch.nn.functional.softplus(torch.randn(1, n, value_heads, generator=gen))
+        beta = torch.rand(1, n, value_heads, generator=gen)
+        outs, start = [], 0
+        for size in calls:
+            piece = slice(start, start + size)
+            call = CallState(None, torch.arange(start, start + size), 64)
+            outs.append(state.delta_rule(q[:, piece], k[:, piece], v[:, piece], g[:, piece], beta[:, piece], call))
+            start += size
+        expected, _ = torch_recurrent_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)
+        return torch.cat(outs, dim=1), expected
+
+    if earlier_calls:
+        run(earlier_calls)
+    got, expected = run(calls)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)

@@ -32,7 +32,7 @@ def test_a_window_as_long_as_the_cache_needs_no_ring():
     [
         ("mamba", {}, "state-space"),
         ("t5", {}, "encoder-decoder"),
-        ("qwen3_next", {}, "linear-attention"),
+        ("olmo_hybrid", {}, "convolve queries, keys and values apart"),
         # Not named anywhere in kvexport: refused by the generic rules, from the config and transformers.
         ("pegasus", {}, "encoder-decoder"),
         ("falcon_mamba", {}, "AttentionInterface"),  # no attention to route at all
@@ -89,8 +89,9 @@ def test_every_causal_lm_of_transformers_is_accepted_or_refused_in_one_line():
             assert "\n" not in str(e) and str(e).startswith(f"architecture '{model_type}' is not supported: "), str(e)
             refused.append(model_type)
     assert unbuildable == ["gemma4_assistant"]  # a drafter: its config needs its target model's
-    assert {"llama", "gemma3_text", "gemma4_text", "cohere2", "gpt_oss", "lfm2", "lfm2_moe", "lfm3"} <= set(accepted)
-    assert {"deepseek_v3", "qwen3_5_text", "llama4_text", "mamba", "gemma3n_text"} <= set(refused)
+    assert {"llama", "gemma3_text", "gemma4_text", "cohere2", "gpt_oss", "lfm2", "lfm2_moe", "lfm3", "qwen3_5_text",
+            "qwen3_5_moe_text", "qwen3_next"} <= set(accepted)
+    assert {"deepseek_v3", "llama4_text", "mamba", "gemma3n_text", "olmo_hybrid"} <= set(refused)
     assert len(accepted) + len(refused) + len(unbuildable) == len(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
 
 
@@ -122,6 +123,21 @@ def test_short_convolutions_come_from_layer_types_as_transformers_builds_them():
     assert [s.cache_kind(64) for s in specs] == ["conv", "static"]
     conv = model.model.layers[0].conv
     assert specs[0].conv_state == (conv.conv.in_channels, conv.conv_kernel_size - 1)
+
+
+def test_linear_attention_states_come_from_the_config_as_transformers_builds_them():
+    """Qwen 3.5's gated-delta layers (``linear_attention``): a convolution over the queries, keys and
+    values of every channel, and a ``key size x value size`` state per value head, against the
+    modules transformers builds."""
+    from kvexport.models.presets import build_preset
+
+    model, _ = build_preset("tiny-qwen3.5")
+    specs = layer_specs(model.config)
+    assert [s.cache_kind(64) for s in specs] == ["recurrent", "static"]
+    assert not specs[0].has_kv
+    delta = model.model.layers[0].linear_attn
+    assert specs[0].conv_state == (delta.conv1d.in_channels, delta.conv_kernel_size - 1)
+    assert specs[0].recurrent_state == (delta.num_v_heads, delta.head_k_dim, delta.head_v_dim)
 
 
 def test_a_layer_that_shares_a_cache_holds_none(tmp_path):

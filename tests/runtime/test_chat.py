@@ -20,7 +20,7 @@ from kvexport.models.chat_templates import GEMMA3
 from kvexport.models.presets import char_tokenizer
 from kvexport.runtime.chat import Conversation, _StopOnCtrlC
 from kvexport.runtime.generation import generate
-from kvexport.runtime.programs import load_program
+from kvexport.runtime.programs import load_program, max_tokens_per_call
 from kvexport.runtime.tokenizer import ArtifactTokenizer
 
 from tests.conftest import TEST_CACHE_LEN
@@ -85,6 +85,9 @@ class Recorded:
         ("tiny-lfm2", "executorch", "chatml-like", "S"),
         # Layers reading another layer's cache, kept across turns.
         ("tiny-gemma4", "onnx", "gemma-like", None),
+        # Linear attention's recurrent state, which cannot be rewound: each turn continues it from where
+        # the last call left it (chat never feeds a middle position), its prompt in calls of 64 tokens.
+        ("tiny-qwen3.5", "executorch", "chatml-like", "S"),
     ],
 )
 def test_each_turn_feeds_only_its_new_tokens_and_replies_as_a_fresh_generation(
@@ -108,10 +111,11 @@ def test_each_turn_feeds_only_its_new_tokens_and_replies_as_a_fresh_generation(
         assert turn.prompt_ids == expected
         assert conversation.ids == expected + turn.reply_ids
         assert turn.conversation_tokens == len(expected) + len(turn.reply_ids) - 1
-        # Only what is new is fed, from where the cache is: one contiguous prefill call, then one per token.
+        # Only what is new is fed, from where the cache is: contiguous prefill calls, then one per token.
         assert not turn.reset
         assert turn.prefilled_tokens == len(expected) - cached
-        assert program.calls == [(cached, len(expected) - cached)] + [
+        chunk = max_tokens_per_call(manifest)
+        assert program.calls == [(start, min(chunk, len(expected) - start)) for start in range(cached, len(expected), chunk)] + [
             (position, 1) for position in range(len(expected), turn.conversation_tokens)
         ]
         if i:

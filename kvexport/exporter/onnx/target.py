@@ -81,8 +81,8 @@ def check_layers(specs: list, max_cache_len: int) -> None:
     """Refuse, before the model loads, layers this target cannot describe."""
     if any(not s.has_kv for s in specs):
         raise UnsupportedModelError(
-            "its short convolutions keep a state between calls, which the ONNX target does not pass across "
-            "the graph yet; export it with --target executorch"
+            "its short convolutions or linear-attention layers keep a state between calls, which the ONNX "
+            "target does not pass across the graph yet; export it with --target executorch"
         )
     windows = sorted({s.window for s in specs if s.is_ring(max_cache_len)})
     if len(windows) > 1:  # genai_config.json has one sliding_window section

@@ -29,12 +29,13 @@ def test_onnx_matches_eager_past_the_window(tiny, artifact):
     assert_generation_matches(got, eager_reference(model, ids, NEW_TOKENS), FP32_LOGIT_ATOL, name)
 
 
-def test_short_convolutions_are_refused_before_loading(capsys, tmp_path):
-    """LFM2's convolution state does not cross an ONNX graph yet: one line, before the weights load,
-    nothing written."""
-    out = tmp_path / "lfm2-onnx"
-    code, _, err = run_cli(capsys, "tiny-lfm2", "--target", "onnx", "-o", str(out), "--max-cache-len", "64")
-    assert_one_line_error(code, err, "its short convolutions keep a state between calls, which the ONNX target does not")
+@pytest.mark.parametrize("name", sorted(ONNX_REFUSES))
+def test_short_convolutions_are_refused_before_loading(capsys, tmp_path, name):
+    """LFM2's convolution state and Qwen 3.5's linear-attention states do not cross an ONNX graph
+    yet: one line, before the weights load, nothing written."""
+    out = tmp_path / "onnx"
+    code, _, err = run_cli(capsys, name, "--target", "onnx", "-o", str(out), "--max-cache-len", "64")
+    assert_one_line_error(code, err, "linear-attention layers keep a state between calls, which the ONNX target does not")
     assert "--target executorch" in err and not out.exists()
 
 

@@ -1,0 +1,52 @@
+"""A model folder at a published configuration's shapes, with random weights, for measuring what an
+export of that size costs (time, memory, cache bytes, decode speed): exactness needs trained
+weights only for near-ties, memory and time do not. The tokenizer is the tiny presets' character
+tokenizer (its ids are within every vocabulary).
+
+    .venv/bin/python scripts/real_shape_model.py qwen3.5-0.8b build/qwen3.5-0.8b-random
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+# name -> (model_type, config): the published text config's shapes.
+SHAPES = {
+    # Qwen/Qwen3.5-0.8B's text model (as ExecuTorch's examples/models/qwen3_5/config/0_8b_config.json
+    # gives it): 18 gated-delta layers and 6 gated full-attention layers.
+    "qwen3.5-0.8b": ("qwen3_5_text", {
+        "hidden_size": 1024, "intermediate_size": 3584, "num_hidden_layers": 24, "num_attention_heads": 8,
+        "num_key_value_heads": 2, "head_dim": 256, "vocab_size": 248320, "tie_word_embeddings": True,
+        "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+        "linear_num_key_heads": 16, "linear_num_value_heads": 16,
+        "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * 6,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
+                            "mrope_section": [11, 11, 10], "mrope_interleaved": True},
+        "max_position_embeddings": 262144,
+    }),  # fmt: skip
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("shape", choices=sorted(SHAPES))
+    parser.add_argument("out", type=Path)
+    args = parser.parse_args()
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from kvexport.models.presets import char_tokenizer
+
+    model_type, shape = SHAPES[args.shape]
+    config = AutoConfig.for_model(model_type, **shape)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)  # checkpoints ship in bfloat16
+    model.save_pretrained(args.out)
+    char_tokenizer().save_pretrained(args.out)
+    params = sum(p.numel() for p in model.parameters())
+    print(f"wrote {args.out}: {model_type}, {params / 1e9:.2f}B parameters (random, bfloat16)")
+
+
+if __name__ == "__main__":
+    main()
