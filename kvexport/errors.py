@@ -22,6 +22,11 @@ class InvalidOptionError(KvexportError):
     pass
 
 
+class InvalidModelError(KvexportError):
+    """A model whose files disagree: a weight its config describes is not in the checkpoint, or
+    one there has no place (or another shape) in the model its config builds."""
+
+
 class ArtifactError(KvexportError):
     """A missing, corrupt or inconsistent artifact folder."""
 

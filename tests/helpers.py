@@ -156,3 +156,46 @@ def genai_greedy(folder: Path, prompt_ids: list[int], n: int) -> list[int]:
         generator.generate_next_token()
         ids.append(int(generator.get_next_tokens()[0]))
     return ids
+
+
+def write_tiny_gguf(path: Path, block_count: int | None = None, extra: dict | None = None, shapes: dict | None = None) -> Path:
+    """tiny-llama's config as a float32 GGUF of random weights (llama.cpp's tensor names) and a
+    placeholder vocabulary. ``block_count`` overrides the metadata's layer count (the tensors stay
+    two layers'); ``extra`` adds tensors (name: shape); ``shapes`` gives tensors another shape."""
+    import gguf
+
+    from kvexport.models.presets import preset_config
+
+    config = preset_config("tiny-llama")
+    h, f, vocab = config.hidden_size, config.intermediate_size, config.vocab_size
+    kv = config.num_key_value_heads * h // config.num_attention_heads
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(h)
+    writer.add_block_count(block_count or config.num_hidden_layers)
+    writer.add_feed_forward_length(f)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list([f"<t{i}>" for i in range(vocab)])
+    writer.add_token_scores([0.0] * vocab)
+    writer.add_token_types([1] * vocab)
+    writer.add_bos_token_id(config.bos_token_id)
+    writer.add_eos_token_id(config.eos_token_id)
+    tensors = {"token_embd.weight": (vocab, h), "output_norm.weight": (h,), "output.weight": (vocab, h)}
+    for i in range(config.num_hidden_layers):
+        tensors |= {
+            f"blk.{i}.attn_norm.weight": (h,), f"blk.{i}.ffn_norm.weight": (h,), f"blk.{i}.attn_q.weight": (h, h),
+            f"blk.{i}.attn_k.weight": (kv, h), f"blk.{i}.attn_v.weight": (kv, h), f"blk.{i}.attn_output.weight": (h, h),
+            f"blk.{i}.ffn_gate.weight": (f, h), f"blk.{i}.ffn_up.weight": (f, h), f"blk.{i}.ffn_down.weight": (h, f),
+        }  # fmt: skip
+    rng = np.random.default_rng(0)
+    for name, shape in (tensors | (extra or {}) | (shapes or {})).items():
+        writer.add_tensor(name, rng.standard_normal(shape).astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

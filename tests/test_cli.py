@@ -10,10 +10,11 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from kvexport.cli import main
 
-from tests.helpers import edit_manifest
+from tests.helpers import edit_manifest, write_tiny_gguf
 
 
 def run_cli(capsys, *args) -> tuple[int, str, str]:
@@ -87,6 +88,11 @@ def test_default_max_cache_len_is_said(tmp_path, capsys, monkeypatch):
         (["tiny-llama", "--max-cache-len", "513"], ["exceeds the model's maximum positions (512)"]),
         (["tiny-llama", "--prefill-chunk", "0"], ["--prefill-chunk", "positive"]),
         (["tiny-llama", "--max-cache-len", "64", "--prefill-chunk", "65"], ["--prefill-chunk 65 exceeds --max-cache-len 64"]),
+        (["tiny-llama", "--prefill-chunk", "2"], ["--prefill-chunk 2 cannot be exported for --target executorch",
+                                                   "use --prefill-chunk 1 (one token per call) or 3 or more"]),
+        (["tiny-llama", "--target", "onnx", "--max-cache-len", "1"], ["--max-cache-len 1 is too short for --target onnx",
+                                                                      "give --max-cache-len 3 or more"]),
+        (["tiny-llama", "--target", "onnx", "--max-cache-len", "2"], ["--max-cache-len 2 is too short for --target onnx"]),
         (["some-org/not-cached-model", "--offline"], ["not (completely) in the local Hugging Face cache", "--offline forbids"]),
         (["./no/such/model"], ["'./no/such/model' not found"]),
         (["tiny-llama", "--dtype", "bfloat16"], ["target executorch does not take --dtype bfloat16", "float32, float16"]),
@@ -100,6 +106,9 @@ def test_default_max_cache_len_is_said(tmp_path, capsys, monkeypatch):
         "cache-len-above-max-positions",
         "prefill-chunk-zero",
         "prefill-chunk-above-cache",
+        "prefill-chunk-2-on-executorch",
+        "cache-len-1-on-onnx",
+        "cache-len-2-on-onnx",
         "hub-id-offline-not-cached",
         "missing-path",
         "dtype-not-for-target",
@@ -164,6 +173,25 @@ def _bad_json(path):
     path.write_text('{"model_type": "llama",')
 
 
+def _without_num_hidden_layers(folder):
+    """A config.json that does not say its layer count: transformers' default (32) is not the
+    checkpoint's 2."""
+    config = json.loads((folder / "config.json").read_text())
+    del config["num_hidden_layers"]
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+def _edit_weights(change):
+    def damage(folder):
+        from safetensors.torch import load_file, save_file
+
+        weights = load_file(folder / "model.safetensors")
+        change(weights)
+        save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+
+    return damage
+
+
 @pytest.mark.parametrize(
     "damage, phrases",
     [
@@ -176,8 +204,18 @@ def _bad_json(path):
             ["'frobnicator' model, an architecture transformers", "does not know"],
         ),
         (lambda f: (f / "tokenizer.json").unlink(), ["no usable tokenizer", "tokenizer.json"]),
+        # Weights the checkpoint does not hold are refused, not made up (nor dropped, nor reshaped).
+        (_without_num_hidden_layers, ["its weights lack model.layers.2.input_layernorm.weight and 269 more weights",
+                                      "num_hidden_layers"]),
+        (_edit_weights(lambda w: w.pop("model.layers.1.mlp.up_proj.weight")),
+         ["its weights lack model.layers.1.mlp.up_proj.weight, which its config asks for", "fix the config"]),
+        (_edit_weights(lambda w: w.update({"model.layers.2.mlp.up_proj.weight": torch.zeros(128, 64)})),
+         ["its weights hold model.layers.2.mlp.up_proj.weight, for which its config has no place"]),
+        (_edit_weights(lambda w: w.update({"model.layers.0.self_attn.q_proj.weight": torch.zeros(64, 32)})),
+         ["its weights hold model.layers.0.self_attn.q_proj.weight as [64, 32], where its config asks for [64, 64]"]),
     ],
-    ids=["truncated-safetensors", "garbage-safetensors", "no-weights", "config-not-json", "unknown-model-type", "no-tokenizer"],
+    ids=["truncated-safetensors", "garbage-safetensors", "no-weights", "config-not-json", "unknown-model-type", "no-tokenizer",
+         "config-without-num-hidden-layers", "missing-weight", "unexpected-weight", "mis-shaped-weight"],
 )
 def test_a_broken_model_folder_gets_one_line(saved_model, tmp_path, capsys, damage, phrases):
     folder = tmp_path / "model"
@@ -204,6 +242,34 @@ def test_a_corrupt_gguf_gets_one_line(tmp_path, capsys, content, phrases):
     code, _, err = run_cli(capsys, gguf, "-o", tmp_path / "out")
     assert_one_line_error(code, err, *phrases)
     assert [p.name for p in tmp_path.iterdir()] == ["model.gguf"]
+
+
+@pytest.mark.parametrize(
+    "gguf, phrases",
+    [
+        (dict(block_count=3), ["its weights lack model.layers.2.input_layernorm.weight and 8 more weights"]),
+        (dict(extra={"blk.2.ffn_up.weight": (128, 64)}), ["its weights hold blk.2.ffn_up.weight, for which its config has no place"]),
+        (dict(shapes={"blk.0.ffn_up.weight": (128, 32)}), ["its weights hold model.layers.0.mlp.up_proj.weight as [128, 32]"]),
+    ],
+    ids=["block-count-above-its-tensors", "a-tensor-too-many", "a-tensor-of-another-shape"],
+)
+def test_a_gguf_whose_weights_disagree_with_its_metadata_gets_one_line(tmp_path, capsys, monkeypatch, gguf, phrases):
+    """A GGUF's weights are checked as a folder's are, before its conversion is kept in the cache."""
+    monkeypatch.setenv("KVEXPORT_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "in").mkdir()
+    write_tiny_gguf(tmp_path / "in" / "model.gguf", **gguf)
+    code, _, err = run_cli(capsys, tmp_path / "in" / "model.gguf", "-o", tmp_path / "out", "--max-cache-len", "16")
+    assert_one_line_error(code, err, *phrases, "fix the config or fetch the model again")
+    assert [p.name for p in tmp_path.iterdir()] == ["in"]
+
+
+def test_a_whole_tiny_gguf_loads_with_no_weight_made_up(tmp_path):
+    """The same check passes a GGUF whose tensors are all its metadata describes."""
+    from kvexport.models import sources
+
+    source = sources.resolve(str(write_tiny_gguf(tmp_path / "model.gguf")))
+    model, _ = sources.load_model(source, cache_dir=tmp_path / "cache")
+    assert model.config.num_hidden_layers == 2
 
 
 def test_a_file_that_is_not_gguf_gets_one_line(tmp_path, capsys):
@@ -310,6 +376,20 @@ def test_run_and_check_refuse_what_cannot_fit(artifact, capsys, command, prompt,
     code, out, err = run_cli(capsys, command, artifact("tiny-gemma3"), "--prompt", prompt, *extra)
     assert_one_line_error(code, err, *phrases)
     assert out == "" and len(err.strip().splitlines()) == 1, err
+
+
+def test_check_s_own_prompts_in_a_cache_that_holds_none_are_refused_in_one_line(artifact, tmp_path, capsys, monkeypatch):
+    """A cache of one position holds no text prompt of a tokenizer that adds BOS: check says so, as
+    run would of any prompt (tests/exporter/test_sizes.py: shorter caches get shorter prompts)."""
+    from kvexport.checker import check
+
+    monkeypatch.setattr(check, "load_program", lambda *a, **k: pytest.fail("loaded the program"))
+    folder = tmp_path / "one-position"
+    shutil.copytree(artifact("tiny-llama"), folder)
+    edit_manifest(lambda m: (m.update(max_cache_len=1), m["interface"].update(max_tokens_per_call=1)))(folder)
+    code, _, err = run_cli(capsys, "check", folder)
+    assert_one_line_error(code, err, "max_cache_len 1 holds none of check's prompts: even 'T' is 2 tokens",
+                          "re-export with a larger --max-cache-len")
 
 
 def test_run_on_a_folder_that_is_not_an_artifact(tmp_path, capsys):

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import InvalidOptionError
+from ..errors import InvalidOptionError, PromptTooLongError
 from ..models.architecture import text_config
 from ..runtime.cpu import xnnpack_sums_float16_in_float16
 from ..runtime.generation import check_fits
@@ -128,9 +128,10 @@ def default_prompts(manifest: dict, tokenizer: ArtifactTokenizer, new_tokens: in
     short prompt's generation length instead (it is still capped by the cache)."""
     max_len = manifest["max_cache_len"]
     window = smallest_window(manifest)
-    short_len = len(tokenizer.encode(_SHORT_PROMPT))
+    short = _short_prompt(tokenizer, max_len)
+    short_len = len(tokenizer.encode(short))
     wanted = new_tokens or ((window + 64) if window else 64)
-    prompts = [(_SHORT_PROMPT, max(1, min(wanted, max_len - short_len + 1)))]
+    prompts = [(short, max(1, min(wanted, max_len - short_len + 1)))]
     target_len = min((window + window // 2) if window else max_len // 2, max_len - 32)
     words = (_LONG_PARAGRAPH * (1 + target_len // 8)).split()
     long_text = ""
@@ -142,6 +143,25 @@ def default_prompts(manifest: dict, tokenizer: ArtifactTokenizer, new_tokens: in
         n = len(tokenizer.encode(long_text))
         prompts.append((long_text, max(1, min(32, max_len - n + 1))))
     return prompts
+
+
+def _short_prompt(tokenizer: ArtifactTokenizer, max_len: int) -> str:
+    """The short prompt, or in a cache too short for it, its longest beginning that fills at most
+    half the cache (room to generate), else the shortest that fits; where none fits, refused as
+    ``run`` refuses a prompt longer than the cache."""
+    if len(tokenizer.encode(_SHORT_PROMPT)) <= max_len:
+        return _SHORT_PROMPT
+    beginnings = [(_SHORT_PROMPT[:n], len(tokenizer.encode(_SHORT_PROMPT[:n]))) for n in range(1, len(_SHORT_PROMPT))]
+    fitting = [text for text, n in beginnings if n <= max(1, max_len // 2)]
+    if fitting:
+        return fitting[-1]
+    text, n = beginnings[0]
+    if n <= max_len:
+        return text
+    raise PromptTooLongError(
+        f"the artifact's max_cache_len {max_len} holds none of check's prompts: even {text!r} is {n} tokens; "
+        "give a --prompt that fits, or re-export with a larger --max-cache-len"
+    )
 
 
 def load_reference(manifest: dict, model_name: str | None, device: str, dtype: str | None = None):

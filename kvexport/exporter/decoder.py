@@ -98,10 +98,12 @@ def example_inputs(max_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def export_decoder(decoder: ExportableDecoder) -> torch.export.ExportedProgram:
-    """One program for every call length: ``T`` dynamic from 1 to ``decoder.max_tokens_per_call``."""
+    """One program for every call length: ``T`` dynamic from 1 to ``decoder.max_tokens_per_call``,
+    or static at 1 where that is the bound (a decode-only program: torch.export specialises a
+    dimension whose example is 1, and refuses to call it dynamic)."""
     # Dim.DYNAMIC, bounded by the torch._check in forward: a named Dim with a max makes
     # torch.export reject a harmless guard from transformers' repeat_kv reshape.
-    dynamic_shapes = ({1: torch.export.Dim.DYNAMIC}, None)
+    dynamic_shapes = ({1: torch.export.Dim.DYNAMIC}, None) if decoder.max_tokens_per_call > 1 else None
     with torch.no_grad():
         return torch.export.export(
             decoder, example_inputs(decoder.max_tokens_per_call), dynamic_shapes=dynamic_shapes, strict=False

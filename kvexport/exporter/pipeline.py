@@ -65,31 +65,53 @@ def default_output(model: str, target: str) -> Path:
     return Path(f"{stem}-{target}")
 
 
-def choose_max_cache_len(config, requested: int | None) -> tuple[int, int | None]:
+def choose_max_cache_len(config, requested: int | None, target: str = "executorch") -> tuple[int, int | None]:
     """``(max_cache_len, model's max positions)``: the request, checked, or the default (at most
-    the model's positions and what its rope type computes exactly)."""
+    the model's positions and what its rope type computes exactly), at least the target's shortest."""
     text = architecture.text_config(config)
     limit = getattr(text, "max_position_embeddings", None)
     if requested is None:
         bounds = (limit, architecture.exact_rope_positions(config))
-        return min([DEFAULT_MAX_CACHE_LEN, *(b for b in bounds if b)]), limit
-    if requested < 1:
-        raise InvalidOptionError(f"--max-cache-len must be a positive number of tokens, got {requested}")
-    if limit and requested > limit:
-        raise InvalidOptionError(f"--max-cache-len {requested} exceeds the model's maximum positions ({limit})")
-    return requested, limit
+        chosen = min([DEFAULT_MAX_CACHE_LEN, *(b for b in bounds if b)])
+    else:
+        if requested < 1:
+            raise InvalidOptionError(f"--max-cache-len must be a positive number of tokens, got {requested}")
+        if limit and requested > limit:
+            raise InvalidOptionError(f"--max-cache-len {requested} exceeds the model's maximum positions ({limit})")
+        chosen = requested
+    shortest = get_target(target).MIN_MAX_CACHE_LEN
+    if chosen < shortest:
+        given = f"--max-cache-len {chosen}" if requested else f"max_cache_len {chosen} (the default)"
+        raise InvalidOptionError(
+            f"{given} is too short for --target {target}: its graph's sizes are traced from a call that needs "
+            f"{shortest} positions; give --max-cache-len {shortest} or more"
+        )
+    return chosen, limit
 
 
-def choose_prefill_chunk(max_cache_len: int, requested: int | None, default: int = DEFAULT_PREFILL_CHUNK) -> int:
-    """The most tokens one forward call takes: the request, checked, or the default (at most the cache)."""
+def choose_prefill_chunk(
+    max_cache_len: int, requested: int | None, target: str = "executorch", default: int = DEFAULT_PREFILL_CHUNK
+) -> int:
+    """The most tokens one forward call takes: the request, checked, or the default (at most the
+    cache, and a bound the target exports)."""
+    refused = get_target(target).CALL_BOUNDS_REFUSED
     if requested is None:
-        return min(max_cache_len, default)
+        chosen = min(max_cache_len, default)
+        while chosen in refused:  # a cache of 2 positions on ExecuTorch: calls of 1 token
+            chosen -= 1
+        return chosen
     if requested < 1:
         raise InvalidOptionError(f"--prefill-chunk must be a positive number of tokens, got {requested}")
     if requested > max_cache_len:
         raise InvalidOptionError(
             f"--prefill-chunk {requested} exceeds --max-cache-len {max_cache_len}: a call cannot hold more "
             "tokens than the cache; leave it out or make it smaller"
+        )
+    if requested in refused:
+        raise InvalidOptionError(
+            f"--prefill-chunk {requested} cannot be exported for --target {target}: torch.export's dynamic call "
+            f"length starts at 2 tokens, so a bound of {requested} would fix every call at {requested} and leave "
+            "none of 1 token to decode with; use --prefill-chunk 1 (one token per call) or 3 or more"
         )
     return requested
 
@@ -171,7 +193,7 @@ class ExportPlan:
         )
         return (
             f"{o.model}: {len(self.specs)} layers ({rings} sliding-window rings{other_kinds}), max_cache_len "
-            f"{self.max_cache_len}{default}, calls of up to {self.prefill_chunk} tokens, KV cache{kv} {self.kv_cache_bytes / 2**20:.1f} MiB "
+            f"{self.max_cache_len}{default}, calls of up to {self.prefill_chunk} token{'s' if self.prefill_chunk > 1 else ''}, KV cache{kv} {self.kv_cache_bytes / 2**20:.1f} MiB "
             f"({self.kv_cache_bytes / self.kv_cache_bytes_if_all_full:.0%} of full-length layers), "
             f"{o.dtype} -> {o.target}{quantized}"
         )
@@ -196,14 +218,14 @@ def plan_export(options: ExportOptions, progress: Progress | None = None) -> Exp
         )
     config = sources.load_config(source)
     specs = architecture.layer_specs(config)
-    max_cache_len, max_positions = choose_max_cache_len(config, options.max_cache_len)
+    max_cache_len, max_positions = choose_max_cache_len(config, options.max_cache_len, options.target)
     target.check_layers(specs, max_cache_len)
     if options.kv_cache != "float":
         target.check_kv_cache(options.kv_cache, architecture.text_config(config), specs, max_cache_len)
     architecture.check_rope(config, max_cache_len)
     linear = any(s.cache_kind(max_cache_len) == architecture.RECURRENT for s in specs)
     default_chunk = LINEAR_ATTENTION_PREFILL_CHUNK if linear else DEFAULT_PREFILL_CHUNK
-    prefill_chunk = choose_prefill_chunk(max_cache_len, options.prefill_chunk, default_chunk)
+    prefill_chunk = choose_prefill_chunk(max_cache_len, options.prefill_chunk, options.target, default_chunk)
     dtype_bytes = sources.DTYPES[options.dtype]
     plan = ExportPlan(options, out, source, config, specs, max_cache_len, max_positions, dtype_bytes, prefill_chunk)
     _refuse_a_cache_beyond_memory(plan)
@@ -274,7 +296,8 @@ def export_model(options: ExportOptions, progress: Progress | None = None) -> Ex
             info["quantization"]["left_in_float"] = skipped
 
     with staged_folder(plan.out, options.force) as folder:
-        with progress.step("export", f"torch.export, T dynamic (calls of 1 to {plan.prefill_chunk} tokens)"):
+        calls = f"dynamic (calls of 1 to {plan.prefill_chunk} tokens)" if plan.prefill_chunk > 1 else "static (calls of 1 token)"
+        with progress.step("export", f"torch.export, T {calls}"):
             calibration = calibration_ids(tokenizer) if options.kv_cache == "int8" else None
             program = target.export(model, plan.max_cache_len, plan.prefill_chunk, options.kv_cache, calibration)
         with progress.step("lower", options.target):

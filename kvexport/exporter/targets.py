@@ -40,6 +40,8 @@ class Target(Protocol):
     # Where --quantize applies: to the module before export (quantize_model), or to the written
     # program's weights after lowering (quantize_files); the other hook does nothing.
     QUANTIZES_MODULE: bool
+    MIN_MAX_CACHE_LEN: int  # the shortest cache it exports exactly
+    CALL_BOUNDS_REFUSED: tuple[int, ...]  # --prefill-chunk values it cannot export as one program
 
     def quantize_model(self, model: torch.nn.Module, quantization: Quantization) -> list[str]:
         """Quantize the module in place before export; return the layers left in float."""

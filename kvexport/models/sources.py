@@ -18,6 +18,7 @@ import functools
 import importlib.util
 import json
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..errors import InvalidOptionError, KvexportError, ModelNotFoundError, UnsupportedModelError
+from ..errors import InvalidModelError, InvalidOptionError, KvexportError, ModelNotFoundError, UnsupportedModelError
 from ..logs import transformers_progress_quiet
 from . import presets
 from .chat_templates import fallback_chat_template
@@ -447,8 +448,9 @@ def _load_folder(folder: Path, dtype: str, name: str):
             "the folder needs the model's tokenizer files (tokenizer.json or tokenizer.model)"
         )
     try:
-        with transformers_progress_quiet():
-            model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype(dtype))
+        model, report = _with_loading_report(
+            lambda **report: AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype(dtype), **report)
+        )
     except ValueError as e:  # transformers says "Unrecognized configuration class ..." for non-causal-LM models
         raise UnsupportedModelError(f"'{name}' cannot be loaded as a causal LM: {_first_line(e)}")
     except (OSError, RuntimeError, EOFError, SafetensorError) as e:  # missing, truncated or corrupt weight files
@@ -456,7 +458,64 @@ def _load_folder(folder: Path, dtype: str, name: str):
             f"cannot load the weights of '{name}' ({_first_line(e)}); a weight file is missing, truncated or "
             "corrupt: fetch the model again"
         )
+    _refuse_a_partial_load(report, name)
     return model.eval(), tokenizer
+
+
+def _with_loading_report(from_pretrained):
+    """``from_pretrained(**options)``'s model and transformers' loading report (its missing,
+    unexpected and mis-shaped keys, after the ones the model class ignores and tied weights), with
+    no "Loading weights" bar and no report table on stderr: ``_refuse_a_partial_load`` says it in
+    one line. A mis-shaped weight is reported rather than raised, so that line can name it."""
+    import logging
+
+    from ..logs import verbose
+
+    # A filter, not a level: transformers checks its tensor-parallel plan, and warns about it, when
+    # this logger's level is set.
+    report_logger = logging.getLogger("transformers.modeling_utils")
+
+    def no_report(record: logging.LogRecord) -> bool:
+        return verbose() or "LOAD REPORT" not in record.getMessage()
+
+    report_logger.addFilter(no_report)
+    try:
+        with transformers_progress_quiet():
+            return from_pretrained(output_loading_info=True, ignore_mismatched_sizes=True)
+    finally:
+        report_logger.removeFilter(no_report)
+
+
+def _refuse_a_partial_load(report: dict, name: str) -> None:
+    """Refuse a model whose checkpoint lacks a weight its config describes (transformers initialises
+    it at random, and only warns), holds one the model has no place for, or holds one in another
+    shape: naming the first such key, in the model's order."""
+    missing, unexpected = _in_order(report["missing_keys"]), _in_order(report["unexpected_keys"])
+    shapes = {key: (list(found), list(wanted)) for key, found, wanted in report["mismatched_keys"]}
+    if missing:
+        problem = f"its weights lack {_some(missing)}, which its config asks for (transformers would make them up at random)"
+    elif unexpected:
+        problem = f"its weights hold {_some(unexpected)}, for which its config has no place"
+    elif shapes:
+        keys = _in_order(shapes)
+        found, wanted = shapes[keys[0]]
+        others = f" ({len(keys) - 1} more weights too)" if len(keys) > 1 else ""
+        problem = f"its weights hold {keys[0]} as {found}, where its config asks for {wanted}{others}"
+    else:
+        return
+    raise InvalidModelError(
+        f"'{name}': {problem}; its config and its weights disagree (a field such as num_hidden_layers missing or "
+        "wrong, or weights of another model): fix the config or fetch the model again"
+    )
+
+
+def _in_order(keys) -> list[str]:
+    """Weight names in the model's order: model.layers.2 before model.layers.10."""
+    return sorted(keys, key=lambda key: [(0, int(part), "") if part.isdigit() else (1, 0, part) for part in key.split(".")])
+
+
+def _some(keys: list[str]) -> str:
+    return keys[0] + (f" and {len(keys) - 1} more weights" if len(keys) > 1 else "")
 
 
 def default_cache_dir() -> Path:
@@ -485,11 +544,9 @@ def _plain_folder(source: ModelSource, cache_dir: Path | None) -> Path:
     folder = _converted_folder(gguf, cache_dir)
     if (folder / "config.json").is_file():
         return folder
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
-    model = _read_gguf(
-        lambda: AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch_dtype("float32")), source
-    )
+    model = _checked_gguf_model(source)
     tokenizer = _read_gguf(lambda: AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name), source)
     # A GGUF-loaded model refuses save_pretrained while it remembers its quantizer.
     model.hf_quantizer = None
@@ -509,6 +566,31 @@ def _plain_folder(source: ModelSource, cache_dir: Path | None) -> Path:
         if not (isinstance(error, OSError) and (folder / "config.json").is_file()):
             raise
     return folder
+
+
+def _checked_gguf_model(source: ModelSource):
+    """The GGUF's model in float32, refused (before a made-up weight would be saved as if read) where
+    its weights and its metadata disagree. transformers' GGUF reader skips the tensors it has no
+    name for, which include those of layers past the metadata's block_count: those are added."""
+    from transformers import AutoModelForCausalLM
+
+    gguf = source.path
+
+    def from_gguf(**report):
+        return AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch_dtype("float32"), **report)
+
+    model, report = _read_gguf(lambda: _with_loading_report(from_gguf), source)
+    beyond = _read_gguf(lambda: _tensors_past_the_blocks(gguf, model.config.get_text_config().num_hidden_layers), source)
+    _refuse_a_partial_load({**report, "unexpected_keys": [*report["unexpected_keys"], *beyond]}, source.label)
+    return model
+
+
+def _tensors_past_the_blocks(gguf: Path, blocks: int) -> list[str]:
+    """The GGUF's tensors of layers ``blk.N`` with N past ``blocks`` (its metadata's layer count)."""
+    from gguf import GGUFReader
+
+    blocks_of = (re.match(r"blk\.(\d+)\.", str(tensor.name)) for tensor in GGUFReader(gguf).tensors)
+    return [found.string for found in blocks_of if found and int(found.group(1)) >= blocks]
 
 
 def _read_gguf(read, source: ModelSource):

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from kvexport.errors import ModelNotFoundError
-from kvexport.models import sources
+from kvexport.models import presets, sources
 
 
 def test_aliases_point_at_the_shipped_gguf_files():
@@ -55,6 +56,7 @@ def test_a_conversion_another_process_finished_first_is_used(tmp_path, monkeypat
         (folder / "config.json").write_text('{"theirs": true}')
 
     converted = SimpleNamespace(save_pretrained=save, config=SimpleNamespace(), hf_quantizer=None)
+    monkeypatch.setattr(sources, "_checked_gguf_model", lambda source: converted)
     monkeypatch.setattr(sources, "_read_gguf", lambda read, source: converted)
     assert sources._plain_folder(sources.resolve(str(gguf)), tmp_path) == folder
     assert (folder / "config.json").read_text() == '{"theirs": true}'
@@ -77,3 +79,37 @@ def test_a_truncated_gguf_is_reported_not_crashed_on(tmp_path):
     source = sources.resolve(str(broken))
     with pytest.raises(ModelNotFoundError, match="cannot read .*broken.gguf' as a GGUF model"):
         sources.load_config(source)
+
+
+EMPTY_REPORT = {"missing_keys": [], "unexpected_keys": [], "mismatched_keys": [], "error_msgs": []}
+
+
+def loading_report(folder) -> dict:
+    """transformers' loading report of a model folder, as the export loads it."""
+    from transformers import AutoModelForCausalLM
+
+    _, report = sources._with_loading_report(lambda **report: AutoModelForCausalLM.from_pretrained(folder, **report))
+    return {key: sorted(value) for key, value in report.items()}
+
+
+@pytest.mark.parametrize("name", sorted(presets.PRESETS))
+def test_every_preset_family_loads_back_with_no_weight_missing_or_unexpected(tmp_path, name):
+    """Each family the export takes, saved as a folder and loaded as the export loads one: no key
+    missing, unexpected or mis-shaped (tied weights, non-persistent buffers and the keys a class
+    ignores are not reported), and the weights are the saved ones."""
+    model, tokenizer = presets.build_preset(name)
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    assert loading_report(tmp_path) == EMPTY_REPORT
+    loaded, _ = sources.load_model(sources.resolve(str(tmp_path)))
+    saved = model.state_dict()
+    assert all(torch.equal(tensor, saved[key]) for key, tensor in loaded.state_dict().items())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("alias", sorted(sources.ALIASES))
+def test_the_real_models_load_with_no_weight_missing_or_unexpected(tmp_path, alias):
+    """The shipped GGUFs convert with nothing made up (the GGUF read's report is refused otherwise),
+    and the converted folder loads with an empty report."""
+    folder = sources._plain_folder(sources.resolve(alias), tmp_path)
+    assert loading_report(folder) == EMPTY_REPORT

@@ -29,6 +29,11 @@ RUNTIME_PACKAGES = ("executorch",)
 QUANTIZES_MODULE = True
 # --kv-cache int8: each row has a float32 scale and an int8 zero point.
 INT8_KV_ROW_EXTRA_BYTES = 4 + 1
+# A cache of one position is a decode-only program (T static at 1).
+MIN_MAX_CACHE_LEN = 1
+# torch.export's dynamic sizes start at 2, so a bound of 2 on T would fix every call at 2 tokens,
+# and decoding calls with 1: calls of up to 2 tokens are no one program.
+CALL_BOUNDS_REFUSED = (2,)
 
 
 def export(
@@ -129,7 +134,8 @@ def _constant_methods(spec: ProgramSpec) -> dict:
         "get_max_context_len": spec.max_cache_len,
         "use_kv_cache": True,
         "use_sdpa_with_kv_cache": False,
-        "enable_dynamic_shape": True,
+        # False for a decode-only program (T static at 1): the runner then prefills token by token.
+        "enable_dynamic_shape": spec.max_tokens_per_call > 1,
         "get_eos_ids": spec.eos_token_ids,
         "get_vocab_size": spec.vocab_size,
         "get_n_layers": len(spec.layers),

@@ -39,7 +39,7 @@ class ExternalCacheDecoder(ExportableDecoder):
 def external_cache_example_inputs(decoder: ExternalCacheDecoder) -> tuple[torch.Tensor, ...]:
     """A call of a few tokens after a few positions, sizes that differ from each other and from
     every window, so no dimension is specialised to, or equated with, another by its example value."""
-    t = min(8, decoder.max_tokens_per_call, decoder.max_cache_len - 2)
+    t = max(2, min(8, decoder.max_tokens_per_call, decoder.max_cache_len - 2))
     start = min(5, decoder.max_cache_len - t)
     past = []
     for layer, spec in decoder.buffer_layers:

@@ -40,6 +40,11 @@ QUANTIZES_MODULE = False
 # --kv-cache int8: rows are int8 values only; the scales are fixed, one per KV head and channel.
 INT8_KV_ROW_EXTRA_BYTES = 0
 GENAI_CONFIG = "genai_config.json"
+# The graph's sizes are traced from a call of 2 tokens after a cached position: torch.export
+# specialises a size of 1, and equates the call's size with the mask's where both are 2.
+MIN_MAX_CACHE_LEN = 3
+# The graph takes any T: --prefill-chunk is the interface's limit, which runners keep to.
+CALL_BOUNDS_REFUSED = ()
 
 # Symbolic dimensions of the graph's inputs and outputs.
 SYMBOLS = {
