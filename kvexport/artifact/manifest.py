@@ -34,6 +34,12 @@ def buffer_layers(layers: list[dict]) -> list[dict]:
     return [layer for layer in layers if layer["cache"] in ("static", "ring")]
 
 
+def state_layers(layers: list[dict]) -> list[dict]:
+    """The layers that hold a state instead of a KV cache (``conv``, ``recurrent``), in order: an
+    ONNX graph passes their states after every KV buffer."""
+    return [layer for layer in layers if layer["cache"] in ("conv", "recurrent")]
+
+
 def sha256_file(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:

@@ -26,7 +26,8 @@ from .attention import family_eager_attention
 # A target's cache for each kind of layer that holds one: ``make(batch, kv_heads, slots, head_dim,
 # dtype)``, slots being max_cache_len for STATIC and the window for RING. Each kind provides
 # ``attend`` (write the call's keys and attend to them) or ``update`` (write them and return the
-# keys to attend to), ``key_positions`` and, for layers that share it, ``read``.
+# keys to attend to), ``key_positions`` and, for layers that share it, ``read``. CONV and RECURRENT
+# (optional: ``ConvState``, ``GatedDeltaState`` where absent) are the states' classes.
 CacheKinds = dict[str, Callable[..., object]]
 
 
@@ -42,9 +43,10 @@ def build_caches(
         if kind == SHARED:
             caches.append(SharedKVCache(spec.reads))
         elif kind == CONV:
-            caches.append(ConvState(*spec.conv_state, dtype))
+            caches.append(kinds.get(CONV, ConvState)(*spec.conv_state, dtype))
         elif kind == RECURRENT:
-            caches.append(GatedDeltaState(spec.conv_state, spec.recurrent_state, max_tokens_per_call, dtype))
+            state = kinds.get(RECURRENT, GatedDeltaState)
+            caches.append(state(spec.conv_state, spec.recurrent_state, max_tokens_per_call, dtype))
         else:
             caches.append(kinds[kind](1, spec.kv_heads, spec.cache_slots(max_cache_len), spec.head_dim, dtype))
     return caches
@@ -80,8 +82,12 @@ class ConvState(nn.Module):
         state and the call: ``T`` outputs, and the state becomes the last ``width`` inputs."""
         continuing = (call.positions[:1] > 0).to(x.dtype)
         inputs = torch.cat([self.state * continuing, x], dim=-1)
-        self.state.copy_(inputs[:, :, inputs.shape[-1] - self.width :])
+        self.keep(inputs[:, :, inputs.shape[-1] - self.width :])
         return nn.functional.conv1d(inputs, weight, bias, groups=x.shape[1])
+
+    def keep(self, state: torch.Tensor) -> None:
+        """The state after the call: written in place (a target whose graph holds no state returns it)."""
+        self.state.copy_(state)
 
 
 class GatedDeltaState(nn.Module):
@@ -99,7 +105,7 @@ class GatedDeltaState(nn.Module):
     def __init__(self, conv_state: tuple[int, int], recurrent_state: tuple[int, int, int], max_tokens: int, dtype):
         super().__init__()
         self.conv = ConvState(*conv_state, dtype)
-        self.chunk = 1 << max(max_tokens - 1, 0).bit_length()  # the call's bound, as a power of two
+        self.chunk = padded_chunk(max_tokens)
         self.register_buffer("state", torch.zeros((1, *recurrent_state), dtype=torch.float32), persistent=False)
 
     def delta_rule(self, query, key, value, g, beta, call: CallState) -> torch.Tensor:
@@ -127,8 +133,17 @@ class GatedDeltaState(nn.Module):
         out = (query * decay.exp()[..., None]) @ state + ((query @ key.transpose(-1, -2)) * pairwise) @ corrections
         last = decay[..., -1:]
         to_end = (key * (last - decay).exp()[..., None]).transpose(-1, -2)
-        self.state.copy_(state * last.exp()[..., None] + to_end @ corrections)
+        self.keep(state * last.exp()[..., None] + to_end @ corrections)
         return out.transpose(1, 2).to(dtype)
+
+    def keep(self, state: torch.Tensor) -> None:
+        """The recurrent state after the call: written in place (see ``ConvState.keep``)."""
+        self.state.copy_(state)
+
+
+def padded_chunk(max_tokens: int) -> int:
+    """The size a call's triangular system is padded to: the call's bound, as a power of two."""
+    return 1 << max(max_tokens - 1, 0).bit_length()
 
 
 def _l2norm(x: torch.Tensor) -> torch.Tensor:

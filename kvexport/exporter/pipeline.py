@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import platform
 from dataclasses import dataclass, field
@@ -141,6 +142,18 @@ class ExportPlan:
         )
 
     @property
+    def state_bytes(self) -> int:
+        """What the states of the layers that do not attend take, the same at every position: a
+        convolution's last inputs (in the dtype), a linear-attention layer's recurrent state (float32)."""
+        total = 0
+        for s in self.specs:
+            if s.conv_state:
+                total += s.conv_state[0] * s.conv_state[1] * self.dtype_bytes
+            if s.recurrent_state:
+                total += math.prod(s.recurrent_state) * 4
+        return total
+
+    @property
     def kv_cache_bytes_if_all_full(self) -> int:
         """What the cache would take if every layer held max_cache_len positions of its own
         (transformers' export: no rings, no sharing)."""
@@ -194,7 +207,8 @@ class ExportPlan:
         return (
             f"{o.model}: {len(self.specs)} layers ({rings} sliding-window rings{other_kinds}), max_cache_len "
             f"{self.max_cache_len}{default}, calls of up to {self.prefill_chunk} token{'s' if self.prefill_chunk > 1 else ''}, KV cache{kv} {self.kv_cache_bytes / 2**20:.1f} MiB "
-            f"({self.kv_cache_bytes / self.kv_cache_bytes_if_all_full:.0%} of full-length layers), "
+            f"({self.kv_cache_bytes / self.kv_cache_bytes_if_all_full:.0%} of full-length layers)"
+            f"{f', states {self.state_bytes / 2**20:.1f} MiB' if self.state_bytes else ''}, "
             f"{o.dtype} -> {o.target}{quantized}"
         )
 
@@ -393,6 +407,7 @@ def _manifest_info(plan: ExportPlan, model, tokenizer) -> dict:
         **({"kv_cache": target.describe_kv_cache(plan.options.kv_cache)} if plan.options.kv_cache != "float" else {}),
         "kv_cache_bytes": plan.kv_cache_bytes,
         "kv_cache_bytes_if_all_full": plan.kv_cache_bytes_if_all_full,
+        **({"state_bytes": plan.state_bytes} if plan.state_bytes else {}),
         "interface": {
             "inputs": [
                 {"name": "tokens", "dtype": "int64", "shape": [1, "T"], "note": "1 <= T <= max_tokens_per_call"},

@@ -12,7 +12,10 @@ writes the call's rows in place:
   reads rows ``0 .. start+T-1``, so a decode step costs the filled length;
 - a sliding layer's buffer ``[1, kv_heads, window, head_dim]``, which the kernel keeps itself
   (``sliding_window_cache``: the newest positions in order from row 0, the oldest evicted);
-- none for a layer that shares an earlier layer's cache (``shared``): the graph reads that one's.
+- none for a layer that shares an earlier layer's cache (``shared``): the graph reads that one's;
+- for a layer that does not attend (``conv``, ``recurrent``), each state in two buffers, the past
+  and the present, swapped after every call (the graph reads a past after it begins writing the
+  present, so the two cannot share memory).
 
 The call's start is the width of ``attention_mask`` (ones) less its tokens.
 """
@@ -23,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..artifact.manifest import MANIFEST, buffer_layers, program_mismatch
+from ..artifact.manifest import MANIFEST, buffer_layers, program_mismatch, state_layers
 from ..errors import ArtifactError, InvalidOptionError
 from .cpu import runtime_threads
 from .onnx_artifact import GPU_HINT, check_against_genai_config, check_call, check_runs_on_cuda
@@ -43,11 +46,24 @@ def _check_onnx_fields(manifest: dict) -> None:
     lacks += [
         f"layers[{i}].{field}"
         for i, layer in enumerate(manifest["layers"])
-        for field in ("index", "kv_heads", "head_dim")
+        for field in _LAYER_FIELDS.get(layer["cache"], ("index", "kv_heads", "head_dim"))
         if field not in layer
     ]
     if lacks:
         raise ArtifactError(f"{MANIFEST} lacks {lacks[0]}, which an ONNX artifact has; the manifest was edited or damaged, re-export")
+
+
+# What this runner sizes a state layer's buffers from (see _state_shapes).
+_LAYER_FIELDS = {"conv": ("index", "channels", "slots"), "recurrent": ("index", "channels", "slots", "state")}
+
+
+def _state_shapes(layer: dict) -> list[tuple[str, list[int], str]]:
+    """``(name, shape, dtype)`` of each state a layer that does not attend passes through the graph
+    (exporter/onnx/target.py's PAST_STATE): its convolution's, then a recurrent state (float32)."""
+    shapes = [("conv", [1, layer["channels"], layer["slots"]], None)]
+    if layer["cache"] == "recurrent":
+        shapes.append(("recurrent", [1, *layer["state"]], "float32"))
+    return shapes
 
 
 def _check_against_graph(session, manifest: dict) -> None:
@@ -81,6 +97,18 @@ def _check_against_graph(session, manifest: dict) -> None:
             if graph[name].type != cache_type:
                 raise program_mismatch("its KV cache's dtype is", cache_dtype, f"{name} of {graph[name].type}")
             _check_shape(name, shape, graph[name].shape, fields)
+    states = [f"past_state.{layer['index']}.{state}" for layer in state_layers(manifest["layers"]) for state, *_ in _state_shapes(layer)]
+    if sorted(states) != sorted(name for name in graph if name.startswith("past_state.")):
+        raise program_mismatch("the layers' states are", ", ".join(states) or "none",
+                               ", ".join(name for name in graph if name.startswith("past_state.")) or "none")
+    for layer in state_layers(manifest["layers"]):
+        for state, shape, dtype in _state_shapes(layer):
+            name = f"past_state.{layer['index']}.{state}"
+            if name not in graph or f"present_state.{layer['index']}.{state}" not in outputs:
+                raise program_mismatch("the graph has", name, "no such input")
+            if graph[name].type != _ORT_TYPES[dtype or manifest["dtype"]]:
+                raise program_mismatch(f"{name}'s dtype is", dtype or manifest["dtype"], graph[name].type)
+            _check_shape(name, shape, graph[name].shape, f"layers[{layer['index']}]'s channels, slots and state")
 
 
 def _cache_dtype(manifest: dict) -> str:
@@ -123,6 +151,22 @@ class _Layer:
         self.index = index  # in the graph's names: the n-th layer that holds a cache
         self.shape = [1, spec["kv_heads"], _rows(spec, max_cache_len), spec["head_dim"]]  # GroupQueryAttention's layout
         self.buffers = {kv: _Buffer(ort, tuple(self.shape), dtype, device) for kv in ("key", "value")}
+
+
+class _State:
+    """One state of a layer that does not attend: a past and a present buffer, swapped after each call."""
+
+    def __init__(self, ort, layer: int, name: str, shape: list[int], dtype: np.dtype, device: str):
+        self.past_name, self.present_name = f"past_state.{layer}.{name}", f"present_state.{layer}.{name}"
+        self.shape, self.dtype = shape, dtype
+        self.past, self.present = (_Buffer(ort, tuple(shape), dtype, device) for _ in range(2))
+
+    def bind(self, binding, device: str) -> None:
+        binding.bind_input(self.past_name, device, 0, self.dtype, self.shape, self.past.ptr)
+        binding.bind_output(self.present_name, device, 0, self.dtype, self.shape, self.present.ptr)
+
+    def swap(self) -> None:
+        self.past, self.present = self.present, self.past
 
 
 class OnnxProgram:
@@ -179,6 +223,11 @@ class OnnxProgram:
             for kv, buf in layer.buffers.items():
                 self._binding.bind_input(_cache_name("past", kv, layer.index), device, 0, self._cache_dtype, layer.shape, buf.ptr)
                 self._binding.bind_output(_cache_name("present", kv, layer.index), device, 0, self._cache_dtype, layer.shape, buf.ptr)
+        self._states = [
+            _State(ort, layer["index"], name, shape, np.dtype(dtype or manifest["dtype"]), device)
+            for layer in state_layers(manifest["layers"])
+            for name, shape, dtype in _state_shapes(layer)
+        ]
         self._next_start = 0
 
     def forward(self, tokens: list[int], start: int) -> np.ndarray:
@@ -194,7 +243,11 @@ class OnnxProgram:
         # Host inputs are rebound every call: ONNX Runtime may copy them to the device when bound.
         self._binding.bind_input("input_ids", "cpu", 0, np.int64, [1, n], self._tokens.ctypes.data)
         self._binding.bind_input("attention_mask", "cpu", 0, np.int64, [1, start + n], self._mask.ctypes.data)
+        for state in self._states:
+            state.bind(self._binding, self._device)
         self._session.run_with_iobinding(self._binding)
+        for state in self._states:
+            state.swap()
 
     def reset(self) -> None:
         # Nothing to clear: a call at position 0 starts a new sequence (attention ignores older contents).

@@ -8,7 +8,7 @@ import torch
 from kvexport.exporter.decoder import ExportableDecoder
 from kvexport.exporter.onnx.decoder import ExternalCacheDecoder
 
-from tests.conftest import NEW_TOKENS, ONNX_REFUSES, PROMPT, TEST_CACHE_LEN
+from tests.conftest import NEW_TOKENS, PROMPT, TEST_CACHE_LEN
 from tests.helpers import FP32_LOGIT_ATOL, assert_generation_matches, eager_reference, greedy_with, torch_forward
 
 
@@ -50,19 +50,22 @@ def external_cache_forward(decoder: ExternalCacheDecoder, window_rows: int | Non
     """``forward(tokens, start)`` over the external-cache wrapper, driven as kvexport.json's
     ``interface`` says (the ONNX runners', without ONNX): an attention mask of ones as wide as the
     positions so far, a full layer's buffer of max_cache_len rows, a sliding layer's of its window
-    (or ``window_rows``, as onnxruntime-genai's slack gives), present copied back into past."""
+    (or ``window_rows``, as onnxruntime-genai's slack gives), present copied back into past; the
+    states of layers that do not attend, zeros at first, each present the next call's past."""
     buffers = []
     for layer, spec in decoder.buffer_layers:
         rows = (window_rows or layer.window) if layer.window else decoder.max_cache_len
         buffers.append([torch.zeros(1, spec.kv_heads, rows, spec.head_dim) for _ in range(2)])
+    states = [torch.zeros(shape, dtype=dtype) for layer in decoder.state_layers for shape, dtype in layer.shapes]
 
     def forward(tokens, start):
         past = [b for kv in buffers for b in kv]
         mask = torch.ones(1, start + len(tokens), dtype=torch.long)
         with torch.no_grad():
-            logits, *present = decoder(torch.tensor([tokens]), mask, *past)
+            logits, *present = decoder(torch.tensor([tokens]), mask, *past, *states)
         for buffer, written in zip(past, present):  # present is the buffer with the call written
             buffer.copy_(written)
+        states[:] = present[len(past):]
         assert logits.shape == (1, 1, decoder.model.config.vocab_size)
         return logits[0, 0].numpy()
 
@@ -72,8 +75,6 @@ def external_cache_forward(decoder: ExternalCacheDecoder, window_rows: int | Non
 def test_external_cache_wrapper_matches_eager(tiny):
     # Every family through the kernel's semantics: Gemma 2's soft-capping, gpt-oss's sinks included.
     name, model, tokenizer = tiny
-    if name in ONNX_REFUSES:
-        pytest.skip(f"the ONNX target refuses {name}")
     ids = tokenizer(PROMPT).input_ids
     forward = external_cache_forward(ExternalCacheDecoder(model, TEST_CACHE_LEN))
     got = greedy_with(forward, ids, NEW_TOKENS, chunks=[5, 13, 26])

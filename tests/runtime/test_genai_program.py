@@ -12,15 +12,14 @@ import pytest
 from kvexport.models.presets import build_preset
 from kvexport.runtime.programs import load_program
 
-from tests.conftest import NEW_TOKENS, ONNX_REFUSES, PROMPT, TEST_CACHE_LEN
+from tests.conftest import GENAI_REFUSES, NEW_TOKENS, PROMPT, TEST_CACHE_LEN
 from tests.helpers import FP32_LOGIT_ATOL, assert_generation_matches, eager_reference, genai_greedy, greedy_with
 from tests.runtime.test_onnx_program import _WITHOUT_TORCH
 from tests.test_cli import assert_one_line_error, run_cli
 
 
-# Presets whose ONNX folder genai cannot run (test_a_folder_genai_cannot_run_is_refused_in_one_line),
-# and those with no ONNX folder.
-GENAI_CANNOT_RUN = {"tiny-gemma4"} | ONNX_REFUSES
+# Presets whose ONNX folder genai cannot run (test_a_folder_genai_cannot_run_is_refused_in_one_line).
+GENAI_CANNOT_RUN = {"tiny-gemma4"} | GENAI_REFUSES
 
 
 def test_genai_matches_eager_past_the_window(tiny, artifact):
@@ -28,7 +27,7 @@ def test_genai_matches_eager_past_the_window(tiny, artifact):
     and gpt-oss's sinks included, through genai's own cache and calls."""
     name, model, tokenizer = tiny
     if name in GENAI_CANNOT_RUN:
-        pytest.skip(f"genai cannot run {name}: the ONNX target refuses it, or its export says genai cannot")
+        pytest.skip(f"genai cannot run {name}: its export says so")
     ids = tokenizer(PROMPT).input_ids
     program = load_program(artifact(name, "onnx"), runner="genai")
     got = greedy_with(program.forward, ids, NEW_TOKENS)
@@ -75,11 +74,13 @@ def test_runner_genai_is_for_onnx_artifacts(artifact, capsys):
     assert_one_line_error(code, err, "unknown --runner 'tensorrt'; choose kvexport or genai")
 
 
-def test_a_folder_genai_cannot_run_is_refused_in_one_line(artifact, capsys):
+@pytest.mark.parametrize("name", sorted(GENAI_CANNOT_RUN))
+def test_a_folder_genai_cannot_run_is_refused_in_one_line(artifact, capsys, name):
     """Gemma 4's sliding layers that share an earlier layer's cache read a window buffer of the
-    window's rows, which genai does not allocate: the export writes no genai_config.json and says
-    why in kvexport.json, and --runner genai repeats it; kvexport's own runner runs the folder."""
-    folder = artifact("tiny-gemma4", "onnx")
+    window's rows, which genai does not allocate; the states of convolutions and linear attention
+    are inputs genai does not know: the export writes no genai_config.json and says why in
+    kvexport.json, and --runner genai repeats it; kvexport's own runner runs the folder."""
+    folder = artifact(name, "onnx")
     assert not (folder / "genai_config.json").exists()
     code, _, err = run_cli(capsys, "check", folder, "--runner", "genai")
     assert_one_line_error(code, err, "onnxruntime-genai cannot run")

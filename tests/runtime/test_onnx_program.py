@@ -154,3 +154,24 @@ def test_cuda_generation_matches_the_cpu_providers(artifact, name):
         expected = greedy_with(load_program(folder).forward, ids, NEW_TOKENS, chunks=chunks)
         got = greedy_with(program.forward, ids, NEW_TOKENS, chunks=chunks)
         assert_generation_matches(got, expected, FP16_PROVIDERS_ATOL, f"cuda, chunks {chunks}")
+
+
+@pytest.mark.parametrize(
+    "change, phrase",
+    [
+        (lambda layer: layer.update(state=[5, 16, 16]), "past_state.0.recurrent is [1, 5, 16, 16] but the program has [1, 4, 16, 16]"),
+        (lambda layer: layer.update(channels=64), "past_state.0.conv is [1, 64, 3] but the program has [1, 128, 3]"),
+        (lambda layer: layer.update(cache="conv"),
+         "the layers' states are past_state.0.conv but the program has past_state.0.conv, past_state.0.recurrent"),
+        (lambda layer: layer.pop("state"), "kvexport.json lacks layers[0].state, which an ONNX artifact has"),
+    ],
+    ids=["recurrent-shape", "conv-channels", "conv-for-recurrent", "no-state"],
+)
+def test_a_manifest_whose_states_do_not_fit_the_graph_is_refused_in_one_line(artifact, tmp_path, capsys, change, phrase):
+    """The runner sizes a linear-attention layer's state buffers from kvexport.json: one that
+    disagrees with the graph's inputs is refused before any buffer is made."""
+    folder = tmp_path / "copy"
+    shutil.copytree(artifact("tiny-qwen3.5", "onnx"), folder)
+    edit_manifest(lambda m: change(m["layers"][0]))(folder)
+    code, _, err = run_cli(capsys, "run", folder, "--prompt", "hi", "--max-new-tokens", "2")
+    assert_one_line_error(code, err, phrase)

@@ -6,8 +6,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ...models.architecture import CONV, RECURRENT
 from ..decoder import ExportableDecoder
 from .attention import EXTERNAL_LAYERS
+from .states import ExternalConvState, ExternalGatedDeltaState
+
+EXTERNAL_KINDS = {**EXTERNAL_LAYERS, CONV: ExternalConvState, RECURRENT: ExternalGatedDeltaState}
 
 
 class ExternalCacheDecoder(ExportableDecoder):
@@ -20,20 +24,27 @@ class ExternalCacheDecoder(ExportableDecoder):
     ``attention``.
     """
 
-    def __init__(self, model: nn.Module, max_cache_len: int):
-        super().__init__(model, max_cache_len, EXTERNAL_LAYERS)
-        # The layers whose buffers cross the graph boundary, in the graph's order, with their specs.
-        self.buffer_layers = [(layer, spec) for layer, spec in zip(self.caches, self.specs) if spec.reads is None]
+    def __init__(self, model: nn.Module, max_cache_len: int, max_tokens_per_call: int | None = None):
+        super().__init__(model, max_cache_len, EXTERNAL_KINDS, max_tokens_per_call)
+        # The layers whose buffers cross the graph boundary, in the graph's order, with their specs;
+        # then the states of the layers that do not attend (``states``), after every KV buffer.
+        self.buffer_layers = [(c, spec) for c, spec in zip(self.caches, self.specs) if spec.reads is None and spec.has_kv]
+        self.state_layers = [c for c, spec in zip(self.caches, self.specs) if not spec.has_kv]
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *past: torch.Tensor):
-        for (layer, _), past_k, past_v in zip(self.buffer_layers, past[0::2], past[1::2], strict=True):
+        kv = 2 * len(self.buffer_layers)
+        for (layer, _), past_k, past_v in zip(self.buffer_layers, past[0:kv:2], past[1:kv:2], strict=True):
             layer.bind(past_k, past_v)
+        states = iter(past[kv:])
+        for layer in self.state_layers:
+            layer.bind(*[next(states) for _ in layer.shapes])
         t, total = input_ids.shape[1], attention_mask.shape[1]
         torch._check(t <= total)
         torch._check(total <= self.max_cache_len)
         positions = torch.arange(total - t, total, device=input_ids.device)
         logits = self.logits_at(input_ids, positions)[:, None]
-        return (logits, *[kv for layer, _ in self.buffer_layers for kv in (layer.present_k, layer.present_v)])
+        presents = [kv for layer, _ in self.buffer_layers for kv in (layer.present_k, layer.present_v)]
+        return (logits, *presents, *[state for layer in self.state_layers for state in layer.presents()])
 
 
 def external_cache_example_inputs(decoder: ExternalCacheDecoder) -> tuple[torch.Tensor, ...]:
@@ -46,15 +57,17 @@ def external_cache_example_inputs(decoder: ExternalCacheDecoder) -> tuple[torch.
         rows = layer.window or decoder.max_cache_len
         dtype = decoder.dtype if layer.k_scale is None else torch.int8  # int8: --kv-cache int8
         past += [torch.zeros((1, spec.kv_heads, rows, spec.head_dim), dtype=dtype) for _ in range(2)]
+    past += [torch.zeros(shape, dtype=dtype) for layer in decoder.state_layers for shape, dtype in layer.shapes]
     return (torch.zeros((1, t), dtype=torch.long), torch.ones((1, start + t), dtype=torch.long), *past)
 
 
 def export_external_cache_decoder(decoder: ExternalCacheDecoder) -> torch.export.ExportedProgram:
-    """``T``, the mask's width and every buffer's rows dynamic: onnxruntime-genai gives a full
+    """``T``, the mask's width and every KV buffer's rows dynamic: onnxruntime-genai gives a full
     layer as many rows as the generation's ``max_length``, and a sliding one its window and a slack."""
     inputs = external_cache_example_inputs(decoder)
     dynamic = torch.export.Dim.DYNAMIC
-    past_shapes = tuple({2: dynamic} for _ in inputs[2:])
+    kv = 2 * len(decoder.buffer_layers)
+    past_shapes = tuple({2: dynamic} if n < kv else None for n in range(len(inputs) - 2))  # a state's shape is fixed
     dynamic_shapes = ({1: dynamic}, {1: dynamic}, past_shapes)
     with torch.no_grad():
         return torch.export.export(decoder, inputs, dynamic_shapes=dynamic_shapes, strict=False)

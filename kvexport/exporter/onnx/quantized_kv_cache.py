@@ -56,7 +56,8 @@ def calibrate(decoder, ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tens
     """Each buffer layer's fixed key and value scales ``[1, kv_heads, 1, D]`` (float32), from eager calls
     of ``decoder`` (an ``ExternalCacheDecoder`` with float buffers) on ``ids [1, N]`` at rotary
     offsets from 0 to ``max_cache_len - N``."""
-    ids = ids[:, : decoder.max_cache_len]
+    # One call: at most the call bound a linear-attention layer's padded system takes.
+    ids = ids[:, : min(decoder.max_cache_len, decoder.max_tokens_per_call)]
     n = ids.shape[1]
     peaks: list[list[torch.Tensor | None]] = [[None, None] for _ in decoder.buffer_layers]  # keys, values
 
@@ -71,6 +72,7 @@ def calibrate(decoder, ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tens
     for layer, spec in decoder.buffer_layers:
         rows = layer.window or n
         past += [torch.zeros((1, spec.kv_heads, rows, spec.head_dim), dtype=decoder.dtype) for _ in range(2)]
+    past += [torch.zeros(shape, dtype=dtype) for layer in decoder.state_layers for shape, dtype in layer.shapes]
     offsets = sorted({round(float(x)) for x in torch.linspace(0, decoder.max_cache_len - n, ROTARY_OFFSETS)})
     try:
         for i, (layer, _) in enumerate(decoder.buffer_layers):

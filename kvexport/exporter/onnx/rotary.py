@@ -173,7 +173,11 @@ def fold_rotations_into_attention(path, max_cache_len: int) -> int:
     folds = [(node, chains) for node, chains in folds if values is not None and by_position(chains[0])]
     if not folds:
         return 0
-    tables = _add_tables(graph, {name: values[name] for _, chains in folds for name in chains[0].input[2:4]})
+    # The kernel's tables are in its query's type (a family whose rotation takes float32 tables and
+    # casts the result, LFM3's, would otherwise bind T to two types in a float16 graph).
+    logits = next(v for v in graph.output if v.name == "logits").type.tensor_type.elem_type
+    dtype = helper.tensor_dtype_to_np_dtype(logits)
+    tables = _add_tables(graph, {name: values[name].astype(dtype) for _, chains in folds for name in chains[0].input[2:4]})
     added = {}  # attention node -> the nodes it now reads that the graph did not have (placed before it)
     for node, chains in folds:
         for slot, rotation in zip((0, 1), chains):

@@ -17,8 +17,9 @@ from pathlib import Path
 
 import torch
 
-from ...artifact.manifest import buffer_layers
+from ...artifact.manifest import buffer_layers, state_layers
 from ...errors import UnsupportedModelError
+from ...models.architecture import layer_specs
 from ..quantization import Quantization
 from ..targets import ProgramSpec
 from .attention import ONNX_TRANSLATIONS as ATTENTION_TRANSLATIONS
@@ -71,7 +72,9 @@ def export(
     ONNX Runtime sizes memory per call, so the graph itself takes any ``T`` the cache holds (its
     rotary tables are computed from a call of ``max_cache_len`` tokens); ``max_tokens_per_call``
     is the interface's limit, which runners keep to (``interface``)."""
-    decoder = ExternalCacheDecoder(model, max_cache_len)
+    # Linear attention pads each call's system to the longest call: the bound matters there.
+    has_states = any(not spec.has_kv for spec in layer_specs(model.config))
+    decoder = ExternalCacheDecoder(model, max_cache_len, max_tokens_per_call if has_states else None)
     if kv_cache == "int8":
         use_int8_buffers(decoder, calibrate(decoder, calibration_ids))
     with rotary_as_kernel(decoder.model):
@@ -80,15 +83,13 @@ def export(
 
 # onnxruntime-genai's names (genai_config.json's inputs / outputs templates).
 PAST, PRESENT = "past_key_values.{index}.{kv}", "present.{index}.{kv}"
+# The states of a layer that does not attend (exporter/onnx/states.py), by its cache kind.
+PAST_STATE, PRESENT_STATE = "past_state.{index}.{state}", "present_state.{index}.{state}"
+STATES = {"conv": ("conv",), "recurrent": ("conv", "recurrent")}
 
 
 def check_layers(specs: list, max_cache_len: int) -> None:
     """Refuse, before the model loads, layers this target cannot describe."""
-    if any(not s.has_kv for s in specs):
-        raise UnsupportedModelError(
-            "its short convolutions or linear-attention layers keep a state between calls, which the ONNX "
-            "target does not pass across the graph yet; export it with --target executorch"
-        )
     windows = sorted({s.window for s in specs if s.is_ring(max_cache_len)})
     if len(windows) > 1:  # genai_config.json has one sliding_window section
         raise UnsupportedModelError(
@@ -98,12 +99,17 @@ def check_layers(specs: list, max_cache_len: int) -> None:
 
 def io_names(layers: list[dict]) -> tuple[list[str], list[str]]:
     """Graph input and output names, in ``ExternalCacheDecoder.forward``'s order: the n-th buffer
-    layer's (``buffer_layers``) past and present are numbered n."""
+    layer's (``buffer_layers``) past and present are numbered n; then each state of the layers that
+    do not attend, named by the layer's index."""
     inputs, outputs = ["input_ids", "attention_mask"], ["logits"]
     for n, _ in enumerate(buffer_layers(layers)):
         for kv in ("key", "value"):
             inputs.append(PAST.format(index=n, kv=kv))
             outputs.append(PRESENT.format(index=n, kv=kv))
+    for layer in state_layers(layers):
+        for state in STATES[layer["cache"]]:
+            inputs.append(PAST_STATE.format(index=layer["index"], state=state))
+            outputs.append(PRESENT_STATE.format(index=layer["index"], state=state))
     return inputs, outputs
 
 
@@ -154,6 +160,8 @@ def genai_cannot_run(layers: list[dict]) -> str | None:
     window's rows, as kvexport's runner gives it. genai gives it more, and the kernel compacts
     such a buffer to the window when it fills, so where its newest rows end depends on the
     calls so far, which the graph cannot know."""
+    if state_layers(layers):
+        return "layers with a convolution's or a recurrent state, which kvexport's graph passes as inputs genai does not know"
     by_index = {layer["index"]: layer for layer in layers}
     if any(layer["cache"] == "shared" and by_index[layer["reads"]]["cache"] == "ring" for layer in layers):
         return "layers that share a sliding layer's cache read a window buffer of exactly the window's rows, which genai does not allocate"
@@ -389,6 +397,7 @@ def _drop_identity_reshapes(model) -> int:
 
 _ONNX_DTYPES = {1: "float32", 10: "float16", 16: "bfloat16", 7: "int64", 6: "int32", 3: "int8"}
 _CACHE_NAME = re.compile(r"(past_key_values|present)\.(\d+)\.(key|value)")
+_STATE_NAME = re.compile(r"(past_state|present_state)\.(\d+)\.(conv|recurrent)")
 
 
 def _describe(value, layers_by_buffer: list) -> dict:
@@ -401,6 +410,11 @@ def _describe(value, layers_by_buffer: list) -> dict:
         entry["meaning"] = "ones, one per position so far (P + T): its width tells the graph where the call starts"
     elif value.name == "logits":
         entry["meaning"] = "logits of the call's last position"
+    elif state := _STATE_NAME.fullmatch(value.name):
+        kind, entry["layer"], what = state.group(1), int(state.group(2)), state.group(3)
+        held = "its convolution's last inputs" if what == "conv" else "its recurrent state (float32)"
+        entry["meaning"] = (f"the layer's state before this call: {held}" if kind == "past_state" else
+                            "the state after this call: the next call's past (a separate buffer, not the past's memory)")
     elif match:
         kind, index, kv = match.group(1), int(match.group(2)), match.group(3)
         layer = layers_by_buffer[index]
@@ -442,5 +456,13 @@ def interface(graph, spec: ProgramSpec) -> dict:
             "ring": "the same binding; GroupQueryAttention with sliding_window_cache keeps the newest positions in "
             "order from row 0 and evicts the oldest itself: the runtime never moves a row",
             "new_sequence": "call with an attention_mask of width T (P = 0): nothing needs clearing",
+            **({"states": STATES_RULE} if state_layers(spec.layers) else {}),
         },
     }
+
+
+STATES_RULE = (
+    "a layer that does not attend (cache conv or recurrent) has past_state.i.* inputs and present_state.i.* "
+    "outputs (i: the layer's index), zeros at first: pass each present as the next call's past, in a buffer of "
+    "its own (the graph reads the past after it begins writing the present); a call at P = 0 ignores the past"
+)

@@ -14,36 +14,27 @@ from kvexport.artifact.manifest import read_manifest
 from kvexport.models.presets import build_preset, preset_config
 from kvexport.runtime.programs import load_program
 
-from tests.conftest import NEW_TOKENS, ONNX_REFUSES, PROMPT, TEST_CACHE_LEN
+from tests.conftest import NEW_TOKENS, PROMPT, TEST_CACHE_LEN
 from tests.helpers import FP32_LOGIT_ATOL, assert_generation_matches, eager_reference, greedy_with
 from tests.test_cli import assert_one_line_error, run_cli
 
 
 def test_onnx_matches_eager_past_the_window(tiny, artifact):
     name, model, tokenizer = tiny
-    if name in ONNX_REFUSES:
-        pytest.skip(f"the ONNX target refuses {name} (test_short_convolutions_are_refused_before_loading)")
     ids = tokenizer(PROMPT).input_ids
     program = load_program(artifact(name, "onnx"))
     got = greedy_with(program.forward, ids, NEW_TOKENS)
     assert_generation_matches(got, eager_reference(model, ids, NEW_TOKENS), FP32_LOGIT_ATOL, name)
 
 
-@pytest.mark.parametrize("name", sorted(ONNX_REFUSES))
-def test_short_convolutions_are_refused_before_loading(capsys, tmp_path, name):
-    """LFM2's convolution state and Qwen 3.5's linear-attention states do not cross an ONNX graph
-    yet: one line, before the weights load, nothing written."""
-    out = tmp_path / "onnx"
-    code, _, err = run_cli(capsys, name, "--target", "onnx", "-o", str(out), "--max-cache-len", "64")
-    assert_one_line_error(code, err, "linear-attention layers keep a state between calls, which the ONNX target does not")
-    assert "--target executorch" in err and not out.exists()
-
-
-def test_onnx_chunked_prefill_and_reuse(artifact):
-    # Hybrid: a ring of window 6 and a static layer; chunks shorter and longer than the window.
-    model, tokenizer = build_preset("tiny-gemma3")
+@pytest.mark.parametrize("name", ["tiny-gemma3", "tiny-qwen3.5"])
+def test_onnx_chunked_prefill_and_reuse(artifact, name):
+    # Gemma 3: a ring of window 6 and a static layer; chunks shorter and longer than the window.
+    # Qwen 3.5: linear attention's states, passed from call to call through the graph (the runner's
+    # two buffers per state), and zeroed by the graph at a new sequence.
+    model, tokenizer = build_preset(name)
     ids = tokenizer(PROMPT).input_ids
-    program = load_program(artifact("tiny-gemma3", "onnx"))
+    program = load_program(artifact(name, "onnx"))
     expected = eager_reference(model, ids, NEW_TOKENS)
     for chunks in ([40, 4], [3, 7, 11, 23], [1] * len(ids), [len(ids)]):  # the last one also proves a fresh start works
         got = greedy_with(program.forward, ids, NEW_TOKENS, chunks=chunks)
