@@ -344,6 +344,65 @@ def test_an_unwritable_output_is_refused_before_loading(capsys, monkeypatch):
     assert not os.path.exists("/sys/kvexport-out")
 
 
+ONE_ROW_MATRIX = '[[row]]\nmodel = "tiny-llama"\n'
+
+
+# An output each command cannot write, and the line that says so before any work: (arguments, given
+# tmp_path with a-file, a file, and empty/, an empty folder; phrases). Before, each failed with a
+# traceback after the work (a matrix's rows, a benchmark, an export, a GGUF's conversion), and
+# `-o . --force` in an empty folder replaced the working folder with the artifact, then failed.
+UNWRITABLE_OUTPUTS = {
+    "matrix-report": (lambda t: ["matrix", t / "m.toml", "--report", "/sys/kvexport-report.md"],
+                      ["cannot write /sys/kvexport-report.md: /sys refuses new files", "choose another --report"]),
+    "matrix-json-a-folder": (lambda t: ["matrix", t / "m.toml", "--json", t / "empty"],
+                             ["--json", "empty is a folder; --json names a file to write"]),
+    "matrix-work-dir": (lambda t: ["matrix", t / "m.toml", "--work-dir", t / "a-file" / "work"],
+                        ["a-file is a file, not a folder", "choose another --work-dir"]),
+    "matrix-work-dir-a-file": (lambda t: ["matrix", t / "m.toml", "--work-dir", t / "a-file"],
+                               ["cannot write in", "a-file: it is a file, not a folder", "choose another --work-dir"]),
+    "bench-json": (lambda t: ["bench", "tiny-llama", t / "empty", "--json", "/sys/kvexport-bench.json"],
+                   ["cannot write /sys/kvexport-bench.json: /sys refuses new files", "choose another --json"]),
+    "bench-markdown": (lambda t: ["bench", "tiny-llama", t / "empty", "--markdown", t / "a-file" / "b.md"],
+                       ["a-file is a file, not a folder", "choose another --markdown"]),
+    "export-profile": (lambda t: ["tiny-llama", "-o", t / "out", "--profile", "/sys/kvexport-profile.txt"],
+                       ["cannot write /sys/kvexport-profile.txt: /sys refuses new files", "choose another --profile"]),
+    "export-profile-beside": (lambda t: ["tiny-llama", "-o", t / "out", "--profile", t / "empty" / "p.txt"],
+                              ["p.txt.prof", "is a folder"]),
+    "kvexport-cache": (lambda t: [write_tiny_gguf(t / "empty" / "model.gguf"), "-o", t / "out"],
+                       ["cannot write", "a-file/gguf: ", "a-file is a file, not a folder", "set KVEXPORT_CACHE to a folder"]),
+    "export-to-the-working-folder": (lambda t: ["tiny-llama", "-o", ".", "--force"],
+                                     ["output . is the working folder, which the artifact folder would replace",
+                                      "choose -o NAME, a new folder"]),
+    "export-to-empty-output": (lambda t: ["tiny-llama", "-o", "", "--force"], ["output . is the working folder"]),
+    "export-to-a-folder-above": (lambda t: ["tiny-llama", "-o", t, "--force"],
+                                 ["is a folder that holds the working folder", "choose -o NAME"]),
+}
+
+
+@pytest.mark.parametrize("case", list(UNWRITABLE_OUTPUTS))
+def test_an_output_that_cannot_be_written_is_refused_before_any_work(tmp_path, capsys, monkeypatch, case):
+    from kvexport.bench import bench
+    from kvexport.exporter import pipeline
+    from kvexport.matrix import command
+
+    make_args, phrases = UNWRITABLE_OUTPUTS[case]
+    (tmp_path / "m.toml").write_text(ONE_ROW_MATRIX)
+    _file(tmp_path)
+    (tmp_path / "empty").mkdir()
+    if case == "export-profile-beside":
+        (tmp_path / "empty" / "p.txt.prof").mkdir()
+    args = make_args(tmp_path)  # a GGUF written first: its conversion is what must not start
+    monkeypatch.setenv("KVEXPORT_CACHE", str(tmp_path / "a-file"))
+    monkeypatch.chdir(tmp_path / "empty")
+    monkeypatch.setattr(command, "run_rows", lambda *a, **k: pytest.fail("ran the matrix's rows"))
+    monkeypatch.setattr(bench, "exact_prompt", lambda *a, **k: pytest.fail("started the benchmark"))
+    monkeypatch.setattr(pipeline.sources, "load_model", lambda *a, **k: pytest.fail("loaded the model"))
+    before = snapshot(tmp_path)
+    code, _, err = run_cli(capsys, *args)
+    assert_one_line_error(code, err, *phrases)
+    assert snapshot(tmp_path) == before
+
+
 def test_run_json_fields(artifact, capsys):
     code, out, _ = run_cli(capsys, "run", artifact("tiny-gemma3"), "--prompt", "Hello", "--max-new-tokens", "5", "--ignore-eos", "--json")
     assert code == 0
@@ -556,8 +615,9 @@ MISLEADING_ARTIFACTS = {
                                       ["'interface.max_tokens_per_call' should be a positive integer at most max_cache_len (64), not -1"]),
     "onnx-cache-len-above-the-program-s": ("onnx", edit_manifest(lambda m: m.update(max_cache_len=128)),
                                            ["kvexport.json says max_cache_len 128 but the program has 64 (genai_config.json's context_length)", "re-export"]),
-    "onnx-vocab-size": ("onnx", edit_manifest(lambda m: m.update(vocab_size=50)),
-                        ["kvexport.json says (by its vocab_size) logits is [1, 1, 50] but the program has [1, 1, 100]"]),
+    # Larger than the program's: a smaller one is refused first by the tokenizer, whose ids pass it.
+    "onnx-vocab-size": ("onnx", edit_manifest(lambda m: m.update(vocab_size=150)),
+                        ["kvexport.json says (by its vocab_size) logits is [1, 1, 150] but the program has [1, 1, 100]"]),
     "onnx-kv-heads": ("onnx", edit_manifest(lambda m: m["layers"][0].update(kv_heads=2)),
                       ["past_key_values.0.key is [1, 2, 6, 16] but the program has [1, 1, 'window_rows', 16]"]),
     "onnx-window": ("onnx", edit_manifest(lambda m: m["layers"][0].update(window=8)),
@@ -573,8 +633,8 @@ MISLEADING_ARTIFACTS = {
                               ["kvexport.json lacks external_data, which an ONNX artifact has"]),
     "executorch-cache-len": ("executorch", edit_manifest(lambda m: m.update(max_cache_len=128)),
                              ["kvexport.json says max_cache_len 128 but the program has 64 (get_max_context_len)", "re-export"]),
-    "executorch-vocab-size": ("executorch", edit_manifest(lambda m: m.update(vocab_size=50)),
-                              ["kvexport.json says vocab_size 50 but the program has 100 (get_vocab_size)"]),
+    "executorch-vocab-size": ("executorch", edit_manifest(lambda m: m.update(vocab_size=150)),
+                              ["kvexport.json says vocab_size 150 but the program has 100 (get_vocab_size)"]),
     "executorch-a-layer-less": ("executorch", edit_manifest(lambda m: m["layers"].pop()),
                                 ["kvexport.json says the number of layers is 1 but the program has 2 (get_n_layers)"]),
     "executorch-tokens-per-call": ("executorch", edit_manifest(lambda m: m["interface"].update(max_tokens_per_call=32)),
@@ -611,6 +671,65 @@ def test_run_and_check_refuse_a_manifest_that_does_not_describe_the_artifact(art
     damage(folder)
     before = snapshot(tmp_path)
     code, out, err = run_cli(capsys, command, folder, "--prompt", "hi", "--max-new-tokens", "4")
+    assert_one_line_error(code, err, *phrases)
+    assert out == "" and snapshot(tmp_path) == before
+
+
+def _edit_listed_json(name, change):
+    """Edit a listed JSON file with ``change(data)`` and rewrite its entry and the sums."""
+
+    def damage(folder):
+        data = json.loads((folder / name).read_text())
+        change(data)
+        _replace_listed_file(name, json.dumps(data).encode())(folder)
+
+    return damage
+
+
+def _a_token_past_the_vocabulary(tokenizer):
+    tokenizer["added_tokens"].append({"id": 100, "content": "zq", "single_word": False, "lstrip": False, "rstrip": False,
+                                      "normalized": False, "special": False})
+
+
+# A file a runtime reads, edited to disagree with the manifest that vouches for it, its sums rewritten:
+# (target, damage, phrases). Before, the tokenizer's id past the program's 100 rows ended in ONNX
+# Runtime's traceback (Gather: indices element out of data bounds), and genai_config.json's vocab_size
+# in genai's ("eos_token_id (97) must be in range [0, 50)"), its input names in a missing-input
+# traceback, its EOS ran silently with another stop token.
+VOUCHED_FILES_EDITED = {
+    "tokenizer-id-past-the-vocabulary": ("onnx", _edit_listed_json("tokenizer.json", _a_token_past_the_vocabulary),
+                                         ["tokenizer.json gives token id 100, outside the vocabulary of 100 tokens kvexport.json says the program has"]),
+    "tokenizer-bos-past-the-vocabulary": (
+        "executorch", _edit_listed_json("tokenizer.json", lambda t: t["post_processor"]["special_tokens"]["<bos>"].update(ids=[120])),
+        ["tokenizer.json gives token id 120, outside the vocabulary of 100 tokens", "re-run kvexport export"]),
+    "genai-vocab-size": ("onnx", _edit_listed_json("genai_config.json", lambda c: c["model"].update(vocab_size=50)),
+                         ["kvexport.json says vocab_size 100 but the program has 50 (genai_config.json's vocab_size)"]),
+    "genai-layer-count": ("onnx", _edit_listed_json("genai_config.json", lambda c: c["model"]["decoder"].update(num_hidden_layers=1)),
+                          ["says layers with a cache 2 but the program has 1 (genai_config.json's num_hidden_layers)"]),
+    "genai-input-names": (
+        "onnx", _edit_listed_json("genai_config.json", lambda c: c["model"]["decoder"]["inputs"].update(past_key_names="past.%d.k")),
+        ["says the graph's inputs include past_key_values.0.key, past_key_values.1.key but the program has past.0.k, past.1.k "
+         "(genai_config.json's decoder.inputs)"]),
+    "genai-eos": ("onnx", _edit_listed_json("genai_config.json", lambda c: c["model"].update(eos_token_id=5)),
+                  ["says eos_token_ids [97] but the program has [5] (genai_config.json's eos_token_id)"]),
+    "genai-max-length": ("onnx", _edit_listed_json("genai_config.json", lambda c: c["search"].update(max_length=32)),
+                         ["says max_cache_len 64 but the program has 32 (genai_config.json's search.max_length)"]),
+}
+
+
+@pytest.mark.parametrize(
+    "case, runner",
+    [(case, runner) for case, (target, _, _) in VOUCHED_FILES_EDITED.items()
+     for runner in ("kvexport", "genai") if runner == "kvexport" or target == "onnx"],
+    ids=lambda value: value,
+)
+def test_a_file_that_disagrees_with_the_manifest_is_refused_in_one_line(artifact, tmp_path, capsys, case, runner):
+    target, damage, phrases = VOUCHED_FILES_EDITED[case]
+    folder = tmp_path / "copy"
+    shutil.copytree(artifact("tiny-gemma3", target), folder)
+    damage(folder)
+    before = snapshot(tmp_path)
+    code, out, err = run_cli(capsys, "run", folder, "--prompt", "zq hi", "--max-new-tokens", "4", "--runner", runner)
     assert_one_line_error(code, err, *phrases)
     assert out == "" and snapshot(tmp_path) == before
 

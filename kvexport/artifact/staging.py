@@ -20,12 +20,20 @@ import threading
 from pathlib import Path
 
 from ..errors import InvalidOptionError
+from ..outputs import check_writable
 from .manifest import MANIFEST
 
 
 def check_output_path(out: Path, force: bool) -> None:
     """Refuse up front, before any weights load, an output that exists (without ``--force``), that
     ``--force`` should not replace, or that cannot be written."""
+    # The artifact replaces the folder whole: never the one this process (and a shell) works in.
+    here = Path.cwd()
+    if out.resolve() == here or out.resolve() in here.parents:
+        what = "the working folder" if out.resolve() == here else f"a folder that holds the working folder {here}"
+        raise InvalidOptionError(
+            f"output {out} is {what}, which the artifact folder would replace; choose -o NAME, a new folder"
+        )
     if out.exists() or out.is_symlink():
         if not force:
             raise InvalidOptionError(f"output {out} already exists; pass --force to replace it")
@@ -38,23 +46,7 @@ def check_output_path(out: Path, force: bool) -> None:
                 f"output {out} is a folder that is not a kvexport artifact; --force replaces only artifacts, "
                 "choose another -o"
             )
-    ancestor = _existing_ancestor(out)
-    if not ancestor.is_dir():
-        raise InvalidOptionError(f"cannot write {out}: {ancestor} is a file, not a folder; choose another -o")
-    # os.access says yes to root everywhere; creating a folder is the only honest test (read-only
-    # mounts, /sys, /proc, full quotas).
-    try:
-        os.rmdir(tempfile.mkdtemp(dir=ancestor, prefix=_staging_prefix(out)))
-    except OSError as e:
-        raise InvalidOptionError(f"cannot write {out}: {ancestor} refuses new folders ({e.strerror}); choose another -o")
-
-
-def _existing_ancestor(out: Path) -> Path:
-    """The output's parent, or its nearest ancestor that exists (missing parents are created)."""
-    parent = out.absolute().parent
-    while not parent.exists() and parent != parent.parent:
-        parent = parent.parent
-    return parent
+    check_writable(out, "-o", kind="folder")
 
 
 @contextlib.contextmanager

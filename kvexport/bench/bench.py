@@ -620,8 +620,13 @@ def main(argv=None) -> int:
         return worker_main(sys.argv[2])
     args = parse_args(argv)
     from kvexport.artifact.manifest import read_manifest
+    from kvexport.outputs import check_writable, write_text
     from kvexport.runtime.generation import check_fits
     from kvexport.runtime.tokenizer import ArtifactTokenizer
+
+    for path, option in ((args.json, "--json"), (args.markdown, "--markdown")):  # before the runs, not after
+        if path is not None:
+            check_writable(path, option)
 
     manifests = {str(Path(a).resolve()): read_manifest(Path(a)) for a in args.artifacts}
     for manifest in manifests.values():
@@ -667,9 +672,9 @@ def main(argv=None) -> int:
     table = markdown(report)
     print(table)
     if args.json:
-        args.json.write_text(json.dumps(report, indent=1))
+        write_text(args.json, json.dumps(report, indent=1), "--json")
     if args.markdown:
-        args.markdown.write_text(table)
+        write_text(args.markdown, table, "--markdown")
     return 0
 
 

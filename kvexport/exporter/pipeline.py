@@ -225,6 +225,7 @@ def plan_export(options: ExportOptions, progress: Progress | None = None) -> Exp
     out = Path(options.out) if options.out else default_output(options.gguf_file or options.model, options.target)
     check_output_path(out, options.force)
     source = sources.resolve(options.model, options.revision, options.offline, options.gguf_file, progress)
+    sources.check_conversion_cache(source)
     target = get_target(options.target)
     if options.dtype not in target.SUPPORTED_DTYPES:
         raise InvalidOptionError(

@@ -8,6 +8,7 @@ import tempfile
 from pathlib import Path
 
 from ..errors import InvalidOptionError
+from ..outputs import check_writable, write_text
 from . import report as reports
 from .runner import run_rows
 from .spec import load_matrix, parse_shard, shard_rows
@@ -40,6 +41,8 @@ def _run(path: Path, shard, markdown, json_path, work_dir, keep_artifacts) -> bo
     index, count = parse_shard(shard) if shard else (1, 1)
     rows = shard_rows(matrix.rows, index, count)
     _check_writable(markdown, json_path)
+    if work_dir is not None:
+        check_writable(work_dir, "--work-dir", kind="in")
     temporary = work_dir is None
     work_dir = Path(tempfile.mkdtemp(prefix="kvexport-matrix-")) if temporary else Path(work_dir)
     work_dir.mkdir(parents=True, exist_ok=True)
@@ -77,16 +80,16 @@ def _write(report: dict, markdown, json_path) -> None:
     if json_path:
         reports.write_json(report, json_path)
     if markdown:
-        Path(markdown).write_text(text)
+        write_text(markdown, text, "--report")
     print(text, end="")
     _say(reports.summary(report))
 
 
-def _check_writable(*paths) -> None:
+def _check_writable(markdown, json_path) -> None:
     """Refuse before hours of work, not after, a report that cannot be written."""
-    for path in paths:
-        if path is not None and not Path(path).absolute().parent.is_dir():
-            raise InvalidOptionError(f"cannot write {path}: folder {Path(path).absolute().parent} does not exist")
+    for path, option in ((markdown, "--report"), (json_path, "--json")):
+        if path is not None:
+            check_writable(path, option)
 
 
 def _row_line(result: dict) -> str:

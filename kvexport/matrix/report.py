@@ -14,6 +14,7 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 from ..errors import InvalidOptionError
+from ..outputs import write_text
 from ..version import __version__
 from .spec import Matrix
 
@@ -100,7 +101,7 @@ def merge_reports(reports: list[dict], names: list[str]) -> dict:
 
 
 def write_json(report: dict, path: Path) -> None:
-    Path(path).write_text(json.dumps(report, indent=2) + "\n")
+    write_text(path, json.dumps(report, indent=2) + "\n", "--json")
 
 
 def summary(report: dict) -> str:

@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from ..artifact.staging import remove_abandoned
 from ..exporter import EXPORT_HASH_SEED
 from . import row as row_module
 from .spec import Row
@@ -35,6 +36,9 @@ def run_rows(
         row_dir.mkdir(parents=True)
         start = time.perf_counter()
         measured = _run_child(row, row_dir)
+        # A row killed mid-export (its timeout_s, an out-of-memory kill) leaves the export's hidden
+        # staging folder; its process is gone, so the staging's own sweep removes it.
+        remove_abandoned(row_dir / row_module.ARTIFACT_DIR)
         if not keep_artifacts:
             for name in (row_module.ARTIFACT_DIR, "model"):
                 shutil.rmtree(row_dir / name, ignore_errors=True)

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 
 from ..errors import InvalidModelError, InvalidOptionError, KvexportError, ModelNotFoundError, UnsupportedModelError
 from ..logs import transformers_progress_quiet
+from ..outputs import check_writable
 from . import presets
 from .chat_templates import fallback_chat_template
 
@@ -522,6 +523,17 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("KVEXPORT_CACHE", Path.home() / ".cache" / "kvexport"))
 
 
+def check_conversion_cache(source: ModelSource, cache_dir: Path | None = None) -> None:
+    """Refuse, before a GGUF is converted (a minute and more for a real model) rather than after, a
+    kvexport cache where its converted folder cannot be written; nothing where it is there already."""
+    if source.kind not in ("alias", "gguf"):
+        return
+    folder = _converted_folder(source.path, cache_dir)
+    if not (folder / "config.json").is_file():
+        check_writable(folder.parent, "KVEXPORT_CACHE", kind="in",
+                       fix="set KVEXPORT_CACHE to a folder you can write (a GGUF's conversion to float32 is kept there)")
+
+
 def _converted_folder(gguf: Path, cache_dir: Path | None) -> Path:
     """Named by the file's content, not its size and mtime: reinstalling a model package writes the
     same GGUF with a new mtime, and each install would get a converted copy of its own."""
@@ -544,6 +556,7 @@ def _plain_folder(source: ModelSource, cache_dir: Path | None) -> Path:
     folder = _converted_folder(gguf, cache_dir)
     if (folder / "config.json").is_file():
         return folder
+    check_conversion_cache(source, cache_dir)  # as export's plan does, for the other callers (check --model)
     from transformers import AutoTokenizer
 
     model = _checked_gguf_model(source)

@@ -61,6 +61,8 @@ class ArtifactTokenizer:
             self._tok = Tokenizer.from_str(tokenizer)
         except Exception as e:  # tokenizers raises a bare Exception for any file it cannot parse
             raise ArtifactError(f"{folder / 'tokenizer.json'} is not a tokenizer the tokenizers library reads ({_first_line(e)}); {_DAMAGED}")
+        if manifest is not None:
+            self._check_vocabulary(folder, manifest["vocab_size"])
         config = text("tokenizer_config.json")
         try:
             self.config = {} if config is None else json.loads(config)
@@ -72,6 +74,20 @@ class ArtifactTokenizer:
         self.chat_template = template if template is not None else _named_template(self.config.get("chat_template"))
         if self.chat_template is not None and not isinstance(self.chat_template, str):
             raise ArtifactError(f"{folder / 'tokenizer_config.json'}: its chat_template is not a template; {_DAMAGED}")
+
+    def _check_vocabulary(self, folder: Path, vocab_size: int) -> None:
+        """Refuse a tokenizer that can give an id the program has no row for (its vocabulary, added
+        tokens and the ids its post-processor adds, BOS and EOS): the runtime would fail on the
+        embedding's lookup mid-generation. A model's vocabulary may be larger than its tokenizer's."""
+        try:
+            ids = [*self._tok.get_vocab(with_added_tokens=True).values(), *self._tok.encode("", add_special_tokens=True).ids]
+        except Exception as e:  # a post-processor that names a token the vocabulary lacks
+            raise ArtifactError(f"{folder / 'tokenizer.json'} is not a tokenizer the tokenizers library reads ({_first_line(e)}); {_DAMAGED}")
+        if ids and max(ids) >= vocab_size:
+            raise ArtifactError(
+                f"{folder / 'tokenizer.json'} gives token id {max(ids)}, outside the vocabulary of {vocab_size} tokens "
+                f"{MANIFEST} says the program has; the tokenizer or the manifest was edited or damaged, re-run kvexport export"
+            )
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         check_utf8(text)

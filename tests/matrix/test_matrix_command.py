@@ -105,3 +105,22 @@ def test_a_hanging_row_is_killed_at_its_timeout(tmp_path, capsys):
     assert code == 1
     assert row["status"] == "error" and row["failure"]["stage"] == "process"
     assert row["failure"]["reason"].startswith("timed out after 1 s")
+
+
+@pytest.mark.parametrize("keep_artifacts", [False, True], ids=["artifacts-removed", "artifacts-kept"])
+def test_a_row_killed_mid_export_leaves_no_staging_folder(tmp_path, monkeypatch, keep_artifacts):
+    """A row killed by its timeout_s while its export stages the artifact left the hidden
+    ``.artifact.tmp-PID-*`` folder in the row's folder, whatever --keep-artifacts said."""
+    from types import SimpleNamespace
+
+    from kvexport.matrix import row, runner
+    from kvexport.matrix.spec import load_matrix
+
+    (tmp_path / "m.toml").write_text('[[row]]\nmodel = "tiny-llama"\ntimeout_s = 3\n')
+    hanging = SimpleNamespace(__name__="tests.matrix.hanging_row", ROW_FILE=row.ROW_FILE, RESULT_FILE=row.RESULT_FILE,
+                              ARTIFACT_DIR=row.ARTIFACT_DIR)
+    monkeypatch.setattr(runner, "row_module", hanging)
+    (result,) = runner.run_rows(load_matrix(tmp_path / "m.toml").rows, tmp_path / "work", keep_artifacts)
+    assert result["failure"]["reason"].startswith("timed out after 3 s")
+    (row_dir,) = (tmp_path / "work").iterdir()
+    assert sorted(p.name for p in row_dir.iterdir()) == ["log.txt", "row.json"], (row_dir / "log.txt").read_text()

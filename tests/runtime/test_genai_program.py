@@ -8,6 +8,8 @@ import subprocess
 import sys
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from kvexport.models.presets import build_preset
 from kvexport.runtime.programs import load_program
@@ -155,3 +157,51 @@ def test_genai_on_cuda_matches_kvexport_s_runner_on_the_cpu(artifact, name):
     expected = greedy_with(load_program(folder).forward, ids, NEW_TOKENS)
     got = greedy_with(load_program(folder, device="cuda", runner="genai").forward, ids, NEW_TOKENS)
     assert_generation_matches(got, expected, FP16_PROVIDERS_ATOL, f"{name} in genai on cuda")
+
+
+# Every field of genai_config.json that the manifest (or the graph it describes) also says.
+VOUCHED_GENAI_FIELDS = [
+    ("model", "context_length"), ("model", "vocab_size"), ("model", "eos_token_id"), ("model", "bos_token_id"),
+    ("model", "pad_token_id"), ("model", "decoder", "filename"), ("model", "decoder", "head_size"),
+    ("model", "decoder", "num_hidden_layers"), ("model", "decoder", "num_key_value_heads"),
+    *(("model", "decoder", "inputs", name) for name in ("input_ids", "attention_mask", "past_key_names", "past_value_names")),
+    *(("model", "decoder", "outputs", name) for name in ("logits", "present_key_names", "present_value_names")),
+    ("model", "decoder", "sliding_window", "window_size"), ("model", "decoder", "sliding_window", "layers"),
+    ("search", "max_length"), ("search", "past_present_share_buffer"),
+]  # fmt: skip
+JSON_VALUES = st.one_of(
+    st.none(), st.booleans(), st.integers(-2, 300), st.floats(allow_nan=False), st.text(max_size=24),
+    st.sampled_from(["past_key_values.%d.key", "present.%d.value", "input_ids", "logits", "%s", "%d", "model.onnx.data"]),
+    st.lists(st.integers(-1, 300), max_size=3),
+)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(field=st.sampled_from(VOUCHED_GENAI_FIELDS), value=JSON_VALUES)
+def test_every_field_of_genai_config_the_manifest_says_is_checked(artifact, tmp_path, field, value):
+    """A genai_config.json edited in any field the manifest also says (its sums rewritten) is
+    refused in one line before anything runs; an edit to the same JSON value passes."""
+    from kvexport.artifact.manifest import read_manifest, sha256_file
+    from kvexport.errors import ArtifactError
+    from kvexport.runtime.onnx_artifact import check_against_genai_config
+
+    source = artifact("tiny-gemma3", "onnx")
+    manifest = read_manifest(source, verify=False)
+    config = json.loads((source / "genai_config.json").read_text())
+    *parents, key = field
+    holder = config
+    for name in parents:
+        holder = holder[name]
+    same = json.dumps(holder[key]) == json.dumps(value) or (key == "eos_token_id" and json.dumps([holder[key]]) == json.dumps(value))
+    holder[key] = value
+    folder = tmp_path / f"edited-{len(list(tmp_path.iterdir()))}"
+    folder.mkdir()
+    (folder / "genai_config.json").write_text(json.dumps(config))
+    manifest["files"]["genai_config.json"] = {"sha256": sha256_file(folder / "genai_config.json"),
+                                              "bytes": (folder / "genai_config.json").stat().st_size}
+    if same:
+        check_against_genai_config(folder, manifest)
+        return
+    with pytest.raises(ArtifactError) as refused:
+        check_against_genai_config(folder, manifest)
+    assert "\n" not in str(refused.value) and "genai_config.json" in str(refused.value)
