@@ -20,14 +20,14 @@ from typing import Callable
 import torch
 from torch import nn
 
-from ..models.architecture import CONV, RECURRENT, RING, SHARED, STATIC, LayerSpec
+from ..models.architecture import CONV, MAMBA2, RECURRENT, RING, SHARED, STATIC, LayerSpec
 from .attention import family_eager_attention
 
 # A target's cache for each kind of layer that holds one: ``make(batch, kv_heads, slots, head_dim,
 # dtype)``, slots being max_cache_len for STATIC and the window for RING. Each kind provides
 # ``attend`` (write the call's keys and attend to them) or ``update`` (write them and return the
-# keys to attend to), ``key_positions`` and, for layers that share it, ``read``. CONV and RECURRENT
-# (optional: ``ConvState``, ``GatedDeltaState`` where absent) are the states' classes.
+# keys to attend to), ``key_positions`` and, for layers that share it, ``read``. CONV, RECURRENT and
+# MAMBA2 (optional: ``ConvState``, ``GatedDeltaState``, ``Mamba2State`` where absent) are the states'.
 CacheKinds = dict[str, Callable[..., object]]
 
 
@@ -36,7 +36,8 @@ def build_caches(
 ) -> list:
     """One cache per layer: ``kinds[STATIC]`` or ``kinds[RING]`` for a layer that holds its own, a
     ``SharedKVCache`` for one that reads another's, a ``ConvState`` for a convolution, a
-    ``GatedDeltaState`` for linear attention (calls of at most ``max_tokens_per_call`` tokens)."""
+    ``GatedDeltaState`` for gated-delta linear attention (calls of at most ``max_tokens_per_call``
+    tokens), a ``Mamba2State`` for a Mamba-2 layer."""
     caches = []
     for spec in specs:
         kind = spec.cache_kind(max_cache_len)
@@ -44,6 +45,8 @@ def build_caches(
             caches.append(SharedKVCache(spec.reads))
         elif kind == CONV:
             caches.append(kinds.get(CONV, ConvState)(*spec.conv_state, dtype))
+        elif kind == RECURRENT and spec.rule == MAMBA2:
+            caches.append(kinds.get(MAMBA2, Mamba2State)(spec.conv_state, spec.recurrent_state, dtype))
         elif kind == RECURRENT:
             state = kinds.get(RECURRENT, GatedDeltaState)
             caches.append(state(spec.conv_state, spec.recurrent_state, max_tokens_per_call, dtype))
@@ -139,6 +142,51 @@ class GatedDeltaState(nn.Module):
     def keep(self, state: torch.Tensor) -> None:
         """The recurrent state after the call: written in place (see ``ConvState.keep``)."""
         self.state.copy_(state)
+
+
+class Mamba2State(nn.Module):
+    """A Mamba-2 layer (Granite 4 hybrid): the convolution in front of its scan (``conv``) and one
+    float32 ``[head size, state size]`` matrix per head (``state``).
+
+    A call is one chunk of transformers' chunked scan (``mamba2_chunk_scan``): the state's decay is
+    a scalar per head and step, so the chunk needs no triangular solve and takes any ``T``."""
+
+    def __init__(self, conv_state: tuple[int, int], recurrent_state: tuple[int, int, int], dtype):
+        super().__init__()
+        self.conv = ConvState(*conv_state, dtype)
+        self.register_buffer("state", torch.zeros((1, *recurrent_state), dtype=torch.float32), persistent=False)
+
+    def scan(self, x, dt, a, b, c, d, call: CallState) -> torch.Tensor:
+        """Outputs ``[1, T, heads, head size]`` (float32) for inputs ``x`` ``[1, T, heads, head size]``,
+        steps ``dt`` ``[1, T, heads]`` (after softplus), ``a`` ``[heads]`` (negative), ``b`` and ``c``
+        ``[1, T, groups, state size]`` and the skip ``d`` ``[heads]``; the state moves on to the call's end."""
+        heads = x.shape[2]
+        x = x.float()
+        b, c = (y.float().repeat_interleave(heads // y.shape[2], dim=2).transpose(1, 2) for y in (b, c))
+        skip = d[:, None] * x
+        xdt = (x * dt[..., None].float()).transpose(1, 2)  # [1, heads, T, head size]
+        steps = (a.float() * dt.float()).transpose(1, 2)  # log of each step's decay, [1, heads, T]
+        decay = steps.cumsum(-1)
+        state = self.state * (call.positions[:1] > 0).float()  # a new sequence starts from zeros
+        mixed = (c @ b.transpose(-1, -2)) * _segment_sum(steps).exp()
+        out = mixed @ xdt + (c @ state.transpose(-1, -2)) * decay.exp()[..., None]
+        last = decay[..., -1:]
+        written = (xdt * (last - decay).exp()[..., None]).transpose(-1, -2) @ b
+        self.keep(state * last.exp()[..., None] + written)
+        return out.transpose(1, 2) + skip
+
+    def keep(self, state: torch.Tensor) -> None:
+        """The state after the call: written in place (see ``ConvState.keep``)."""
+        self.state.copy_(state)
+
+
+def _segment_sum(steps: torch.Tensor) -> torch.Tensor:
+    """``[..., T, T]``: the sum of ``steps`` over ``(j, i]`` at ``[i, j]`` for ``j <= i``, ``-inf`` above
+    (transformers' ``segment_sum``: a masked cumulative sum, not a difference of two)."""
+    n = steps.shape[-1]
+    below = torch.ones((n, n), dtype=torch.bool, device=steps.device).tril(-1)
+    sums = steps[..., None].expand(*steps.shape, n).masked_fill(~below, 0).cumsum(dim=-2)
+    return sums.masked_fill(~torch.ones((n, n), dtype=torch.bool, device=steps.device).tril(), float("-inf"))
 
 
 def padded_chunk(max_tokens: int) -> int:

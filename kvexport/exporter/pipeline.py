@@ -24,9 +24,9 @@ DEFAULT_MAX_CACHE_LEN = 2048
 # many. ExecuTorch plans activation memory for the largest call, so the chunk bounds RSS
 # (docs/performance.md).
 DEFAULT_PREFILL_CHUNK = 512
-# The default for a model with linear attention: a call's delta rule solves a triangular system padded
-# to the longest call (kv_cache.GatedDeltaState), which every decode step pays for; transformers'
-# own chunk size.
+# The default for a model with gated-delta linear attention: a call's delta rule solves a triangular
+# system padded to the longest call (kv_cache.GatedDeltaState), which every decode step pays for;
+# transformers' own chunk size.
 LINEAR_ATTENTION_PREFILL_CHUNK = 64
 
 
@@ -238,7 +238,7 @@ def plan_export(options: ExportOptions, progress: Progress | None = None) -> Exp
     if options.kv_cache != "float":
         target.check_kv_cache(options.kv_cache, architecture.text_config(config), specs, max_cache_len)
     architecture.check_rope(config, max_cache_len)
-    linear = any(s.cache_kind(max_cache_len) == architecture.RECURRENT for s in specs)
+    linear = any(s.rule == architecture.GATED_DELTA for s in specs)
     default_chunk = LINEAR_ATTENTION_PREFILL_CHUNK if linear else DEFAULT_PREFILL_CHUNK
     prefill_chunk = choose_prefill_chunk(max_cache_len, options.prefill_chunk, options.target, default_chunk)
     dtype_bytes = sources.DTYPES[options.dtype]

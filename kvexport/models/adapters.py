@@ -17,6 +17,7 @@ def prepare_for_export(model: nn.Module) -> None:
     _experts_as_batched_matmuls(model)
     _short_convolutions_with_state(model)
     _linear_attention_with_state(model)
+    _mamba2_with_state(model)
 
 
 def _experts_as_batched_matmuls(model: nn.Module) -> None:
@@ -93,6 +94,42 @@ def _linear_attention_with_state(model: nn.Module) -> None:
             out = state.delta_rule(query, key, value, g, b.sigmoid(), kvexport_call)
             out = self.norm(out.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
             return self.out_proj(out.reshape(batch, n, -1))
+
+        module.forward = types.MethodType(forward, module)
+
+
+def _mamba2_with_state(model: nn.Module) -> None:
+    """Mamba-2 layers (Granite 4 hybrid's ``*MambaLayer``).
+
+    As for the gated delta rule: transformers branches on the call's length (its 1-token update or
+    its chunked scan) and loops over chunks; here the same projection, convolution, step, gated norm
+    and output run around the layer's ``Mamba2State`` (``kvexport_call``), one chunk a call."""
+    import types
+
+    from torch.nn import functional as F
+    from transformers.activations import ACT2FN
+
+    for module in model.modules():
+        if not (hasattr(module, "ssm_state_size") and hasattr(module, "A_log") and hasattr(module, "in_proj")):
+            continue
+        original = module.forward
+
+        def forward(self, hidden_states, cache_params=None, attention_mask=None, kvexport_call=None, _original=original, **kwargs):
+            if kvexport_call is None:
+                return _original(hidden_states, cache_params=cache_params, attention_mask=attention_mask, **kwargs)
+            batch, n, _ = hidden_states.shape
+            groups = self.n_groups * self.ssm_state_size
+            gate, xbc, dt = self.in_proj(hidden_states).split([self.intermediate_size, self.conv_dim, self.num_heads], dim=-1)
+            state = kvexport_call.layers[self.layer_idx]
+            xbc = ACT2FN[self.activation](state.conv.convolve(xbc.transpose(1, 2), self.conv1d.weight, self.conv1d.bias, kvexport_call))
+            x, b, c = xbc.transpose(1, 2).split([self.intermediate_size, groups, groups], dim=-1)
+            dt = torch.clamp(F.softplus(dt + self.dt_bias.to(dt.dtype)), *self.time_step_limit)
+            y = state.scan(
+                x.reshape(batch, n, self.num_heads, self.head_dim), dt, -torch.exp(self.A_log.float()),
+                b.reshape(batch, n, self.n_groups, -1), c.reshape(batch, n, self.n_groups, -1), self.D, kvexport_call,
+            )  # fmt: skip
+            y = self.norm(y.reshape(batch, n, -1), gate)
+            return self.out_proj(y.to(hidden_states.dtype))
 
         module.forward = types.MethodType(forward, module)
 

@@ -24,9 +24,13 @@ LINEAR = "linear_attention"
 # the window's positions, none (the layer attends to an earlier layer's cache: KV sharing), a
 # convolution's state, or a linear-attention layer's convolution and recurrent states.
 STATIC, RING, SHARED, RECURRENT = "static", "ring", "shared", "recurrent"
-# The config attributes a linear-attention layer is built from (Qwen 3.5's names).
+# The config attributes a linear-attention layer is built from: Qwen 3.5's gated delta rule, or a
+# Mamba-2 state-space layer (Granite 4 hybrid names its layers linear_attention too).
 _LINEAR_ATTENTION_SIZES = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
                            "linear_value_head_dim", "linear_conv_kernel_dim")  # fmt: skip
+_MAMBA2_SIZES = ("mamba_n_heads", "mamba_n_groups", "mamba_d_state", "mamba_d_head", "mamba_d_conv", "mamba_expand")
+# How a recurrent layer updates its state (kv_cache.GatedDeltaState, kv_cache.Mamba2State).
+GATED_DELTA, MAMBA2 = "gated_delta", "mamba2"
 
 # Families whose reason is worth naming precisely. Every other family is judged by the generic rules
 # in check_supported, from what its config and transformers say about it.
@@ -38,8 +42,6 @@ _REFUSED = {
     "zamba": "a hybrid of attention and state-space layers",
     "zamba2": "a hybrid of attention and state-space layers",
     "falcon_h1": "a hybrid of attention and state-space layers",
-    "bamba": "a hybrid of attention and state-space layers",
-    "granitemoehybrid": "a hybrid of attention and state-space layers",
     "olmo_hybrid": "a hybrid whose linear-attention layers convolve queries, keys and values apart (kvexport "
     "runs Qwen 3.5's and Qwen3-Next's layout)",
     "recurrent_gemma": "a recurrent hybrid",
@@ -77,8 +79,10 @@ class LayerSpec:
     reads: int | None = None
     # A convolution's state: (channels, the inputs before the call that it looks back at).
     conv_state: tuple[int, int] | None = None
-    # Linear attention's recurrent state: (value heads, key size, value size), kept in float32.
+    # A recurrent layer's state, kept in float32, and its update rule: (value heads, key size, value
+    # size) for the gated delta rule, (heads, head size, state size) for Mamba-2.
     recurrent_state: tuple[int, int, int] | None = None
+    rule: str | None = None
 
     def cache_kind(self, max_cache_len: int) -> str:
         if self.recurrent_state is not None:
@@ -143,7 +147,7 @@ def check_supported(config) -> None:
     if causal_lm is None:
         refuse("transformers has no causal-LM class for it (AutoModelForCausalLM does not take it)")
     # Qwen 3.5's class does not declare it, for its linear layers; its attention layers use the interface.
-    if not _gated_delta_layers(text) and not getattr(causal_lm, "_supports_attention_backend", False):
+    if _recurrent_rule(text) != GATED_DELTA and not getattr(causal_lm, "_supports_attention_backend", False):
         refuse(
             f"{causal_lm.__name__} does not route its attention through transformers' AttentionInterface, "
             "which kvexport's cache plugs into"
@@ -162,8 +166,8 @@ def check_supported(config) -> None:
     for layer_type in sorted(set(getattr(text, "layer_types", None) or ())):
         if layer_type == CONV and getattr(text, "conv_L_cache", None):
             continue  # LFM2's short convolution (models/adapters.py runs it over kvexport's state)
-        if layer_type == LINEAR and _gated_delta_layers(text):
-            continue  # a gated delta rule (models/adapters.py runs it over kvexport's state)
+        if layer_type == LINEAR and _recurrent_rule(text):
+            continue  # a gated delta rule or Mamba-2 (models/adapters.py runs it over kvexport's state)
         if layer_type not in (FULL, SLIDING):
             refuse(
                 f"it has '{layer_type}' layers; only full and sliding-window attention layers, short "
@@ -177,11 +181,23 @@ def check_supported(config) -> None:
         refuse("it has no attention heads (a state-space or recurrent model)")
 
 
-def _gated_delta_layers(config) -> bool:
-    """Whether the config has linear-attention layers built as Qwen 3.5's gated delta rule."""
-    return LINEAR in (getattr(config, "layer_types", None) or ()) and all(
-        getattr(config, name, None) for name in _LINEAR_ATTENTION_SIZES
-    )
+def _recurrent_rule(config) -> str | None:
+    """How the config's linear-attention layers are built, where kvexport runs them: Qwen 3.5's gated
+    delta rule, or Mamba-2 (Granite 4 hybrid); None without such layers or for another kind."""
+    if LINEAR not in (getattr(config, "layer_types", None) or ()):
+        return None
+    if all(getattr(config, name, None) for name in _LINEAR_ATTENTION_SIZES):
+        return GATED_DELTA
+    if all(getattr(config, name, None) for name in _MAMBA2_SIZES):
+        limit = getattr(config, "time_step_limit", None)
+        if limit is not None and tuple(limit) != (0.0, float("inf")):
+            # transformers clamps the step in its chunked scan (prefill) but not in its 1-token update.
+            raise UnsupportedModelError(
+                f"architecture '{config.model_type}' is not supported: its time_step_limit {tuple(limit)} clamps "
+                "transformers' prefill steps and not its decode steps, which one program cannot follow"
+            )
+        return MAMBA2
+    return None
 
 
 def _in_any_layer(config, name: str) -> bool:
@@ -275,7 +291,7 @@ def layer_specs(config) -> list[LayerSpec]:
             specs.append(LayerSpec(CONV, None, 0, 0, conv_state=(config.hidden_size, config.conv_L_cache - 1)))
             continue
         if layer_type == LINEAR:
-            specs.append(_linear_attention(config))
+            specs.append(_linear_attention(config) if _recurrent_rule(config) == GATED_DELTA else _mamba2(config))
             continue
         if layer_type == SLIDING and not window:
             raise UnsupportedModelError("the config has sliding-attention layers but no sliding_window")
@@ -296,6 +312,19 @@ def _linear_attention(config) -> LayerSpec:
         LINEAR, None, 0, 0,
         conv_state=(2 * key_dim + value_dim, config.linear_conv_kernel_dim - 1),
         recurrent_state=(config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim),
+        rule=GATED_DELTA,
+    )  # fmt: skip
+
+
+def _mamba2(config) -> LayerSpec:
+    """A Mamba-2 layer's states: its convolution over the inner channels and B, C of every group, and
+    one ``head size x state size`` matrix per head."""
+    inner = int(config.mamba_expand * config.hidden_size)
+    return LayerSpec(
+        LINEAR, None, 0, 0,
+        conv_state=(inner + 2 * config.mamba_n_groups * config.mamba_d_state, config.mamba_d_conv - 1),
+        recurrent_state=(config.mamba_n_heads, config.mamba_d_head, config.mamba_d_state),
+        rule=MAMBA2,
     )  # fmt: skip
 
 

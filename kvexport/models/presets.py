@@ -106,6 +106,22 @@ PRESETS: dict[str, tuple[str, dict]] = {
             "linear_value_head_dim": 16,
         },
     ),
+    # Granite 4 hybrid: a Mamba-2 layer (a convolution and a state-space state, two groups of B and C)
+    # before an attention layer with rope, mixture-of-experts MLPs.
+    "tiny-granite4": (
+        "granitemoehybrid",
+        {
+            "layer_types": ["linear_attention", "full_attention"],
+            "mamba_n_heads": 4,
+            "mamba_n_groups": 2,
+            "mamba_d_state": 16,
+            "mamba_d_head": 32,
+            "mamba_chunk_size": 16,
+            "position_embedding_type": "rope",
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+        },
+    ),
     "tiny-smollm3": ("smollm3", {"no_rope_layer_interval": 2, "tie_word_embeddings": True}),
     # Attention sinks, a mixture of experts (top 2 of 4) and alternating sliding / full layers.
     "tiny-gpt-oss": (

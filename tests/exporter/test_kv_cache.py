@@ -33,6 +33,7 @@ from kvexport.exporter.kv_cache import (
     CallState,
     ConvState,
     GatedDeltaState,
+    Mamba2State,
     RingKVCache,
     StaticKVCache,
     additive_mask,
@@ -313,6 +314,50 @@ def test_a_gated_delta_state_gives_the_token_by_token_recurrence(max_tokens, gro
             start += size
         expected, _ = torch_recurrent_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)
         return torch.cat(outs, dim=1), expected
+
+    if earlier_calls:
+        run(earlier_calls)
+    got, expected = run(calls)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    groups=st.sampled_from([1, 2]),
+    calls=st.lists(st.integers(1, 20), min_size=1, max_size=6),
+    earlier_calls=st.lists(st.integers(1, 20), max_size=2),
+    seed=SEEDS,
+)
+def test_a_mamba2_state_gives_the_token_by_token_recurrence(groups, calls, earlier_calls, seed):
+    """Granite 4's Mamba-2 scan call by call, each call one chunk of any length, against
+    transformers' own 1-token state update over the whole sequence; a new sequence at position 0
+    starts from a zero state whatever an earlier one left."""
+    from transformers.models.granitemoehybrid.modeling_granitemoehybrid import mamba2_selective_state_update
+
+    heads, head_dim, state_size = 4, 3, 5
+    gen = torch.Generator().manual_seed(seed)
+    a = -torch.rand(heads, generator=gen) * 8  # some steep decays
+    d = torch.randn(heads, generator=gen)
+    state = Mamba2State((1, 1), (heads, head_dim, state_size), torch.float32)
+
+    def run(calls):
+        n = sum(calls)
+        x = torch.randn(1, n, heads, head_dim, generator=gen)
+        dt = torch.nn.functional.softplus(torch.randn(1, n, heads, generator=gen))
+        b, c = (torch.randn(1, n, groups, state_size, generator=gen) for _ in range(2))
+        outs, start = [], 0
+        for size in calls:
+            piece = slice(start, start + size)
+            call = CallState(None, torch.arange(start, start + size), 64)
+            outs.append(state.scan(x[:, piece], dt[:, piece], a, b[:, piece], c[:, piece], d, call))
+            start += size
+        reference, expected = torch.zeros(1, heads, head_dim, state_size), []
+        for t in range(n):  # what transformers does at each decode step
+            expected.append(mamba2_selective_state_update(
+                reference, x[:, t], dt[:, t, :, None].expand(-1, -1, head_dim), a[:, None, None].expand(-1, head_dim, state_size),
+                b[:, t], c[:, t], d[:, None].expand(-1, head_dim),
+            ))  # fmt: skip
+        return torch.cat(outs, dim=1), torch.stack(expected, dim=1)
 
     if earlier_calls:
         run(earlier_calls)

@@ -90,7 +90,7 @@ def test_every_causal_lm_of_transformers_is_accepted_or_refused_in_one_line():
             refused.append(model_type)
     assert unbuildable == ["gemma4_assistant"]  # a drafter: its config needs its target model's
     assert {"llama", "gemma3_text", "gemma4_text", "cohere2", "gpt_oss", "lfm2", "lfm2_moe", "lfm3", "qwen3_5_text",
-            "qwen3_5_moe_text", "qwen3_next"} <= set(accepted)
+            "qwen3_5_moe_text", "qwen3_next", "granitemoehybrid"} <= set(accepted)
     assert {"deepseek_v3", "llama4_text", "mamba", "gemma3n_text", "olmo_hybrid"} <= set(refused)
     assert len(accepted) + len(refused) + len(unbuildable) == len(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
 
@@ -138,6 +138,32 @@ def test_linear_attention_states_come_from_the_config_as_transformers_builds_the
     delta = model.model.layers[0].linear_attn
     assert specs[0].conv_state == (delta.conv1d.in_channels, delta.conv_kernel_size - 1)
     assert specs[0].recurrent_state == (delta.num_v_heads, delta.head_k_dim, delta.head_v_dim)
+
+
+def test_mamba2_states_come_from_the_config_as_transformers_builds_them():
+    """Granite 4 hybrid's Mamba-2 layers (``linear_attention`` too, with Mamba-2's sizes): a
+    convolution over the inner channels and B, C of every group, and a ``head size x state size``
+    state per head, against the modules transformers builds."""
+    from kvexport.models.architecture import MAMBA2
+    from kvexport.models.presets import build_preset
+
+    model, _ = build_preset("tiny-granite4")
+    specs = layer_specs(model.config)
+    assert [(s.cache_kind(64), s.rule) for s in specs] == [("recurrent", MAMBA2), ("static", None)]
+    mamba = model.model.layers[0].mamba
+    assert specs[0].conv_state == (mamba.conv_dim, mamba.conv_kernel_size - 1)
+    assert specs[0].recurrent_state == (mamba.num_heads, mamba.head_dim, mamba.ssm_state_size)
+
+
+def test_a_mamba2_step_limit_is_refused_before_loading():
+    """transformers clamps the step of its chunked scan (prefill) to ``time_step_limit`` but not that
+    of its 1-token update (decode): one program cannot be both, so such a config is refused."""
+    from kvexport.models.presets import preset_config
+
+    config = preset_config("tiny-granite4")
+    config.time_step_limit = (0.0, 0.1)
+    with pytest.raises(UnsupportedModelError, match=r"time_step_limit \(0.0, 0.1\) clamps transformers' prefill steps"):
+        layer_specs(config)
 
 
 def test_a_layer_that_shares_a_cache_holds_none(tmp_path):

@@ -6,12 +6,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ...models.architecture import CONV, RECURRENT
+from ...models.architecture import CONV, MAMBA2, RECURRENT
 from ..decoder import ExportableDecoder
 from .attention import EXTERNAL_LAYERS
-from .states import ExternalConvState, ExternalGatedDeltaState
+from .states import ExternalConvState, ExternalGatedDeltaState, ExternalMamba2State
 
-EXTERNAL_KINDS = {**EXTERNAL_LAYERS, CONV: ExternalConvState, RECURRENT: ExternalGatedDeltaState}
+EXTERNAL_KINDS = {**EXTERNAL_LAYERS, CONV: ExternalConvState, RECURRENT: ExternalGatedDeltaState, MAMBA2: ExternalMamba2State}
 
 
 class ExternalCacheDecoder(ExportableDecoder):

@@ -1,6 +1,6 @@
-"""The states of layers that do not attend (LFM2's convolutions, Qwen 3.5's linear attention) on a
-graph that holds no state: each crosses the graph boundary as a past input and a present output,
-which the runner passes as the next call's past. The arithmetic is ``kv_cache``'s: only where the
+"""The states of layers that do not attend (LFM2's convolutions, Qwen 3.5's linear attention,
+Granite 4's Mamba-2 layers) on a graph that holds no state: each crosses the graph boundary as a
+past input and a present output, which the runner passes as the next call's past. The arithmetic is ``kv_cache``'s: only where the
 state comes from and goes to differs.
 
 Unlike a KV buffer, a present cannot be bound to its past's memory: the graph reads the past after
@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..kv_cache import ConvState, GatedDeltaState, padded_chunk
+from ..kv_cache import ConvState, GatedDeltaState, Mamba2State, padded_chunk
 
 
 class ExternalConvState(ConvState):
@@ -54,3 +54,17 @@ class ExternalGatedDeltaState(GatedDeltaState):
 
     def presents(self) -> list[torch.Tensor]:
         return [*self.conv.presents(), self.present]
+
+
+class ExternalMamba2State(Mamba2State):
+    """A Mamba-2 layer's two states, its convolution's and its state-space one (float32)."""
+
+    def __init__(self, conv_state: tuple[int, int], recurrent_state: tuple[int, int, int], dtype):
+        nn.Module.__init__(self)
+        self.conv = ExternalConvState(*conv_state, dtype)
+        self.shapes = [*self.conv.shapes, ((1, *recurrent_state), torch.float32)]
+        self.state = self.present = None
+
+    bind = ExternalGatedDeltaState.bind
+    keep = ExternalGatedDeltaState.keep
+    presents = ExternalGatedDeltaState.presents
