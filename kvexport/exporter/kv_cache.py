@@ -1,7 +1,7 @@
 """Export-safe KV caches: a static buffer for full-attention layers, a ring for sliding ones, and
 none for a layer that shares an earlier layer's (``SharedKVCache``); and the fixed-size states of
-layers that do not attend (``ConvState``, ``GatedDeltaState``). ``build_caches`` gives each layer
-the kind its ``LayerSpec`` asks for, from a target's ``CacheKinds``.
+layers that do not attend (``ConvState``, ``GatedDeltaState``, ``Mamba2State``). ``build_caches``
+gives each layer the kind its ``LayerSpec`` asks for, from a target's ``CacheKinds``.
 
 The first two are plain ``nn.Module``s whose whole state is two tensor buffers. Nothing about the step is
 kept in Python: the caller passes the positions of the new tokens as a tensor, so one exported
@@ -184,9 +184,9 @@ def _segment_sum(steps: torch.Tensor) -> torch.Tensor:
     """``[..., T, T]``: the sum of ``steps`` over ``(j, i]`` at ``[i, j]`` for ``j <= i``, ``-inf`` above
     (transformers' ``segment_sum``: a masked cumulative sum, not a difference of two)."""
     n = steps.shape[-1]
-    below = torch.ones((n, n), dtype=torch.bool, device=steps.device).tril(-1)
-    sums = steps[..., None].expand(*steps.shape, n).masked_fill(~below, 0).cumsum(dim=-2)
-    return sums.masked_fill(~torch.ones((n, n), dtype=torch.bool, device=steps.device).tril(), float("-inf"))
+    causal = torch.ones((n, n), dtype=torch.bool, device=steps.device).tril()
+    sums = steps[..., None].expand(*steps.shape, n).masked_fill(~causal.tril(-1), 0).cumsum(dim=-2)
+    return sums.masked_fill(~causal, float("-inf"))
 
 
 def padded_chunk(max_tokens: int) -> int:

@@ -1,7 +1,7 @@
 """The states of layers that do not attend (LFM2's convolutions, Qwen 3.5's linear attention,
 Granite 4's Mamba-2 layers) on a graph that holds no state: each crosses the graph boundary as a
-past input and a present output, which the runner passes as the next call's past. The arithmetic is ``kv_cache``'s: only where the
-state comes from and goes to differs.
+past input and a present output, which the runner passes as the next call's past. The arithmetic
+is ``kv_cache``'s: only where the state comes from and goes to differs.
 
 Unlike a KV buffer, a present cannot be bound to its past's memory: the graph reads the past after
 it has begun writing the present (the recurrent state is read by the output's product and by the
