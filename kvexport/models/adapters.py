@@ -39,25 +39,17 @@ def _short_convolutions_with_state(model: nn.Module) -> None:
 
     transformers keeps their state in its own cache object, which the export does not pass (kvexport's
     caches are its own); without one a convolution sees every call as a new sequence. Here it
-    convolves over the layer's ``ConvState`` (``kvexport_call``), the same gated computation:
-    ``out_proj(C * conv(B * x))`` with ``B, C, x`` from ``in_proj``. Without ``kvexport_call`` (plain
-    transformers) the module's own forward runs."""
-    import types
+    convolves over the layer's ``ConvState``, the same gated computation: ``out_proj(C * conv(B * x))``
+    with ``B, C, x`` from ``in_proj``."""
+
+    def convolve(self, hidden_states, call):
+        b, c, x = self.in_proj(hidden_states).transpose(-1, -2).chunk(3, dim=-2)
+        y = c * call.layers[self.layer_idx].convolve(b * x, self.conv.weight, self.conv.bias, call)
+        return self.out_proj(y.transpose(-1, -2).contiguous())
 
     for module in model.modules():
-        if not (type(module).__name__.endswith("ShortConv") and hasattr(module, "conv_kernel_size")):
-            continue
-        original = module.forward
-
-        def forward(self, hidden_states, past_key_values=None, attention_mask=None, kvexport_call=None, _original=original, **kwargs):
-            if kvexport_call is None:
-                return _original(hidden_states, past_key_values=past_key_values, attention_mask=attention_mask, **kwargs)
-            b, c, x = self.in_proj(hidden_states).transpose(-1, -2).chunk(3, dim=-2)
-            state = kvexport_call.layers[self.layer_idx]
-            y = c * state.convolve(b * x, self.conv.weight, self.conv.bias, kvexport_call)
-            return self.out_proj(y.transpose(-1, -2).contiguous())
-
-        module.forward = types.MethodType(forward, module)
+        if type(module).__name__.endswith("ShortConv") and hasattr(module, "conv_kernel_size"):
+            _run_with_state(module, convolve)
 
 
 def _linear_attention_with_state(model: nn.Module) -> None:
@@ -66,36 +58,28 @@ def _linear_attention_with_state(model: nn.Module) -> None:
     transformers keeps its convolution and recurrent states in its own cache, picks the recurrent or
     the chunked form by the call's length (a branch on ``T``) and loops over chunks (a loop over
     ``T``). Here the same projections, convolution, gate and norm run around the layer's
-    ``GatedDeltaState`` (``kvexport_call``), which computes the call as one chunk. Without
-    ``kvexport_call`` (plain transformers) the module's own forward runs."""
-    import types
-
+    ``GatedDeltaState``, which computes the call as one chunk."""
     from torch.nn import functional as F
     from transformers.activations import ACT2FN
 
+    def attend(self, hidden_states, call):
+        batch, n, _ = hidden_states.shape
+        mixed_qkv, z, b, a = _gated_delta_projections(self, hidden_states)
+        state = call.layers[self.layer_idx]
+        mixed_qkv = state.conv.convolve(mixed_qkv.transpose(1, 2), self.conv1d.weight, self.conv1d.bias, call)
+        mixed_qkv = ACT2FN[self.activation](mixed_qkv).transpose(1, 2)
+        query, key, value = mixed_qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        query = query.reshape(batch, n, -1, self.head_k_dim)
+        key = key.reshape(batch, n, -1, self.head_k_dim)
+        value = value.reshape(batch, n, -1, self.head_v_dim)
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        out = state.delta_rule(query, key, value, g, b.sigmoid(), call)
+        out = self.norm(out.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
+        return self.out_proj(out.reshape(batch, n, -1))
+
     for module in model.modules():
-        if not (type(module).__name__.endswith("GatedDeltaNet") and hasattr(module, "A_log")):
-            continue
-        original = module.forward
-
-        def forward(self, hidden_states, cache_params=None, attention_mask=None, kvexport_call=None, _original=original, **kwargs):
-            if kvexport_call is None:
-                return _original(hidden_states, cache_params=cache_params, attention_mask=attention_mask, **kwargs)
-            batch, n, _ = hidden_states.shape
-            mixed_qkv, z, b, a = _gated_delta_projections(self, hidden_states)
-            state = kvexport_call.layers[self.layer_idx]
-            mixed_qkv = state.conv.convolve(mixed_qkv.transpose(1, 2), self.conv1d.weight, self.conv1d.bias, kvexport_call)
-            mixed_qkv = ACT2FN[self.activation](mixed_qkv).transpose(1, 2)
-            query, key, value = mixed_qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-            query = query.reshape(batch, n, -1, self.head_k_dim)
-            key = key.reshape(batch, n, -1, self.head_k_dim)
-            value = value.reshape(batch, n, -1, self.head_v_dim)
-            g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
-            out = state.delta_rule(query, key, value, g, b.sigmoid(), kvexport_call)
-            out = self.norm(out.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
-            return self.out_proj(out.reshape(batch, n, -1))
-
-        module.forward = types.MethodType(forward, module)
+        if type(module).__name__.endswith("GatedDeltaNet") and hasattr(module, "A_log"):
+            _run_with_state(module, attend)
 
 
 def _mamba2_with_state(model: nn.Module) -> None:
@@ -103,35 +87,43 @@ def _mamba2_with_state(model: nn.Module) -> None:
 
     As for the gated delta rule: transformers branches on the call's length (its 1-token update or
     its chunked scan) and loops over chunks; here the same projection, convolution, step, gated norm
-    and output run around the layer's ``Mamba2State`` (``kvexport_call``), one chunk a call."""
-    import types
-
+    and output run around the layer's ``Mamba2State``, one chunk a call."""
     from torch.nn import functional as F
     from transformers.activations import ACT2FN
 
+    def scan(self, hidden_states, call):
+        batch, n, _ = hidden_states.shape
+        groups = self.n_groups * self.ssm_state_size
+        gate, xbc, dt = self.in_proj(hidden_states).split([self.intermediate_size, self.conv_dim, self.num_heads], dim=-1)
+        state = call.layers[self.layer_idx]
+        xbc = ACT2FN[self.activation](state.conv.convolve(xbc.transpose(1, 2), self.conv1d.weight, self.conv1d.bias, call))
+        x, b, c = xbc.transpose(1, 2).split([self.intermediate_size, groups, groups], dim=-1)
+        dt = torch.clamp(F.softplus(dt + self.dt_bias.to(dt.dtype)), *self.time_step_limit)
+        y = state.scan(
+            x.reshape(batch, n, self.num_heads, self.head_dim), dt, -torch.exp(self.A_log.float()),
+            b.reshape(batch, n, self.n_groups, -1), c.reshape(batch, n, self.n_groups, -1), self.D, call,
+        )  # fmt: skip
+        return self.out_proj(self.norm(y.reshape(batch, n, -1), gate).to(hidden_states.dtype))
+
     for module in model.modules():
-        if not (hasattr(module, "ssm_state_size") and hasattr(module, "A_log") and hasattr(module, "in_proj")):
-            continue
-        original = module.forward
+        if hasattr(module, "ssm_state_size") and hasattr(module, "A_log") and hasattr(module, "in_proj"):
+            _run_with_state(module, scan)
 
-        def forward(self, hidden_states, cache_params=None, attention_mask=None, kvexport_call=None, _original=original, **kwargs):
-            if kvexport_call is None:
-                return _original(hidden_states, cache_params=cache_params, attention_mask=attention_mask, **kwargs)
-            batch, n, _ = hidden_states.shape
-            groups = self.n_groups * self.ssm_state_size
-            gate, xbc, dt = self.in_proj(hidden_states).split([self.intermediate_size, self.conv_dim, self.num_heads], dim=-1)
-            state = kvexport_call.layers[self.layer_idx]
-            xbc = ACT2FN[self.activation](state.conv.convolve(xbc.transpose(1, 2), self.conv1d.weight, self.conv1d.bias, kvexport_call))
-            x, b, c = xbc.transpose(1, 2).split([self.intermediate_size, groups, groups], dim=-1)
-            dt = torch.clamp(F.softplus(dt + self.dt_bias.to(dt.dtype)), *self.time_step_limit)
-            y = state.scan(
-                x.reshape(batch, n, self.num_heads, self.head_dim), dt, -torch.exp(self.A_log.float()),
-                b.reshape(batch, n, self.n_groups, -1), c.reshape(batch, n, self.n_groups, -1), self.D, kvexport_call,
-            )  # fmt: skip
-            y = self.norm(y.reshape(batch, n, -1), gate)
-            return self.out_proj(y.to(hidden_states.dtype))
 
-        module.forward = types.MethodType(forward, module)
+def _run_with_state(module: nn.Module, run) -> None:
+    """``module``'s forward becomes ``run(module, hidden_states, call)`` where kvexport passes its call
+    (``kvexport_call``: the layer's state is ``call.layers[module.layer_idx]``); without it (plain
+    transformers) the module's own forward runs."""
+    import types
+
+    original = module.forward
+
+    def forward(self, hidden_states, *args, kvexport_call=None, **kwargs):
+        if kvexport_call is None:
+            return original(hidden_states, *args, **kwargs)
+        return run(self, hidden_states, kvexport_call)
+
+    module.forward = types.MethodType(forward, module)
 
 
 def _gated_delta_projections(module: nn.Module, hidden_states):
