@@ -204,11 +204,13 @@ class ExportPlan:
             if o.max_cache_len
             else f" (default: the smaller of {self.max_positions} positions and {DEFAULT_MAX_CACHE_LEN})"
         )
+        # A share of nothing where no layer attends (a stack of Mamba-2 layers alone).
+        share = self.kv_cache_bytes / self.kv_cache_bytes_if_all_full if self.kv_cache_bytes_if_all_full else 0
+        states = f", states {self.state_bytes / 2**20:.1f} MiB" if self.state_bytes else ""
         return (
             f"{o.model}: {len(self.specs)} layers ({rings} sliding-window rings{other_kinds}), max_cache_len "
-            f"{self.max_cache_len}{default}, calls of up to {self.prefill_chunk} token{'s' if self.prefill_chunk > 1 else ''}, KV cache{kv} {self.kv_cache_bytes / 2**20:.1f} MiB "
-            f"({self.kv_cache_bytes / self.kv_cache_bytes_if_all_full:.0%} of full-length layers)"
-            f"{f', states {self.state_bytes / 2**20:.1f} MiB' if self.state_bytes else ''}, "
+            f"{self.max_cache_len}{default}, calls of up to {self.prefill_chunk} token{'s' if self.prefill_chunk > 1 else ''}, "
+            f"KV cache{kv} {self.kv_cache_bytes / 2**20:.1f} MiB ({share:.0%} of full-length layers){states}, "
             f"{o.dtype} -> {o.target}{quantized}"
         )
 

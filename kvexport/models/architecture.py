@@ -173,6 +173,11 @@ def check_supported(config) -> None:
                 f"it has '{layer_type}' layers; only full and sliding-window attention layers, short "
                 "convolutions and gated-delta linear attention are supported"
             )
+    if set(getattr(text, "layer_types", None) or ()) == {LINEAR}:
+        refuse(
+            "none of its layers attends (all linear attention or Mamba-2): transformers' own cached generation "
+            "of such a model fails, so there is no eager generation to export it against"
+        )
     try:
         heads = getattr(text, "num_attention_heads", None)
     except Exception as e:  # transformers refuses a global read of a per-layer attribute
