@@ -52,7 +52,7 @@ def test_help_shows_the_defaults_options_describe(capsys):
     code, out, _ = run_cli(capsys, "export", "--help")
     text = " ".join(out.split())  # help lines wrap
     assert code == 0
-    assert "[default: min(max_cache_len, 512)]" in text and "[default: MODEL-TARGET]" in text
+    assert "[default: min(max_cache_len, 512); 64 with gated-delta linear attention]" in text and "[default: MODEL-TARGET]" in text
 
 
 def test_model_shorthand_is_export(tmp_path, capsys):
