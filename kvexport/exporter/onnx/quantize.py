@@ -14,8 +14,7 @@ Accuracy and speed figures: docs/quantization.md.
 from __future__ import annotations
 
 import collections
-import os
-import shutil
+from pathlib import Path
 
 import numpy as np
 
@@ -29,6 +28,7 @@ from ..weight_grids import (
     int8_blocks,
     on_levels,
 )
+from .external_data import DataFileWriter, Weights
 from .graph import prune
 
 ACCURACY_LEVEL = 4
@@ -39,14 +39,28 @@ def quantize_onnx(path, data_file: str, lm_head: str = "int8") -> dict:
     """Rewrite the ONNX model at ``path`` in place (``data_file`` beside it), the lm_head ``int8``
     or ``int4``; return op counts for ``kvexport.json``."""
     import onnx
-    from onnx import helper, numpy_helper
+    from onnx import helper
+    from onnx.external_data_helper import uses_external_data
 
-    model = onnx.load(str(path), load_external_data=True)
-    tied = _fold_weight_transposes(model)
+    path = Path(path)
+    # One weight at a time: read from the float data file, and the new ones written to the new file
+    # as they are made.
+    model = onnx.load(str(path), load_external_data=False)
+    weights = Weights(path.parent)
+    writer = DataFileWriter(path.parent / f".{data_file}.new", data_file)
     graph = model.graph
     initializers = {i.name: i for i in graph.initializer}
+    in_float_file = {i.name for i in graph.initializer if uses_external_data(i)}
+    tied = _fold_weight_transposes(graph, initializers)
     head = _lm_head(graph)
     added: list = []  # new initializers
+
+    def to_array(tensor) -> np.ndarray:
+        if tensor.name in tied:  # a folded transpose: its table, transposed
+            return weights.array(initializers[tied[tensor.name]]).T
+        return weights.array(tensor)
+
+    from_array = writer.add
     tables: dict[str, tuple[str, str]] = {}  # source initializer -> its 8-bit (data, scales)
 
     def int8_table(source: str, matrix_nk) -> tuple[str, str]:
@@ -58,8 +72,8 @@ def quantize_onnx(path, data_file: str, lm_head: str = "int8") -> dict:
             q, scale = int8_blocks(matrix, block)
             n, k = q.shape
             tables[source] = (f"{source}_q8", f"{source}_scales")
-            added.extend([numpy_helper.from_array(q.reshape(n, k // block, block), f"{source}_q8"),
-                          numpy_helper.from_array(scale, f"{source}_scales")])
+            added.extend([from_array(q.reshape(n, k // block, block), f"{source}_q8"),
+                          from_array(scale, f"{source}_scales")])
         return tables[source]
 
     # Projections grouped by their input and bits: q/k/v (and gate/up) become one MatMulNBits over
@@ -71,7 +85,7 @@ def quantize_onnx(path, data_file: str, lm_head: str = "int8") -> dict:
     for node in graph.node:
         weight = initializers.get(node.input[1]) if len(node.input) > 1 else None
         if node.op_type == "MatMul" and node.output[0] != head and _quantizable(weight, axis=0):
-            weight_nk = numpy_helper.to_array(weight).T
+            weight_nk = to_array(weight).T
             grid = grids[node.output[0]] = {size: grid_steps(weight_nk, size) for size in (FINE_BLOCK, BLOCK)}
             bits = 8 if finer_than_4_bits(weight_nk, grid[FINE_BLOCK], grid[BLOCK]) else 4
             group_of[node.output[0]] = (node.input[0], bits)
@@ -81,7 +95,7 @@ def quantize_onnx(path, data_file: str, lm_head: str = "int8") -> dict:
     def shared_constant(name: str, make) -> str:
         """An initializer several nodes read, added the first time it is asked for."""
         if name not in shared:
-            added.append(numpy_helper.from_array(make(), name))
+            added.append(from_array(make(), name))
             shared.add(name)
         return name
 
@@ -105,7 +119,7 @@ def quantize_onnx(path, data_file: str, lm_head: str = "int8") -> dict:
         x, base = members[0].input[0], members[0].name or members[0].output[0]
         weights = [initializers[m.input[1]] for m in members]
         k, n = weights[0].dims[0], sum(w.dims[1] for w in weights)
-        stacked = np.concatenate([numpy_helper.to_array(w).T for w in weights])  # [N, K], stacked along N
+        stacked = np.concatenate([to_array(w).T for w in weights])  # [N, K], stacked along N
         out = members[0].output[0] if len(members) == 1 else f"{base}_packed"
         if bits == 8:
             # Blocks of 32 where they hold the source's grid (Q5_0, Q8_0: one step per 32; fewer
@@ -115,15 +129,15 @@ def quantize_onnx(path, data_file: str, lm_head: str = "int8") -> dict:
                 q8, scale = int8_blocks(stacked, block, steps)
                 if block == FINE_BLOCK or on_levels(stacked, q8, scale, block):
                     break
-            added.extend([numpy_helper.from_array(q8.reshape(n, k // block, block), f"{base}_q8"),
-                          numpy_helper.from_array(scale, f"{base}_scales")])
+            added.extend([from_array(q8.reshape(n, k // block, block), f"{base}_q8"),
+                          from_array(scale, f"{base}_scales")])
             nodes.append(_matmul_nbits(helper, x, f"{base}_q8", f"{base}_scales", out, k, n, 8, block))
         else:
             steps = np.concatenate([grids[m.output[0]][BLOCK] for m in members])
             q, scale, offset = int4_blocks(stacked, steps)
             packed = _two_per_byte(q)
-            added.extend([numpy_helper.from_array(packed, f"{base}_q4"), numpy_helper.from_array(scale, f"{base}_scales"),
-                          numpy_helper.from_array(np.ascontiguousarray(offset.T), f"{base}_offsets")])
+            added.extend([from_array(packed, f"{base}_q4"), from_array(scale, f"{base}_scales"),
+                          from_array(np.ascontiguousarray(offset.T), f"{base}_offsets")])
             sums = block_sums(x, k, base)
             nodes.extend([
                 _matmul_nbits(helper, x, f"{base}_q4", f"{base}_scales", f"{base}_symmetric", k, n, 4),
@@ -132,7 +146,7 @@ def quantize_onnx(path, data_file: str, lm_head: str = "int8") -> dict:
             ])  # fmt: skip
         if len(members) > 1:
             sizes = f"{base}_split_sizes"
-            added.append(numpy_helper.from_array(np.array([w.dims[1] for w in weights], np.int64), sizes))
+            added.append(from_array(np.array([w.dims[1] for w in weights], np.int64), sizes))
             nodes.append(helper.make_node("Split", [out, sizes], [m.output[0] for m in members], name=f"{base}_split", axis=-1))
 
     shared: set[str] = set()  # names of the initializers shared_constant added
@@ -142,15 +156,15 @@ def quantize_onnx(path, data_file: str, lm_head: str = "int8") -> dict:
         if node.op_type == "MatMul" and node.output[0] == head and _quantizable(weight, axis=0):
             k, n = weight.dims  # [K, N]
             if lm_head == "int4":  # a copy of its own: a tied lookup keeps the 8-bit table
-                data, scales, zero_points = _int4_with_zero_points(numpy_helper.to_array(weight))
+                data, scales, zero_points = _int4_with_zero_points(to_array(weight))
                 base = node.name or node.output[0]
-                added.extend([numpy_helper.from_array(data, f"{base}_q4"), numpy_helper.from_array(scales, f"{base}_scales"),
-                              numpy_helper.from_array(zero_points, f"{base}_zero_points")])
+                added.extend([from_array(data, f"{base}_q4"), from_array(scales, f"{base}_scales"),
+                              from_array(zero_points, f"{base}_zero_points")])
                 nodes.append(_matmul_nbits(helper, node.input[0], f"{base}_q4", f"{base}_scales", node.output[0], k, n, 4,
                                            zero_points=f"{base}_zero_points"))
             else:  # 8-bit, and a tied one shares the lookup's blocks
                 data, scales = int8_table(tied.get(weight.name, weight.name),
-                                          lambda: np.ascontiguousarray(numpy_helper.to_array(weight).T))
+                                          lambda: np.ascontiguousarray(to_array(weight).T))
                 nodes.append(_matmul_nbits(helper, node.input[0], data, scales, node.output[0], k, n, 8, table_block(k)))
         elif node.output[0] in group_of:
             members = groups[group_of[node.output[0]]]
@@ -160,10 +174,10 @@ def quantize_onnx(path, data_file: str, lm_head: str = "int8") -> dict:
             table = initializers[node.input[0]]
             n, k = table.dims
             base = node.name or node.output[0]
-            data, scales = int8_table(node.input[0], lambda: numpy_helper.to_array(table))  # [N, K/b, b], [N, K/b]
+            data, scales = int8_table(node.input[0], lambda: to_array(table))  # [N, K/b, b], [N, K/b]
             ids, block = node.input[1], table_block(k)
-            added += [numpy_helper.from_array(np.array([n, k // block, 1], np.int64), f"{base}_scales_shape"),
-                      numpy_helper.from_array(np.array([k], np.int64), f"{base}_hidden")]
+            added += [from_array(np.array([n, k // block, 1], np.int64), f"{base}_scales_shape"),
+                      from_array(np.array([k], np.int64), f"{base}_hidden")]
             nodes += [
                 helper.make_node("Reshape", [scales, f"{base}_scales_shape"], [f"{base}_scales"], name=f"{base}_scales"),
                 helper.make_node(
@@ -181,13 +195,17 @@ def quantize_onnx(path, data_file: str, lm_head: str = "int8") -> dict:
     graph.node.extend(nodes)
     graph.initializer.extend(added)
     prune(graph)  # the float weights now unread go, and the Splits packed attention inputs no longer read
+    # The float weights still read (norms, a weight left in float, a folded transpose a float
+    # lm_head reads) go to the new file too.
+    read = {name for node in graph.node for name in node.input}
+    kept = [from_array(to_array(t), t.name) if t.name in in_float_file else t for t in graph.initializer]
+    kept += [from_array(to_array(initializers[name]), name) for name in tied if name in read]
+    del graph.initializer[:]
+    graph.initializer.extend(kept)
+    writer.replace(path.parent / data_file, mode_of=path)
     if not any(o.domain == MS_DOMAIN for o in model.opset_import):
         model.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))
-    # onnx appends to an existing external data file: write a fresh one.
-    data_path = os.path.join(os.path.dirname(str(path)), data_file)
-    os.remove(data_path)
-    onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True, location=data_file)
-    shutil.copymode(path, data_path)  # onnx creates it owner-only (0600); readable like the graph beside it
+    onnx.save_model(model, str(path))
     counts = collections.Counter(n.op_type for n in model.graph.node)
     return {op: counts[op] for op in ("MatMulNBits", "GatherBlockQuantized") if counts[op]}
 
@@ -272,29 +290,29 @@ def _attribute(node, name: str, default):
     return next((helper.get_attribute_value(a) for a in node.attribute if a.name == name), default)
 
 
-def _fold_weight_transposes(model) -> dict[str, str]:
-    """A MatMul whose weight is ``Transpose(initializer)`` gets the transposed initializer instead;
-    returns ``{transposed initializer: the initializer it was transposed from}``.
+def _fold_weight_transposes(graph, initializers: dict) -> dict[str, str]:
+    """A MatMul whose weight is ``Transpose(initializer)`` reads the transposed initializer instead;
+    returns ``{transposed initializer: the initializer it was transposed from}``, and adds each to
+    ``initializers`` as its shape (its values are the table's, read when asked for).
 
     The exporter folds a linear layer's ``W.T`` into a constant, except where the weight is shared
     (a tied lm_head reads the embedding table through a Transpose, so the table is stored once);
     only constant weights are quantized, and that lm_head, the largest matrix of a small model,
     would stay in float."""
-    from onnx import numpy_helper
+    from onnx import TensorProto
 
-    initializers = {i.name: i for i in model.graph.initializer}
-    producers = {out: node for node in model.graph.node for out in node.output}
+    producers = {out: node for node in graph.node for out in node.output}
     folded: dict[str, str] = {}
-    for node in list(model.graph.node):
+    for node in list(graph.node):
         transpose = producers.get(node.input[1]) if node.op_type == "MatMul" and len(node.input) > 1 else None
         if transpose is None or transpose.op_type != "Transpose" or transpose.input[0] not in initializers:
             continue
         weight = initializers[transpose.input[0]]
         perm = next((list(a.ints) for a in transpose.attribute if a.name == "perm"), [1, 0])
-        if len(weight.dims) != 2 or perm != [1, 0] or transpose not in model.graph.node:
+        if len(weight.dims) != 2 or perm != [1, 0] or transpose not in graph.node:
             continue
-        array = numpy_helper.to_array(weight)
-        model.graph.initializer.append(numpy_helper.from_array(array.T.copy(), transpose.output[0]))
-        model.graph.node.remove(transpose)
-        folded[transpose.output[0]] = transpose.input[0]
+        name = transpose.output[0]
+        initializers[name] = TensorProto(name=name, data_type=weight.data_type, dims=list(reversed(weight.dims)))
+        graph.node.remove(transpose)
+        folded[name] = transpose.input[0]
     return folded
