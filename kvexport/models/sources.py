@@ -481,10 +481,31 @@ def _with_loading_report(from_pretrained):
 
     report_logger.addFilter(no_report)
     try:
-        with transformers_progress_quiet():
+        with transformers_progress_quiet(), _weights_read_not_mapped():
             return from_pretrained(output_loading_info=True, ignore_mismatched_sizes=True)
     finally:
         report_logger.removeFilter(no_report)
+
+
+@contextlib.contextmanager
+def _weights_read_not_mapped():
+    """transformers memory-maps a safetensors checkpoint and converts each tensor into the model's
+    dtype; the mapped pages it has read stay resident (and count in the process's peak) until the
+    file is closed, after the last tensor. Loading a bfloat16 checkpoint in float32 then peaks at
+    the checkpoint's bytes plus the model's. safetensors' ``pread`` backend (which transformers
+    itself uses on Windows and MPS) reads each tensor into memory of its own as it is converted, and
+    frees it after: the peak is the model's bytes and one tensor (docs/performance.md)."""
+    import transformers.modeling_utils as modeling_utils
+    from safetensors import safe_open
+
+    def read_not_mapped(filename, framework, device="cpu", backend=None):
+        return safe_open(filename, framework=framework, device=device, backend="pread")
+
+    modeling_utils.safe_open = read_not_mapped
+    try:
+        yield
+    finally:
+        modeling_utils.safe_open = safe_open
 
 
 def _refuse_a_partial_load(report: dict, name: str) -> None:
