@@ -25,6 +25,23 @@ SHAPES = {
                             "mrope_section": [11, 11, 10], "mrope_interleaved": True},
         "max_position_embeddings": 262144,
     }),  # fmt: skip
+    # meta-llama/Llama-3.2-1B's config.
+    "llama3.2-1b": ("llama", {
+        "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32,
+        "num_key_value_heads": 8, "head_dim": 64, "vocab_size": 128256, "tie_word_embeddings": True,
+        "rms_norm_eps": 1e-5, "max_position_embeddings": 131072,
+        "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
+                            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+    }),  # fmt: skip
+    # google/gemma-3-1b-it's config: five sliding layers (window 512) to one full.
+    "gemma3-1b": ("gemma3_text", {
+        "hidden_size": 1152, "intermediate_size": 6912, "num_hidden_layers": 26, "num_attention_heads": 4,
+        "num_key_value_heads": 1, "head_dim": 256, "vocab_size": 262144, "sliding_window": 512,
+        "query_pre_attn_scalar": 256, "max_position_embeddings": 32768, "rms_norm_eps": 1e-6,
+        "layer_types": [("full_attention" if (i + 1) % 6 == 0 else "sliding_attention") for i in range(26)],
+        "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+                            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
+    }),  # fmt: skip
 }
 
 
