@@ -153,8 +153,8 @@ def check_supported(config) -> None:
     causal_lm = _causal_lm_class(model_type)
     if causal_lm is None:
         refuse("transformers has no causal-LM class for it (AutoModelForCausalLM does not take it)")
-    # Hybrids with recurrent layers (Qwen 3.5, Bamba) do not declare it, for those layers: there
-    # transformers' own test decides, whether the module's attention classes call the interface.
+    # Hybrids with recurrent layers (Qwen 3.5, Bamba) do not declare it, because of those layers; for
+    # them transformers' own test decides: whether the module's attention classes call the interface.
     if _recurrent_rule(text):
         routes = causal_lm._can_set_attn_implementation()
     else:
@@ -200,7 +200,7 @@ def check_supported(config) -> None:
 
 def _recurrent_rule(config) -> str | None:
     """How the config's linear-attention layers are built, where kvexport runs them: Qwen 3.5's gated
-    delta rule, or Mamba-2 (Granite 4 hybrid); None without such layers or for another kind."""
+    delta rule, or Mamba-2 (Granite 4 hybrid, Bamba); None without such layers or for another kind."""
     if LINEAR not in (getattr(config, "layer_types", None) or ()):
         return None
     if all(getattr(config, name, None) for name in _LINEAR_ATTENTION_SIZES):
