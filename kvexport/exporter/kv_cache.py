@@ -145,7 +145,7 @@ class GatedDeltaState(nn.Module):
 
 
 class Mamba2State(nn.Module):
-    """A Mamba-2 layer (Granite 4 hybrid): the convolution in front of its scan (``conv``) and one
+    """A Mamba-2 layer (Granite 4 hybrid, Bamba): the convolution in front of its scan (``conv``) and one
     float32 ``[head size, state size]`` matrix per head (``state``).
 
     A call is one chunk of transformers' chunked scan (``mamba2_chunk_scan``): the state's decay is

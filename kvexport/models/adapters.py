@@ -83,7 +83,7 @@ def _linear_attention_with_state(model: nn.Module) -> None:
 
 
 def _mamba2_with_state(model: nn.Module) -> None:
-    """Mamba-2 layers (Granite 4 hybrid's ``*MambaLayer``).
+    """Mamba-2 layers (Granite 4 hybrid's ``*MambaLayer``, Bamba's ``*Mixer``).
 
     As for the gated delta rule: transformers branches on the call's length (its 1-token update or
     its chunked scan) and loops over chunks; here the same projection, convolution, step, gated norm

@@ -41,7 +41,14 @@ _REFUSED = {
     "jamba": "a hybrid of attention and state-space layers",
     "zamba": "a hybrid of attention and state-space layers",
     "zamba2": "a hybrid of attention and state-space layers",
-    "falcon_h1": "a hybrid of attention and state-space layers",
+    # Each layer runs attention and a Mamba-2 mixer side by side: one layer with both a KV cache and
+    # a state, where kvexport gives every layer one kind of cache.
+    "falcon_h1": "a hybrid whose every layer runs attention and Mamba-2 in parallel (a KV cache and a state in "
+    "one layer; kvexport gives each layer one kind)",
+    # Its mixers clamp the step to time_step_min in transformers' chunked scan (prefill) but not in
+    # its 1-token update (decode), as a Mamba-2 time_step_limit does (see _recurrent_rule).
+    "nemotron_h": "a hybrid whose Mamba-2 layers clamp their step to time_step_min in transformers' prefill and "
+    "not in its decode, which one program cannot follow",
     "olmo_hybrid": "a hybrid whose linear-attention layers convolve queries, keys and values apart (kvexport "
     "runs Qwen 3.5's and Qwen3-Next's layout)",
     "recurrent_gemma": "a recurrent hybrid",
@@ -146,8 +153,13 @@ def check_supported(config) -> None:
     causal_lm = _causal_lm_class(model_type)
     if causal_lm is None:
         refuse("transformers has no causal-LM class for it (AutoModelForCausalLM does not take it)")
-    # Qwen 3.5's class does not declare it, for its linear layers; its attention layers use the interface.
-    if _recurrent_rule(text) != GATED_DELTA and not getattr(causal_lm, "_supports_attention_backend", False):
+    # Hybrids with recurrent layers (Qwen 3.5, Bamba) do not declare it, because of those layers; for
+    # them transformers' own test decides: whether the module's attention classes call the interface.
+    if _recurrent_rule(text):
+        routes = causal_lm._can_set_attn_implementation()
+    else:
+        routes = getattr(causal_lm, "_supports_attention_backend", False)
+    if not routes:
         refuse(
             f"{causal_lm.__name__} does not route its attention through transformers' AttentionInterface, "
             "which kvexport's cache plugs into"
@@ -188,7 +200,7 @@ def check_supported(config) -> None:
 
 def _recurrent_rule(config) -> str | None:
     """How the config's linear-attention layers are built, where kvexport runs them: Qwen 3.5's gated
-    delta rule, or Mamba-2 (Granite 4 hybrid); None without such layers or for another kind."""
+    delta rule, or Mamba-2 (Granite 4 hybrid, Bamba); None without such layers or for another kind."""
     if LINEAR not in (getattr(config, "layer_types", None) or ()):
         return None
     if all(getattr(config, name, None) for name in _LINEAR_ATTENTION_SIZES):

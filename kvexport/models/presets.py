@@ -122,6 +122,18 @@ PRESETS: dict[str, tuple[str, dict]] = {
             "num_experts_per_tok": 2,
         },
     ),
+    # Bamba, Granite 4 hybrid's parent: a Mamba-2 layer (two groups of B and C) before an attention
+    # layer with rope on half of each head, dense MLPs.
+    "tiny-bamba": (
+        "bamba",
+        {
+            "attn_layer_indices": [1],
+            "mamba_n_heads": 4,
+            "mamba_n_groups": 2,
+            "mamba_d_state": 16,
+            "mamba_chunk_size": 16,
+        },
+    ),
     "tiny-smollm3": ("smollm3", {"no_rope_layer_interval": 2, "tie_word_embeddings": True}),
     # Attention sinks, a mixture of experts (top 2 of 4) and alternating sliding / full layers.
     "tiny-gpt-oss": (

@@ -33,6 +33,7 @@ def test_a_window_as_long_as_the_cache_needs_no_ring():
         ("mamba", {}, "state-space"),
         ("t5", {}, "encoder-decoder"),
         ("olmo_hybrid", {}, "convolve queries, keys and values apart"),
+        ("falcon_h1", {}, "attention and Mamba-2 in parallel"),
         # Not named anywhere in kvexport: refused by the generic rules, from the config and transformers.
         ("pegasus", {}, "encoder-decoder"),
         ("falcon_mamba", {}, "AttentionInterface"),  # no attention to route at all
@@ -140,14 +141,16 @@ def test_linear_attention_states_come_from_the_config_as_transformers_builds_the
     assert specs[0].recurrent_state == (delta.num_v_heads, delta.head_k_dim, delta.head_v_dim)
 
 
-def test_mamba2_states_come_from_the_config_as_transformers_builds_them():
-    """Granite 4 hybrid's Mamba-2 layers (``linear_attention`` too, with Mamba-2's sizes): a
-    convolution over the inner channels and B, C of every group, and a ``head size x state size``
-    state per head, against the modules transformers builds."""
+@pytest.mark.parametrize("preset", ["tiny-granite4", "tiny-bamba"])
+def test_mamba2_states_come_from_the_config_as_transformers_builds_them(preset):
+    """Granite 4 hybrid's and Bamba's Mamba-2 layers (``linear_attention`` too, with Mamba-2's
+    sizes): a convolution over the inner channels and B, C of every group, and a ``head size x state
+    size`` state per head, against the modules transformers builds. (Bamba's class does not declare
+    that its attention routes through the interface; its attention module's code does.)"""
     from kvexport.models.architecture import MAMBA2
     from kvexport.models.presets import build_preset
 
-    model, _ = build_preset("tiny-granite4")
+    model, _ = build_preset(preset)
     specs = layer_specs(model.config)
     assert [(s.cache_kind(64), s.rule) for s in specs] == [("recurrent", MAMBA2), ("static", None)]
     mamba = model.model.layers[0].mamba
@@ -175,6 +178,23 @@ def test_a_mamba2_step_limit_is_refused_before_loading():
     config = preset_config("tiny-granite4")
     config.time_step_limit = (0.0, 0.1)
     with pytest.raises(UnsupportedModelError, match=r"time_step_limit \(0.0, 0.1\) clamps transformers' prefill steps"):
+        layer_specs(config)
+
+
+def test_nemotron_h_is_refused_for_its_step_clamped_in_prefill_only():
+    """Nemotron-H's Mamba-2 mixers clamp the step to ``time_step_min`` whatever the config's
+    ``time_step_limit``: transformers' chunked scan (prefill) clamps it and its 1-token update
+    (decode) does not, as a Granite 4 ``time_step_limit`` would, so it is refused before loading."""
+    from transformers import AutoModelForCausalLM
+
+    from kvexport.models.presets import tiny_config
+
+    config = tiny_config("nemotron_h", {"layers_block_type": ["linear_attention", "full_attention", "mlp"],
+                                        "mamba_num_heads": 4, "mamba_head_dim": 16, "n_groups": 2, "ssm_state_size": 16})
+    mixer = AutoModelForCausalLM.from_config(config).model.layers[0].mixer
+    assert tuple(config.time_step_limit) == (0.0, float("inf"))
+    assert mixer.time_step_limit == (config.time_step_min, float("inf")) and config.time_step_min > 0
+    with pytest.raises(UnsupportedModelError, match="clamp their step to time_step_min in transformers' prefill and not in its decode"):
         layer_specs(config)
 
 
