@@ -138,6 +138,11 @@ def lower(program: torch.export.ExportedProgram, spec: ProgramSpec, out_dir: Pat
     _drop_identity_reshapes(onnx_program.model)
     path = out_dir / PROGRAM_FILE
     onnx_program.save(path, external_data=True)
+    # onnxscript's rewrite rules (module-level objects) keep the last graph they matched, whose
+    # initializers hold the model's own tensors: let go of them, or the float model outlives the
+    # export (and doubles the peak of --quantize int4, which runs after it).
+    for value in onnx_program.model.graph.initializers.values():
+        value.const_value = None
     del onnx_program
     lengths_from_mask(path)
     fold_rotations_into_attention(path, spec.max_cache_len)
