@@ -52,7 +52,7 @@ class ExportableDecoder(nn.Module):
         # for a convolution (batch 1 has no padding to mask).
         self._mask_groups = {}
         for i, spec in enumerate(self.specs):
-            self._mask_groups.setdefault(spec.layer_type, (i, spec.window) if spec.has_kv else None)
+            self._mask_groups.setdefault(spec.layer_type, (i, spec.window, spec.chunk) if spec.has_kv else None)
         # transformers takes one mask per layer type when the model mixes them, else a single one.
         self._mask_by_type = len(self._mask_groups) > 1
 
@@ -62,9 +62,9 @@ class ExportableDecoder(nn.Module):
             if group is None:
                 masks[layer_type] = None
                 continue
-            index, window = group
+            index, window, chunk = group
             key_pos = self.caches[index].key_positions(positions)
-            masks[layer_type] = additive_mask(key_pos, positions, window, self.dtype)
+            masks[layer_type] = additive_mask(key_pos, positions, window, self.dtype, chunk)
         if self._mask_by_type:
             return masks
         return next(iter(masks.values()))

@@ -327,19 +327,23 @@ def ring_positions(start: torch.Tensor, window: int) -> torch.Tensor:
 
 
 def additive_mask(
-    key_pos: torch.Tensor, query_pos: torch.Tensor, window: int | None, dtype: torch.dtype
+    key_pos: torch.Tensor, query_pos: torch.Tensor, window: int | None, dtype: torch.dtype, chunk: int | None = None
 ) -> torch.Tensor:
     """``[1, 1, T, K]`` float mask with eager transformers' semantics.
 
     A query at ``q`` sees a key at ``k`` iff ``0 <= k <= q`` and, for a sliding layer,
-    ``k > q - window`` (transformers' ``sliding_window_overlay``). Masked entries get the dtype's
-    minimum rather than ``-inf`` so the mask also suits attention kernels that add it.
+    ``k > q - window`` (transformers' ``sliding_window_overlay``); for a chunked layer, ``k`` is in
+    ``q``'s chunk: ``k >= q - q % chunk`` (its ``chunked_overlay``, batch 1 without padding). Masked
+    entries get the dtype's minimum rather than ``-inf`` so the mask also suits attention kernels
+    that add it.
     """
     k = key_pos[None, :]
     q = query_pos[:, None]
     visible = (k >= 0) & (k <= q)
     if window is not None:
         visible = visible & (k > q - window)
+    if chunk is not None:  # q >= 0: the remainder needs no care for its sign
+        visible = visible & (k >= q - torch.remainder(q, chunk))
     zero = torch.zeros((), dtype=dtype, device=key_pos.device)
     masked = torch.full((), torch.finfo(dtype).min, dtype=dtype, device=key_pos.device)
     return torch.where(visible, zero, masked)[None, None]

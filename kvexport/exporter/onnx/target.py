@@ -90,6 +90,13 @@ STATES = {"conv": ("conv",), "recurrent": ("conv", "recurrent")}
 
 def check_layers(specs: list, max_cache_len: int) -> None:
     """Refuse, before the model loads, layers this target cannot describe."""
+    chunked = sorted({s.chunk for s in specs if s.chunk and s.is_ring(max_cache_len)})
+    if chunked:  # GroupQueryAttention masks a window (local_window_size), not a chunk's start
+        raise UnsupportedModelError(
+            f"chunked attention (chunks of {chunked[0]} tokens, below max_cache_len {max_cache_len}) is not exported "
+            f"for --target onnx: ONNX Runtime's GroupQueryAttention masks a sliding window, not a chunk; export for "
+            f"--target executorch, or with --max-cache-len {chunked[0]} or less"
+        )
     windows = sorted({s.window for s in specs if s.is_ring(max_cache_len)})
     if len(windows) > 1:  # genai_config.json has one sliding_window section
         raise UnsupportedModelError(
