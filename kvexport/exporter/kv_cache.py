@@ -20,14 +20,15 @@ from typing import Callable
 import torch
 from torch import nn
 
-from ..models.architecture import CONV, MAMBA2, RECURRENT, RING, SHARED, STATIC, LayerSpec
+from ..models.architecture import CHUNKED, CONV, MAMBA2, RECURRENT, RING, SHARED, STATIC, LayerSpec
 from .attention import family_eager_attention
 
 # A target's cache for each kind of layer that holds one: ``make(batch, kv_heads, slots, head_dim,
 # dtype)``, slots being max_cache_len for STATIC and the window for RING. Each kind provides
 # ``attend`` (write the call's keys and attend to them) or ``update`` (write them and return the
 # keys to attend to), ``key_positions`` and, for layers that share it, ``read``. CONV, RECURRENT and
-# MAMBA2 (optional: ``ConvState``, ``GatedDeltaState``, ``Mamba2State`` where absent) are the states'.
+# MAMBA2 (optional: ``ConvState``, ``GatedDeltaState``, ``Mamba2State`` where absent) are the states';
+# CHUNKED (optional: RING's where absent) a chunked-attention layer's ring of the chunk's slots.
 CacheKinds = dict[str, Callable[..., object]]
 
 
@@ -51,7 +52,10 @@ def build_caches(
             state = kinds.get(RECURRENT, GatedDeltaState)
             caches.append(state(spec.conv_state, spec.recurrent_state, max_tokens_per_call, dtype))
         else:
-            caches.append(kinds[kind](1, spec.kv_heads, spec.cache_slots(max_cache_len), spec.head_dim, dtype))
+            # A chunked layer's ring is a ring of the chunk (the mask adds the chunk's start), unless
+            # the target has a kind of its own for it (one whose attention does not take the mask).
+            make = kinds.get(CHUNKED, kinds[RING]) if kind == RING and spec.chunk else kinds[kind]
+            caches.append(make(1, spec.kv_heads, spec.cache_slots(max_cache_len), spec.head_dim, dtype))
     return caches
 
 
