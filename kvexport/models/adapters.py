@@ -125,11 +125,18 @@ def _complex_rotary_as_real(model: nn.Module) -> None:
     rotaries = [m for m in model.modules() if type(m).__name__.endswith("RotaryEmbedding") and _returns_complex(m)]
     if not rotaries:
         return
+    attentions = [m for m in model.modules() if all(hasattr(m, a) for a in ("use_rope", "attn_temperature_tuning", "q_proj"))]
+    if not attentions:  # the rotation is the attention's code: only Llama 4's is written out here
+        from ..errors import UnsupportedModelError
+
+        raise UnsupportedModelError(
+            f"{type(model).__name__}'s rotary embedding is complex-valued, which neither target runs, and kvexport "
+            "rotates in real numbers only Llama 4's attention"
+        )
     for rotary in rotaries:
         rotary.forward = types.MethodType(_real_rotary_forward, rotary)
-    for module in model.modules():
-        if hasattr(module, "use_rope") and hasattr(module, "attn_temperature_tuning") and hasattr(module, "q_proj"):
-            module.forward = types.MethodType(_llama4_attention_forward, module)
+    for module in attentions:
+        module.forward = types.MethodType(_llama4_attention_forward, module)
 
 
 def _returns_complex(rotary: nn.Module) -> bool:
