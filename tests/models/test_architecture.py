@@ -204,6 +204,20 @@ def test_a_layer_that_shares_a_cache_holds_none(tmp_path):
     assert plan.kv_cache_bytes_if_all_full == 2 * row * 64 * 2 * (2 * 16 + 1 * 32)
 
 
+@pytest.mark.parametrize("target", ["executorch", "onnx"])
+def test_a_chunked_layer_holds_one_chunk(tmp_path, target):
+    """kvexport.json's layers and cache size for Llama 4's chunked attention: a ring of the chunk's
+    rows (``chunk`` beside ``window``) on both targets, the full NoPE layer the whole cache."""
+    from kvexport.models.presets import CHUNK
+
+    plan = plan_export(ExportOptions("tiny-llama4", target, tmp_path / "out", 64))
+    layers = plan.layers()
+    assert [(layer["cache"], layer["window"], layer.get("chunk"), layer["slots"]) for layer in layers] == [
+        ("ring", CHUNK, CHUNK, CHUNK), ("static", None, None, 64)]  # fmt: skip
+    assert plan.kv_cache_bytes == 2 * 4 * 2 * 16 * (CHUNK + 64)
+    assert "1 chunked-attention rings" in plan.summary()
+
+
 def test_gemma3_270m_cache_at_8192_is_a_fraction_of_full_length_layers(tmp_path):
     """The figure kvexport.json reports (the same plan writes it), without exporting: windows of W
     rows on both targets, against 18 layers of 8192; the same bytes for the .pte and the ONNX folder."""
