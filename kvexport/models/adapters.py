@@ -168,9 +168,9 @@ def rotate_pairs(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
 def _llama4_attention_forward(self, hidden_states, position_embeddings, attention_mask, past_key_values=None, **kwargs):
     """``Llama4TextAttention.forward`` with the rotation of ``rotate_pairs`` and, under kvexport, the
     temperature of a NoPE layer's queries from the call's positions."""
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    import sys
 
-    from ..exporter.attention import family_eager_attention
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     input_shape = hidden_states.shape[:-1]
     query = self.q_proj(hidden_states).view(*input_shape, -1, self.head_dim)
@@ -192,7 +192,8 @@ def _llama4_attention_forward(self, hidden_states, position_embeddings, attentio
     query, key = query.transpose(1, 2), key.transpose(1, 2)
     if past_key_values is not None:
         key, value = past_key_values.update(key, value, self.layer_idx)
-    attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, family_eager_attention(self))
+    eager = sys.modules[type(self).__module__].eager_attention_forward  # the family's own
+    attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager)
     out, weights = attention(
         self, query, key, value, attention_mask,
         dropout=0.0 if not self.training else self.attention_dropout, scaling=self.scaling, **kwargs,
