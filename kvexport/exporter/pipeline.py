@@ -180,6 +180,7 @@ class ExportPlan:
                 "cache": kind,
                 **({"reads": s.reads} if kind == architecture.SHARED else {}),
                 "window": s.window,
+                **({"chunk": s.chunk} if s.chunk else {}),
                 "slots": s.cache_slots(self.max_cache_len),
                 "kv_heads": s.kv_heads,
                 "head_dim": s.head_dim,
@@ -188,11 +189,13 @@ class ExportPlan:
 
     def summary(self) -> str:
         o = self.options
-        rings = sum(s.is_ring(self.max_cache_len) for s in self.specs)
+        rings = sum(s.is_ring(self.max_cache_len) and not s.chunk for s in self.specs)
+        chunked = sum(s.is_ring(self.max_cache_len) and bool(s.chunk) for s in self.specs)
         shared = sum(s.reads is not None for s in self.specs)
         linear = sum(s.recurrent_state is not None for s in self.specs)
         convolutions = sum(not s.has_kv for s in self.specs) - linear
-        other_kinds = f", {shared} reading another layer's cache" if shared else ""
+        other_kinds = f", {chunked} chunked-attention rings" if chunked else ""
+        other_kinds += f", {shared} reading another layer's cache" if shared else ""
         other_kinds += f", {convolutions} short convolutions" if convolutions else ""
         other_kinds += f", {linear} linear attention" if linear else ""
         schemes = [f"--{name.replace('_', '-')} {getattr(o, name)}" for name in quantize.OPTIONS if getattr(o, name)]
