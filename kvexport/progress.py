@@ -25,6 +25,18 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+# The status line of the step running on a terminal, and its label (``report`` updates it).
+_running = None
+
+
+def report(detail: str) -> None:
+    """How far the running step has got, for code deep inside it (a target's lowering): shown on
+    its status line on a terminal, and nowhere else (a log gets the step's start and end only)."""
+    if _running is not None:
+        status, label = _running
+        status.update(f"{label} ... {detail}")
+
+
 class Progress:
     def __init__(self, quiet: bool = False, console: Console | None = None):
         self.quiet = quiet
@@ -42,8 +54,13 @@ class Progress:
         if self.quiet:
             yield
         elif self.console.is_terminal:
-            with self.console.status(f"{label} ..."):
-                yield
+            global _running
+            with self.console.status(f"{label} ...") as status:
+                _running = (status, label)
+                try:
+                    yield
+                finally:
+                    _running = None
         else:
             self.console.print(f"{label} ...")
             sys.stderr.flush()

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import InvalidOptionError
+from .weight_grids import BLOCK
 
 # What the libraries take before any weight: the tiny matrix's exports measure it.
 BASE_BYTES = {"executorch": 600 * 2**20, "onnx": 680 * 2**20}
@@ -48,8 +49,6 @@ def count_parameters(config) -> Parameters:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from .executorch.quantize import GROUP_SIZE
-
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     seen: set[int] = set()
@@ -61,7 +60,7 @@ def count_parameters(config) -> Parameters:
             seen.add(id(param))
             if isinstance(module, torch.nn.Embedding):
                 kind = "embedding"
-            elif isinstance(module, torch.nn.Linear) and param is module.weight and module.in_features % GROUP_SIZE == 0:
+            elif isinstance(module, torch.nn.Linear) and param is module.weight and module.in_features % BLOCK == 0:
                 kind = "linear"
             else:
                 kind = "other"

@@ -287,6 +287,7 @@ def export_model(options: ExportOptions, progress: Progress | None = None) -> Ex
             lowered = target.lower(program, spec, folder)
             del program
         if quantization and not target.QUANTIZES_MODULE:
+            _release_weights(model)
             del model
             with progress.step("quantize", target.quantization_detail(quantization)):
                 lowered.update(target.quantize_files(folder, spec, quantization))
@@ -302,6 +303,16 @@ def export_model(options: ExportOptions, progress: Progress | None = None) -> Ex
     if written.get("genai_unsupported"):
         progress.info(f"onnxruntime-genai cannot run it ({written['genai_unsupported']}); kvexport run and check can")
     return ExportResult(plan.out, written, dict(progress.seconds), peak_rss_mb())
+
+
+def _release_weights(model) -> None:
+    """Free the model's weights: the graph torch.export traced stays reachable from module-level
+    caches (torch.fx's, onnxscript's rewrite rules), and through it the weights, after the model is
+    dropped. For the steps that read the written artifact's weights, not the model's."""
+    import torch
+
+    for tensor in [*model.parameters(), *model.buffers()]:
+        tensor.data = torch.empty(0, dtype=tensor.dtype)
 
 
 def _footprint(plan: ExportPlan) -> memory_plan.Footprint | None:

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from ...errors import UnsupportedModelError
+from ...progress import report
 from ..decoder import ExportableDecoder, export_decoder
 from ..quantization import Quantization
 from ..targets import ProgramSpec
@@ -233,12 +234,15 @@ def _serialized_weights_on_disk(folder: Path):
     from executorch.exir._serialize._named_data_store import NamedDataStore
 
     add_named_data = NamedDataStore.add_named_data
+    spilled = [0]
 
     def add_spilled(self, key, data, alignment=1, external_tag=None, tensor_layout=None):
         if external_tag == WEIGHTS_TAG and isinstance(data, bytes) and len(data) >= SPILL_MIN_BYTES:
             with tempfile.NamedTemporaryFile(dir=folder, suffix=".bin", delete=False) as f:
                 f.write(data)
+            spilled[0] += len(data)
             data = FileBackedData(f.name, cleanup=True)  # its sha256 only if dedup asks (lazily)
+            report(f"{spilled[0] / 2**20:,.0f} MiB of weights serialized for XNNPACK")
         return add_named_data(self, key, data, alignment, external_tag, tensor_layout)
 
     NamedDataStore.add_named_data = add_spilled

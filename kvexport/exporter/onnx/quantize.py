@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ...progress import report
 from ..weight_grids import (
     BLOCK,
     FINE_BLOCK,
@@ -151,7 +152,9 @@ def quantize_onnx(path, data_file: str, lm_head: str = "int8") -> dict:
 
     shared: set[str] = set()  # names of the initializers shared_constant added
     nodes = []
-    for node in graph.node:
+    for done, node in enumerate(graph.node):
+        if done % 64 == 0:
+            report(f"{done:,} of {len(graph.node):,} nodes")
         weight = initializers.get(node.input[1]) if len(node.input) > 1 else None
         if node.op_type == "MatMul" and node.output[0] == head and _quantizable(weight, axis=0):
             k, n = weight.dims  # [K, N]
