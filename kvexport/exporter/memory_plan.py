@@ -38,6 +38,7 @@ class Parameters:
     linear: int  # weights of linear layers 8da4w quantizes (input width a multiple of the group)
     embedding: int
     other: int  # norms, biases, the linear weights left in float
+    largest: int  # the largest parameter's
 
     @property
     def total(self) -> int:
@@ -52,7 +53,7 @@ def count_parameters(config) -> Parameters:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     seen: set[int] = set()
-    counts = {"linear": 0, "embedding": 0, "other": 0}
+    counts = {"linear": 0, "embedding": 0, "other": 0, "largest": 0}
     for module in model.modules():
         for param in module.parameters(recurse=False):
             if id(param) in seen:
@@ -65,6 +66,7 @@ def count_parameters(config) -> Parameters:
             else:
                 kind = "other"
             counts[kind] += param.numel()
+            counts["largest"] = max(counts["largest"], param.numel())
     return Parameters(**counts)
 
 
@@ -94,6 +96,7 @@ def footprint(plan, parameters: Parameters, checkpoint_bytes_per_value: int = 2)
     held = floats  # the weights at the peak, before WEIGHT_FACTOR
     if quantization.scheme and target == "executorch":  # quantized before export, from compact weights
         loaded = parameters.linear * checkpoint_bytes_per_value + (parameters.embedding + parameters.other) * dtype_bytes
+        loaded += parameters.largest * (checkpoint_bytes_per_value + dtype_bytes)  # read, then converted
         held = max(loaded / WEIGHT_FACTOR[target], artifact)
     peak = BASE_BYTES[target] + plan.kv_cache_bytes + plan.state_bytes + int(held * WEIGHT_FACTOR[target])
     # ExecuTorch's serialized weights wait in the staged folder until model.ptd is written; ONNX's
