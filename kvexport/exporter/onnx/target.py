@@ -95,14 +95,6 @@ def check_layers(specs: list, max_cache_len: int) -> None:
         raise UnsupportedModelError(
             f"sliding layers with different windows ({windows}): the ONNX target supports one window per model"
         )
-    # Such a layer's earlier queries attend to what its producer's window held before the call, which
-    # its GroupQueryAttention node has overwritten in place (the runner binds past and present to one
-    # buffer) by the time the sharing layer runs.
-    if any(s.reads_every_token and specs[s.reads].is_ring(max_cache_len) for s in specs):
-        raise UnsupportedModelError(
-            "layers that share a sliding layer's cache from every token of a call (Gemma 3n): the ONNX graph's "
-            "window buffer is overwritten in place before they read it; export it for --target executorch"
-        )
 
 
 def io_names(layers: list[dict]) -> tuple[list[str], list[str]]:
