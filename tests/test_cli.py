@@ -68,7 +68,7 @@ def test_model_shorthand_is_export(tmp_path, capsys):
 
 def test_default_max_cache_len_is_said(tmp_path, capsys, monkeypatch):
     # Stop right after the plan is printed: the default and its reason are in the first line.
-    from kvexport.exporter import pipeline
+    from kvexport.exporter import memory_plan, pipeline
 
     monkeypatch.setattr(pipeline.sources, "load_model", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt()))
     code, _, err = run_cli(capsys, "export", "tiny-llama", "-o", tmp_path / "x")
@@ -336,7 +336,7 @@ def test_an_unwritable_output_is_refused_before_loading(capsys, monkeypatch):
     # Tests run as root, for whom permission bits and os.access say yes everywhere. The kernel still
     # refuses new folders in sysfs (EPERM as root on a read-write /sys, EROFS where /sys is mounted
     # read-only as in containers, EACCES for other users): a real unwritable place for anyone.
-    from kvexport.exporter import pipeline
+    from kvexport.exporter import memory_plan, pipeline
 
     monkeypatch.setattr(pipeline.sources, "load_model", lambda *a, **k: pytest.fail("loaded the model"))
     code, _, err = run_cli(capsys, "tiny-llama", "-o", "/sys/kvexport-out")
@@ -382,7 +382,7 @@ UNWRITABLE_OUTPUTS = {
 @pytest.mark.parametrize("case", list(UNWRITABLE_OUTPUTS))
 def test_an_output_that_cannot_be_written_is_refused_before_any_work(tmp_path, capsys, monkeypatch, case):
     from kvexport.bench import bench
-    from kvexport.exporter import pipeline
+    from kvexport.exporter import memory_plan, pipeline
     from kvexport.matrix import command
 
     make_args, phrases = UNWRITABLE_OUTPUTS[case]
@@ -744,30 +744,3 @@ def test_an_unlisted_chat_template_is_not_read(artifact, tmp_path, capsys):
     code, _, err = run_cli(capsys, "run", folder, "--prompt", "hi", "--chat", "--max-new-tokens", "2")
     assert_one_line_error(code, err, "this model's tokenizer has no chat template")
     assert "unlisted" not in err
-
-
-def test_the_memory_checked_is_a_container_s_limit_where_that_is_less(tmp_path, monkeypatch):
-    from kvexport.exporter import pipeline
-
-    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    v2, v1 = tmp_path / "memory.max", tmp_path / "memory.limit_in_bytes"
-    monkeypatch.setattr(pipeline, "CGROUP_MEMORY_LIMITS", (v2, v1))
-    assert pipeline.total_memory_bytes() == physical  # neither file
-    v2.write_text("max\n")
-    v1.write_text("9223372036854771712\n")  # v1's "no limit"
-    assert pipeline.total_memory_bytes() == physical
-    v1.write_text(f"{2**30}\n")
-    assert pipeline.total_memory_bytes() == min(2**30, physical)
-
-
-def test_a_cache_larger_than_memory_is_refused_before_loading(tmp_path, capsys, monkeypatch):
-    from kvexport.exporter import pipeline
-
-    assert pipeline.total_memory_bytes() > 2**20  # this machine's, as the OS says
-    monkeypatch.setattr(pipeline.sources, "load_model", lambda *a, **k: pytest.fail("loaded the model"))
-    # tiny-llama's cache: 2 layers x 2 (keys, values) x 2 heads x 16 dims x 4 bytes = 0.5 KiB a position.
-    monkeypatch.setattr(pipeline, "total_memory_bytes", lambda: 100 * 2**10)
-    code, _, err = run_cli(capsys, "tiny-llama", "-o", tmp_path / "out", "--max-cache-len", "512")
-    assert_one_line_error(code, err, "--max-cache-len 512: the KV cache alone needs 0.2 MiB, more than this machine's "
-                                     "0.1 MiB of memory; --max-cache-len 200 is the most whose cache fits")
-    assert list(tmp_path.iterdir()) == []

@@ -183,6 +183,8 @@ def _check_details(path: Path, manifest: dict) -> None:
             refuse(f"layers[{i}].reads", "the index of an earlier layer that holds a cache", layer.get("reads"))
         if layer["cache"] == "ring" and (window is None or window >= max_cache_len):
             refuse(f"layers[{i}].window", f"a window below max_cache_len ({max_cache_len}) for a ring cache", window)
+        if "chunk" in layer and layer["chunk"] != window:  # a chunked layer's ring holds one chunk
+            refuse(f"layers[{i}].chunk", f"its window ({window})", layer["chunk"])
         if layer["cache"] == "static" and window is not None and window < max_cache_len:
             refuse(f"layers[{i}].cache", f'"ring" for a window of {window} below max_cache_len ({max_cache_len})', layer["cache"])
         # ONNX runtimes name and shape each layer's buffers from these (runtime/onnx_program.py

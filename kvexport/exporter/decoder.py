@@ -34,15 +34,16 @@ class ExportableDecoder(nn.Module):
         self, model: nn.Module, max_cache_len: int, cache_kinds: CacheKinds = PLAIN_CACHES, max_tokens_per_call: int | None = None
     ):
         super().__init__()
+        # Rotary frequencies that transformers recomputes from the length are fixed to those eager
+        # uses up to max_cache_len, where that is one set for every position (else refused); before
+        # the adapters, one of which replaces a complex rotary module's forward with its own.
+        check_rope(model.config, max_cache_len)
+        fixed_rotary_frequencies(model, max_cache_len)
         self.model = _prepare(model)
         self.max_cache_len = max_cache_len
         # The bound of T; ExecuTorch plans activation memory for a call this long.
         self.max_tokens_per_call = max_tokens_per_call or max_cache_len
         self.specs = layer_specs(model.config)
-        # Rotary frequencies that transformers recomputes from the length are fixed to those eager
-        # uses up to max_cache_len, where that is one set for every position (else refused).
-        check_rope(model.config, max_cache_len)
-        fixed_rotary_frequencies(self.model, max_cache_len)
         self.dtype = next(model.parameters()).dtype
         caches = build_caches(self.specs, max_cache_len, self.dtype, cache_kinds, self.max_tokens_per_call)
         # Caches with state are submodules (their buffers are the program's); the ONNX target's hold none.
@@ -52,7 +53,7 @@ class ExportableDecoder(nn.Module):
         # for a convolution (batch 1 has no padding to mask).
         self._mask_groups = {}
         for i, spec in enumerate(self.specs):
-            self._mask_groups.setdefault(spec.layer_type, (i, spec.window) if spec.has_kv else None)
+            self._mask_groups.setdefault(spec.layer_type, (i, spec.window, spec.chunk) if spec.has_kv else None)
         # transformers takes one mask per layer type when the model mixes them, else a single one.
         self._mask_by_type = len(self._mask_groups) > 1
 
@@ -62,9 +63,9 @@ class ExportableDecoder(nn.Module):
             if group is None:
                 masks[layer_type] = None
                 continue
-            index, window = group
+            index, window, chunk = group
             key_pos = self.caches[index].key_positions(positions)
-            masks[layer_type] = additive_mask(key_pos, positions, window, self.dtype)
+            masks[layer_type] = additive_mask(key_pos, positions, window, self.dtype, chunk)
         if self._mask_by_type:
             return masks
         return next(iter(masks.values()))

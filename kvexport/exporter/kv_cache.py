@@ -20,14 +20,15 @@ from typing import Callable
 import torch
 from torch import nn
 
-from ..models.architecture import CONV, MAMBA2, RECURRENT, RING, SHARED, STATIC, LayerSpec
+from ..models.architecture import CHUNKED, CONV, MAMBA2, RECURRENT, RING, SHARED, STATIC, LayerSpec
 from .attention import family_eager_attention
 
 # A target's cache for each kind of layer that holds one: ``make(batch, kv_heads, slots, head_dim,
 # dtype)``, slots being max_cache_len for STATIC and the window for RING. Each kind provides
 # ``attend`` (write the call's keys and attend to them) or ``update`` (write them and return the
 # keys to attend to), ``key_positions`` and, for layers that share it, ``read``. CONV, RECURRENT and
-# MAMBA2 (optional: ``ConvState``, ``GatedDeltaState``, ``Mamba2State`` where absent) are the states'.
+# MAMBA2 (optional: ``ConvState``, ``GatedDeltaState``, ``Mamba2State`` where absent) are the states';
+# CHUNKED (optional: RING's where absent) a chunked-attention layer's ring of the chunk's slots.
 CacheKinds = dict[str, Callable[..., object]]
 
 
@@ -51,7 +52,10 @@ def build_caches(
             state = kinds.get(RECURRENT, GatedDeltaState)
             caches.append(state(spec.conv_state, spec.recurrent_state, max_tokens_per_call, dtype))
         else:
-            caches.append(kinds[kind](1, spec.kv_heads, spec.cache_slots(max_cache_len), spec.head_dim, dtype))
+            # A chunked layer's ring is a ring of the chunk (the mask adds the chunk's start), unless
+            # the target has a kind of its own for it (one whose attention does not take the mask).
+            make = kinds.get(CHUNKED, kinds[RING]) if kind == RING and spec.chunk else kinds[kind]
+            caches.append(make(1, spec.kv_heads, spec.cache_slots(max_cache_len), spec.head_dim, dtype))
     return caches
 
 
@@ -330,19 +334,23 @@ def ring_positions(start: torch.Tensor, window: int) -> torch.Tensor:
 
 
 def additive_mask(
-    key_pos: torch.Tensor, query_pos: torch.Tensor, window: int | None, dtype: torch.dtype
+    key_pos: torch.Tensor, query_pos: torch.Tensor, window: int | None, dtype: torch.dtype, chunk: int | None = None
 ) -> torch.Tensor:
     """``[1, 1, T, K]`` float mask with eager transformers' semantics.
 
     A query at ``q`` sees a key at ``k`` iff ``0 <= k <= q`` and, for a sliding layer,
-    ``k > q - window`` (transformers' ``sliding_window_overlay``). Masked entries get the dtype's
-    minimum rather than ``-inf`` so the mask also suits attention kernels that add it.
+    ``k > q - window`` (transformers' ``sliding_window_overlay``); for a chunked layer, ``k`` is in
+    ``q``'s chunk: ``k >= q - q % chunk`` (its ``chunked_overlay``, batch 1 without padding). Masked
+    entries get the dtype's minimum rather than ``-inf`` so the mask also suits attention kernels
+    that add it.
     """
     k = key_pos[None, :]
     q = query_pos[:, None]
     visible = (k >= 0) & (k <= q)
     if window is not None:
         visible = visible & (k > q - window)
+    if chunk is not None:  # q >= 0: the remainder needs no care for its sign
+        visible = visible & (k >= q - torch.remainder(q, chunk))
     zero = torch.zeros((), dtype=dtype, device=key_pos.device)
     masked = torch.full((), torch.finfo(dtype).min, dtype=dtype, device=key_pos.device)
     return torch.where(visible, zero, masked)[None, None]

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import dataclasses
 import math
-import os
 import platform
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,6 +13,7 @@ from ..errors import InvalidOptionError
 from ..models import architecture, sources
 from ..progress import Progress, peak_rss_mb
 from ..version import __version__
+from . import memory_plan
 from . import quantization as quantize
 from .kv_calibration import calibration_ids
 from .targets import ProgramSpec, check_target_name, get_target
@@ -181,6 +180,7 @@ class ExportPlan:
                 "cache": kind,
                 **({"reads": s.reads} if kind == architecture.SHARED else {}),
                 "window": s.window,
+                **({"chunk": s.chunk} if s.chunk else {}),
                 "slots": s.cache_slots(self.max_cache_len),
                 "kv_heads": s.kv_heads,
                 "head_dim": s.head_dim,
@@ -189,11 +189,13 @@ class ExportPlan:
 
     def summary(self) -> str:
         o = self.options
-        rings = sum(s.is_ring(self.max_cache_len) for s in self.specs)
+        rings = sum(s.is_ring(self.max_cache_len) and not s.chunk for s in self.specs)
+        chunked = sum(s.is_ring(self.max_cache_len) and bool(s.chunk) for s in self.specs)
         shared = sum(s.reads is not None for s in self.specs)
         linear = sum(s.recurrent_state is not None for s in self.specs)
         convolutions = sum(not s.has_kv for s in self.specs) - linear
-        other_kinds = f", {shared} reading another layer's cache" if shared else ""
+        other_kinds = f", {chunked} chunked-attention rings" if chunked else ""
+        other_kinds += f", {shared} reading another layer's cache" if shared else ""
         other_kinds += f", {convolutions} short convolutions" if convolutions else ""
         other_kinds += f", {linear} linear attention" if linear else ""
         schemes = [f"--{name.replace('_', '-')} {getattr(o, name)}" for name in quantize.OPTIONS if getattr(o, name)]
@@ -245,51 +247,8 @@ def plan_export(options: ExportOptions, progress: Progress | None = None) -> Exp
     prefill_chunk = choose_prefill_chunk(max_cache_len, options.prefill_chunk, options.target, default_chunk)
     dtype_bytes = sources.DTYPES[options.dtype]
     plan = ExportPlan(options, out, source, config, specs, max_cache_len, max_positions, dtype_bytes, prefill_chunk)
-    _refuse_a_cache_beyond_memory(plan)
+    memory_plan.refuse_a_cache_beyond_memory(plan)
     return plan
-
-
-# A container's memory limit: cgroup v2's, then v1's ("max" or a huge number where there is none).
-CGROUP_MEMORY_LIMITS = (Path("/sys/fs/cgroup/memory.max"), Path("/sys/fs/cgroup/memory/memory.limit_in_bytes"))
-
-
-def total_memory_bytes() -> int | None:
-    """The memory this process may use: the machine's, or its container's limit where that is less
-    (None where the OS says neither)."""
-    try:
-        physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (AttributeError, ValueError, OSError):
-        physical = None
-    return min((m for m in (physical, *map(_cgroup_limit, CGROUP_MEMORY_LIMITS)) if m), default=None)
-
-
-def _cgroup_limit(path: Path) -> int | None:
-    try:
-        text = path.read_text().strip()
-    except OSError:
-        return None
-    return int(text) if text.isdigit() and int(text) < 2**60 else None
-
-
-def _refuse_a_cache_beyond_memory(plan: ExportPlan) -> None:
-    """A KV cache larger than the machine's memory cannot be exported (nor run): refuse it before the
-    weights load, with the largest --max-cache-len that fits."""
-    memory = total_memory_bytes()
-    if not memory or plan.kv_cache_bytes <= memory:
-        return
-    low, high = 0, plan.max_cache_len  # the cache grows with max_cache_len: the largest that fits
-    while low < high:
-        mid = (low + high + 1) // 2
-        low, high = (mid, high) if dataclasses.replace(plan, max_cache_len=mid).kv_cache_bytes <= memory else (low, mid - 1)
-    given = f"--max-cache-len {plan.max_cache_len}" if plan.options.max_cache_len else f"max_cache_len {plan.max_cache_len} (the default)"
-
-    def size(n: int) -> str:
-        return f"{n / 2**30:,.1f} GiB" if n >= 2**30 else f"{n / 2**20:,.1f} MiB"
-
-    raise InvalidOptionError(
-        f"{given}: the KV cache alone needs {size(plan.kv_cache_bytes)}, more than this machine's {size(memory)} of "
-        f"memory; --max-cache-len {low} is the most whose cache fits, and the weights need room too"
-    )
 
 
 def export_model(options: ExportOptions, progress: Progress | None = None) -> ExportResult:
@@ -297,18 +256,25 @@ def export_model(options: ExportOptions, progress: Progress | None = None) -> Ex
     plan = plan_export(options, progress)
     target = get_target(options.target)
     progress.info(plan.summary())
+    needs = _footprint(plan)
+    if needs:
+        progress.info(f"memory plan: {needs.summary()} (the artifact {memory_plan.size(needs.artifact_bytes)})")
+        memory_plan.refuse_what_the_machine_cannot_hold(plan, needs)
 
+    quantization = options.quantization
+    # Linear layers quantized before export need no float32 copy of a bfloat16 checkpoint's weights.
+    compact = bool(quantization.scheme and target.QUANTIZES_MODULE)
     with progress.step("load", plan.source.name):
-        model, tokenizer = sources.load_model(plan.source, options.dtype)
+        model, tokenizer = sources.load_model(plan.source, options.dtype, compact_linears=compact)
     if options.dtype != "float32":
         with progress.step("probe", f"eager {options.dtype} on {_PROBE_PROMPT!r}"):
             _refuse_if_it_overflows(model, tokenizer, options.dtype)
     info = _manifest_info(plan, model, tokenizer)
     spec = _program_spec(plan, info)
-    quantization = options.quantization
     if quantization and target.QUANTIZES_MODULE:
         with progress.step("quantize", target.quantization_detail(quantization)):
             skipped = target.quantize_model(model, quantization)
+            sources.widen_linears(model)
         if skipped:
             info["quantization"]["left_in_float"] = skipped
 
@@ -336,6 +302,19 @@ def export_model(options: ExportOptions, progress: Progress | None = None) -> Ex
     if written.get("genai_unsupported"):
         progress.info(f"onnxruntime-genai cannot run it ({written['genai_unsupported']}); kvexport run and check can")
     return ExportResult(plan.out, written, dict(progress.seconds), peak_rss_mb())
+
+
+def _footprint(plan: ExportPlan) -> memory_plan.Footprint | None:
+    """The export's memory and disk, from the config (None for a model transformers cannot build
+    on the meta device: it is exported without a plan)."""
+    try:
+        parameters = memory_plan.count_parameters(plan.config)
+    except Exception:  # noqa: BLE001 - a plan is advice; the export itself says what is wrong
+        return None
+    stored = getattr(architecture.text_config(plan.config), "dtype", None)
+    # A preset is built in float32; a checkpoint is bfloat16 unless its config says otherwise.
+    bytes_per_value = 4 if plan.source.kind == "preset" or str(stored).endswith("float32") else 2
+    return memory_plan.footprint(plan, parameters, bytes_per_value)
 
 
 # A model whose activations pass float16's range (Gemma 3's residual stream) gives non-finite logits

@@ -19,6 +19,7 @@ def prepare_for_export(model: nn.Module) -> None:
     _linear_attention_with_state(model)
     _mamba2_with_state(model)
     _activation_sparsity_with_fixed_quantile(model)
+    _complex_rotary_as_real(model)
 
 
 def _experts_as_batched_matmuls(model: nn.Module) -> None:
@@ -133,6 +134,96 @@ def _activation_sparsity_with_fixed_quantile(model: nn.Module) -> None:
             sparsity = torch.tensor(module.activation_sparsity, dtype=torch.float32)
             module.register_buffer("kvexport_normal_quantile", Normal(0, 1).icdf(sparsity), persistent=False)
             module._gaussian_topk = types.MethodType(gaussian_topk, module)
+
+
+def _complex_rotary_as_real(model: nn.Module) -> None:
+    """Rotary embeddings that multiply complex numbers (Llama 4: ``torch.polar``, ``view_as_complex``).
+
+    Neither target runs complex tensors (ExecuTorch's program fails to load, the ONNX exporter has
+    no decomposition for them). Here the rotary module returns the same angles' ``cos`` and ``sin``
+    (``[B, T, D/2, 2]``) and the attention rotates each interleaved pair ``(x0, x1)`` with real ops:
+    ``(x0 cos - x1 sin, x0 sin + x1 cos)``, the complex product written out. Llama 4's attention
+    also scales a NoPE layer's queries by its positions (``attn_temperature_tuning``), which
+    transformers counts from its own cache: under kvexport they are the call's positions."""
+    import types
+
+    rotaries = [m for m in model.modules() if type(m).__name__.endswith("RotaryEmbedding") and _returns_complex(m)]
+    if not rotaries:
+        return
+    attentions = [m for m in model.modules() if all(hasattr(m, a) for a in ("use_rope", "attn_temperature_tuning", "q_proj"))]
+    if not attentions:  # the rotation is the attention's code: only Llama 4's is written out here
+        from ..errors import UnsupportedModelError
+
+        raise UnsupportedModelError(
+            f"{type(model).__name__}'s rotary embedding is complex-valued, which neither target runs, and kvexport "
+            "rotates in real numbers only Llama 4's attention"
+        )
+    for rotary in rotaries:
+        rotary.forward = types.MethodType(_real_rotary_forward, rotary)
+    for module in attentions:
+        module.forward = types.MethodType(_llama4_attention_forward, module)
+
+
+def _returns_complex(rotary: nn.Module) -> bool:
+    """Whether a rotary module's output is complex (its forward run on one position)."""
+    try:
+        with torch.no_grad():
+            out = rotary(torch.zeros(1), torch.zeros((1, 1), dtype=torch.long))
+    except Exception:  # another signature: not one this adapter knows
+        return False
+    return isinstance(out, torch.Tensor) and out.is_complex()
+
+
+@torch.no_grad()
+def _real_rotary_forward(self, x, position_ids):
+    """``cos`` and ``sin`` of the angles Llama 4's rotary module takes the polar form of, ``[B, T, D/2, 2]``."""
+    freqs = position_ids[..., None].float() * self.inv_freq.to(device=x.device, dtype=torch.float)
+    return torch.stack([freqs.cos(), freqs.sin()], dim=-1) * self.attention_scaling
+
+
+def rotate_pairs(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+    """``x [B, T, heads, D]`` with each pair ``(x[2i], x[2i+1])`` rotated by ``cos_sin [B, T, D/2, 2]``:
+    transformers' ``apply_rotary_emb`` (a complex product) in real arithmetic, in float32."""
+    pairs = x.float().reshape(*x.shape[:-1], -1, 2)
+    x0, x1 = pairs[..., 0], pairs[..., 1]
+    cos, sin = cos_sin[:, :, None, :, 0], cos_sin[:, :, None, :, 1]
+    return torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1).flatten(3).type_as(x)
+
+
+def _llama4_attention_forward(self, hidden_states, position_embeddings, attention_mask, past_key_values=None, **kwargs):
+    """``Llama4TextAttention.forward`` with the rotation of ``rotate_pairs`` and, under kvexport, the
+    temperature of a NoPE layer's queries from the call's positions."""
+    import sys
+
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    input_shape = hidden_states.shape[:-1]
+    query = self.q_proj(hidden_states).view(*input_shape, -1, self.head_dim)
+    key = self.k_proj(hidden_states).view(*input_shape, -1, self.head_dim)
+    value = self.v_proj(hidden_states).view(*input_shape, -1, self.head_dim).transpose(1, 2)
+    if self.use_rope:
+        query, key = rotate_pairs(query, position_embeddings), rotate_pairs(key, position_embeddings)
+    if hasattr(self, "qk_norm"):
+        query, key = self.qk_norm(query), self.qk_norm(key)
+    if self.attn_temperature_tuning and not self.use_rope:
+        call = kwargs.get("kvexport_call")
+        if call is not None:
+            positions = call.positions
+        else:
+            past = past_key_values.get_seq_length(self.layer_idx) if past_key_values is not None else 0
+            positions = torch.arange(input_shape[-1], device=hidden_states.device) + past
+        scales = torch.log1p(torch.floor((positions.float() + 1.0) / self.floor_scale)) * self.attn_scale + 1.0
+        query = (query * scales.view(1, input_shape[-1], 1, 1)).to(query.dtype)
+    query, key = query.transpose(1, 2), key.transpose(1, 2)
+    if past_key_values is not None:
+        key, value = past_key_values.update(key, value, self.layer_idx)
+    eager = sys.modules[type(self).__module__].eager_attention_forward  # the family's own
+    attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager)
+    out, weights = attention(
+        self, query, key, value, attention_mask,
+        dropout=0.0 if not self.training else self.attention_dropout, scaling=self.scaling, **kwargs,
+    )  # fmt: skip
+    return self.o_proj(out.reshape(*input_shape, -1).contiguous()), weights
 
 
 def _run_with_state(module: nn.Module, run) -> None:

@@ -2,8 +2,9 @@
 
 Everything the cache needs is read from the config: ``layer_types`` (``"full_attention"`` or
 ``"sliding_attention"``) where the family has it, else one kind for every layer, decided by
-``sliding_window``. A family qualifies when it is a decoder-only causal LM whose layers are all
-full or sliding-window attention; what cannot work is refused here, before any tracing.
+``sliding_window``. A family qualifies when it is a decoder-only causal LM whose layers are full,
+sliding-window or chunked attention (or a state kvexport runs); what cannot work is refused here,
+before any tracing.
 """
 
 from __future__ import annotations
@@ -14,6 +15,10 @@ from ..errors import UnsupportedModelError
 
 FULL = "full_attention"
 SLIDING = "sliding_attention"
+# Chunked attention (Llama 4): a token at position p attends to the earlier tokens of its own chunk,
+# positions [floor(p / C) * C, p] for chunks of C (``attention_chunk_size``). Every such key is among
+# the last C positions, so a ring of C slots holds them; the mask adds the chunk's start.
+CHUNKED = "chunked_attention"
 # A short gated convolution in place of attention (LFM2, LFM3): ``conv_L_cache`` taps over the
 # sequence, its state the last ``conv_L_cache - 1`` inputs.
 CONV = "conv"
@@ -52,12 +57,7 @@ _REFUSED = {
     "olmo_hybrid": "a hybrid whose linear-attention layers convolve queries, keys and values apart (kvexport "
     "runs Qwen 3.5's and Qwen3-Next's layout)",
     "recurrent_gemma": "a recurrent hybrid",
-    "llama4": "chunked attention and multimodal inputs",
-    # Even with every layer full (no chunked attention), its rotary embedding multiplies complex
-    # numbers (torch.polar, view_as_complex): ExecuTorch's program then fails to load, and the ONNX
-    # exporter has no decomposition for complex inputs.
-    "llama4_text": "Llama 4's text model, whose rotary embedding is complex-valued (neither target runs complex "
-    "numbers) and whose layers use chunked attention",
+    "llama4": "a multimodal model (its text model, llama4_text, is supported)",
     "t5": "an encoder-decoder model",
     "bart": "an encoder-decoder model",
     "whisper": "an encoder-decoder speech model",
@@ -74,7 +74,7 @@ class LayerSpec:
     linear attention (its convolution's state and its recurrent state)."""
 
     layer_type: str  # the key transformers uses for this layer's mask
-    window: int | None  # sliding window, None for full attention
+    window: int | None  # sliding window (a chunked layer's: its chunk size), None for full attention
     kv_heads: int  # 0 for a convolution
     head_dim: int  # 0 for a convolution
     # KV sharing (Gemma 4, Gemma 3n): the earlier layer whose keys and values this layer attends to;
@@ -89,6 +89,8 @@ class LayerSpec:
     # size) for the gated delta rule, (heads, head size, state size) for Mamba-2.
     recurrent_state: tuple[int, int, int] | None = None
     rule: str | None = None
+    # Chunked attention: the chunk size C (``window`` is C too: the ring that holds a chunk's keys).
+    chunk: int | None = None
 
     def cache_kind(self, max_cache_len: int) -> str:
         if self.recurrent_state is not None:
@@ -179,9 +181,11 @@ def check_supported(config) -> None:
             continue  # LFM2's short convolution (models/adapters.py runs it over kvexport's state)
         if layer_type == LINEAR and _recurrent_rule(text):
             continue  # a gated delta rule or Mamba-2 (models/adapters.py runs it over kvexport's state)
+        if layer_type == CHUNKED and getattr(text, "attention_chunk_size", None):
+            continue  # Llama 4's chunked attention: a ring of the chunk's size
         if layer_type not in (FULL, SLIDING):
             refuse(
-                f"it has '{layer_type}' layers; only full and sliding-window attention layers, short "
+                f"it has '{layer_type}' layers; only full, sliding-window and chunked attention layers, short "
                 "convolutions and gated-delta linear attention are supported"
             )
     if set(getattr(text, "layer_types", None) or ()) == {LINEAR}:
@@ -323,11 +327,17 @@ def layer_specs(config) -> list[LayerSpec]:
         if layer_type == SLIDING and not window:
             raise UnsupportedModelError("the config has sliding-attention layers but no sliding_window")
         kv_heads, head_dim = _kv_shape(config, i)
+        if layer_type == CHUNKED:
+            chunk = config.attention_chunk_size
+            specs.append(LayerSpec(CHUNKED, chunk, kv_heads, head_dim, reads.get(i), chunk=chunk))
+            continue
         sliding_window = window if layer_type == SLIDING else None
         specs.append(LayerSpec(layer_type, sliding_window, kv_heads, head_dim, reads.get(i), i in reads and every_token))
     for i, j in reads.items():
         if not specs[j].has_kv or (specs[i].kv_heads, specs[i].head_dim) != (specs[j].kv_heads, specs[j].head_dim):
             raise UnsupportedModelError(f"layer {i} reads the KV cache of layer {j}, whose keys have another shape")
+        if specs[j].chunk:  # a shared read masks by the window alone (kv_cache.shared_ring_mask)
+            raise UnsupportedModelError(f"layer {i} reads the KV cache of layer {j}, a chunked-attention layer")
     return specs
 
 

@@ -17,6 +17,7 @@ BOS, EOS, PAD, UNK = "<bos>", "<eos>", "<pad>", "<unk>"
 SPECIALS = [BOS, EOS, PAD, UNK]
 VOCAB_SIZE = 96 + len(SPECIALS)  # newline, printable ASCII, specials
 WINDOW = 6
+CHUNK = 8  # chunked attention's chunks (Llama 4)
 
 _COMMON = dict(
     vocab_size=VOCAB_SIZE,
@@ -151,6 +152,22 @@ PRESETS: dict[str, tuple[str, dict]] = {
             "mamba_n_groups": 2,
             "mamba_d_state": 16,
             "mamba_chunk_size": 16,
+        },
+    ),
+    # Llama 4 text: a chunked-attention layer (chunks of CHUNK tokens) with rope, L2 qk-norm and the
+    # mixture of experts, then a full-attention NoPE layer with a dense MLP whose queries get the
+    # temperature tuning (a small floor_scale, so it changes within a short test).
+    "tiny-llama4": (
+        "llama4_text",
+        {
+            "head_dim": 16,
+            "attention_chunk_size": CHUNK,
+            "no_rope_layers": [1, 0],
+            "moe_layers": [0],
+            "num_local_experts": 4,
+            "intermediate_size_mlp": 128,
+            "floor_scale": 4,
+            "attn_scale": 0.5,
         },
     ),
     "tiny-smollm3": ("smollm3", {"no_rope_layer_interval": 2, "tie_word_embeddings": True}),

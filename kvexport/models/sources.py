@@ -424,19 +424,22 @@ def _check_config_file(source: ModelSource) -> None:
         )
 
 
-def load_model(source: ModelSource, dtype: str = "float32", cache_dir: Path | None = None):
-    """The transformers causal LM (eval mode) and its tokenizer."""
+def load_model(source: ModelSource, dtype: str = "float32", cache_dir: Path | None = None, compact_linears: bool = False):
+    """The transformers causal LM (eval mode) and its tokenizer. ``compact_linears``: for a model
+    whose linear layers are quantized next (``widen_linears`` after), a float32 linear weight that
+    bfloat16 holds exactly (a bfloat16 checkpoint's) stays in bfloat16: half the bytes at the
+    export's peak, the same values."""
     if source.kind == "preset":
         return presets.build_preset(source.name, dtype)
     folder = _plain_folder(source, cache_dir) if source.kind in ("alias", "gguf") else source.path
-    model, tokenizer = _load_folder(folder, dtype, source.name)
+    model, tokenizer = _load_folder(folder, dtype, source.name, compact_linears and dtype == "float32")
     if tokenizer.chat_template is None:  # e.g. Gemma 3 270M's GGUF has no tokenizer.chat_template key
         model_type = model.config.get_text_config().model_type
         tokenizer.chat_template = fallback_chat_template(model_type, tokenizer.get_vocab())
     return model, tokenizer
 
 
-def _load_folder(folder: Path, dtype: str, name: str):
+def _load_folder(folder: Path, dtype: str, name: str, compact_linears: bool = False):
     from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -449,9 +452,10 @@ def _load_folder(folder: Path, dtype: str, name: str):
             "the folder needs the model's tokenizer files (tokenizer.json or tokenizer.model)"
         )
     try:
-        model, report = _with_loading_report(
-            lambda **report: AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype(dtype), **report)
-        )
+        with _linear_weights_compact() if compact_linears else contextlib.nullcontext():
+            model, report = _with_loading_report(
+                lambda **report: AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype(dtype), **report)
+            )
     except ValueError as e:  # transformers says "Unrecognized configuration class ..." for non-causal-LM models
         raise UnsupportedModelError(f"'{name}' cannot be loaded as a causal LM: {_first_line(e)}")
     except (OSError, RuntimeError, EOFError, SafetensorError) as e:  # missing, truncated or corrupt weight files
@@ -485,6 +489,42 @@ def _with_loading_report(from_pretrained):
             return from_pretrained(output_loading_info=True, ignore_mismatched_sizes=True)
     finally:
         report_logger.removeFilter(no_report)
+
+
+@contextlib.contextmanager
+def _linear_weights_compact():
+    """While transformers loads: each float32 linear weight that bfloat16 holds exactly is kept in
+    bfloat16 (``load_model``'s ``compact_linears``). transformers converts every tensor to the
+    model's dtype as it sets it in its module; this wraps that step (transformers has no option
+    for a dtype per module kind)."""
+    import torch
+    import transformers.core_model_loading as loading
+
+    set_param = loading.set_param_for_module
+
+    def set_compact(model, target_name, value, *args, **kwargs):
+        module, _, param = target_name.rpartition(".")
+        if param == "weight" and value.dtype == torch.float32 and isinstance(model.get_submodule(module), torch.nn.Linear):
+            narrow = value.to(torch.bfloat16)
+            if torch.equal(narrow.float(), value):
+                value = narrow
+        return set_param(model, target_name, value, *args, **kwargs)
+
+    loading.set_param_for_module = set_compact
+    try:
+        yield
+    finally:
+        loading.set_param_for_module = set_param
+
+
+def widen_linears(model) -> None:
+    """The weights ``load_model(compact_linears=True)`` kept in bfloat16 and quantization left in
+    float (a width no multiple of the group), back in float32."""
+    import torch
+
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear) and module.weight.dtype == torch.bfloat16:
+            module.weight = torch.nn.Parameter(module.weight.detach().float(), requires_grad=False)
 
 
 @contextlib.contextmanager

@@ -19,7 +19,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from transformers.masking_utils import and_masks, causal_mask_function, sliding_window_overlay
+from transformers.masking_utils import and_masks, causal_mask_function, chunked_overlay, sliding_window_overlay
 
 from kvexport.exporter.executorch.custom_op_cache import CustomOpRingCache, CustomOpStaticCache
 from kvexport.exporter.executorch.quantized_kv_cache import (
@@ -45,10 +45,12 @@ HEADS, DIM = 2, 4
 KV_HEADS = 1  # the custom-op caches are tested with grouped queries: two query heads per KV head
 
 
-def reference_attention(q, k, v, window):
+def reference_attention(q, k, v, window, chunk=None):
     """Attention of every query over the whole history, masked with transformers' own mask functions."""
     k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))  # transformers' repeat_kv
     mask_fn = causal_mask_function if window is None else and_masks(causal_mask_function, sliding_window_overlay(window))
+    if chunk is not None:  # a chunked layer (its window is the chunk's too)
+        mask_fn = and_masks(causal_mask_function, chunked_overlay(chunk, torch.zeros(1, dtype=torch.long)))
     n = q.shape[2]
     idx = [torch.tensor(i) for i in range(n)]
     visible = torch.tensor([[bool(mask_fn(idx[0], idx[0], qi, ki)) for ki in idx] for qi in idx])
@@ -57,7 +59,7 @@ def reference_attention(q, k, v, window):
     return torch.softmax(scores, dim=-1) @ v
 
 
-def cached_attention(cache, calls, q, k, v, window, max_len=None, after_call=None):
+def cached_attention(cache, calls, q, k, v, window, max_len=None, after_call=None, chunk=None):
     """The same attention computed call by call through the cache and our masks, as kvexport's attention
     calls it; ``after_call(call)`` after each call (a layer that shares the cache reading it)."""
     outs, start = [], 0
@@ -66,7 +68,7 @@ def cached_attention(cache, calls, q, k, v, window, max_len=None, after_call=Non
         call = CallState(None, positions, max_len)
         keys, values = cache.update(positions, k[:, :, start:start + n], v[:, :, start:start + n])
         call.attended[cache] = keys, values
-        mask = additive_mask(cache.key_positions(positions), positions, window, torch.float32)
+        mask = additive_mask(cache.key_positions(positions), positions, window, torch.float32, chunk)
         scores = q[:, :, start:start + n] @ keys.transpose(-1, -2) / DIM**0.5 + mask
         outs.append(torch.softmax(scores, dim=-1) @ values)
         if after_call:
@@ -75,12 +77,12 @@ def cached_attention(cache, calls, q, k, v, window, max_len=None, after_call=Non
     return torch.cat(outs, dim=2)
 
 
-def custom_op_attention(cache, calls, q, k, v, window, max_len, after_call=None):
+def custom_op_attention(cache, calls, q, k, v, window, max_len, after_call=None, chunk=None):
     """The same through a custom-op cache, called as kvexport's attention calls it."""
     outs, start = [], 0
     for n in calls:
         positions = torch.arange(start, start + n)
-        mask = additive_mask(cache.key_positions(positions), positions, window, torch.float32)
+        mask = additive_mask(cache.key_positions(positions), positions, window, torch.float32, chunk)
         call = CallState(None, positions, max_len)
         part = slice(start, start + n)
         out, _ = cache.attend(None, q[:, :, part], k[:, :, part], v[:, :, part], mask, call, scaling=DIM**-0.5)
@@ -157,6 +159,24 @@ def test_cache_attention_equals_full_history(family, window, max_len, calls, ear
         rotation = key_rotation(DIM)
         q, k, v = quantized_rows(q @ rotation), quantized_rows(k @ rotation), quantized_rows(v)
     torch.testing.assert_close(got, reference_attention(q, k, v, window), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("family", [f for f in FAMILIES if not f.startswith("int8")])
+@settings(max_examples=150, deadline=None)
+@given(chunk=st.integers(1, 12), max_len=CACHE_LENS, calls=CALLS, seed=SEEDS)
+def test_chunked_attention_through_a_ring_of_the_chunk_equals_full_history(family, chunk, max_len, calls, seed):
+    """Llama 4's chunked attention: a ring of the chunk's slots (a static buffer where the chunk is
+    as long as the cache) and the mask's chunk start, against transformers' own chunk mask, over
+    calls that cross chunk boundaries and calls longer than a chunk."""
+    ring, static, attention, kv_heads = FAMILIES[family]
+    cache = ring(1, kv_heads, chunk, DIM, torch.float32) if chunk < max_len else static(1, kv_heads, max_len, DIM, torch.float32)
+    gen = torch.Generator().manual_seed(seed)
+    kept = fit(calls, max_len)
+    total = sum(kept)
+    q = torch.randn(1, HEADS, total, DIM, generator=gen)
+    k, v = (torch.randn(1, kv_heads, total, DIM, generator=gen) for _ in range(2))
+    got = attention(cache, kept, q, k, v, chunk, max_len, chunk=chunk)
+    torch.testing.assert_close(got, reference_attention(q, k, v, chunk, chunk), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))

@@ -39,8 +39,7 @@ def test_a_window_as_long_as_the_cache_needs_no_ring():
         ("falcon_mamba", {}, "AttentionInterface"),  # no attention to route at all
         ("stablelm", {}, "AttentionInterface"),  # its layers do not pass the attention's arguments on
         ("minimax", {}, "'linear_attention' layers"),
-        ("llama4_text", {}, "rotary embedding is complex-valued"),
-        ("llama4_text", {"layer_types": ["full_attention"] * 48}, "rotary embedding is complex-valued"),
+        ("llama4", {}, "multimodal"),
         ("roberta", {}, "encoder"),
         ("gemma3", {}, r"multimodal model \(vision_config\)"),
         ("mllama", {}, "multimodal"),
@@ -91,8 +90,8 @@ def test_every_causal_lm_of_transformers_is_accepted_or_refused_in_one_line():
             refused.append(model_type)
     assert unbuildable == ["gemma4_assistant"]  # a drafter: its config needs its target model's
     assert {"llama", "gemma3_text", "gemma3n_text", "gemma4_text", "cohere2", "gpt_oss", "lfm2", "lfm2_moe", "lfm3",
-            "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"} <= set(accepted)
-    assert {"deepseek_v3", "llama4_text", "mamba", "olmo_hybrid"} <= set(refused)
+            "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "llama4_text"} <= set(accepted)
+    assert {"deepseek_v3", "mamba", "olmo_hybrid"} <= set(refused)
     assert len(accepted) + len(refused) + len(unbuildable) == len(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
 
 
@@ -130,6 +129,20 @@ def test_gemma3n_layers_share_caches_from_every_token_as_transformers_runs_them(
         assert spec.window == layer.self_attn.sliding_window
     assert not hasattr(model.model, "_maybe_slice_kv_shared_inputs")
     assert not any(s.reads_every_token for s in layer_specs(build_preset("tiny-gemma4")[0].config))
+
+
+def test_chunked_layers_are_rings_of_the_chunk_as_transformers_builds_them():
+    """Llama 4's chunked-attention layers (``chunked_attention``): a ring of ``attention_chunk_size``
+    slots masked to the chunk, beside its full NoPE layers; a cache no longer than a chunk needs
+    no ring (every position is in the first chunk)."""
+    from kvexport.models.presets import CHUNK, build_preset
+
+    model, _ = build_preset("tiny-llama4")
+    specs = layer_specs(model.config)
+    assert [(s.layer_type, s.window, s.chunk) for s in specs] == [("chunked_attention", CHUNK, CHUNK), ("full_attention", None, None)]
+    assert [s.cache_kind(64) for s in specs] == ["ring", "static"] and specs[0].cache_slots(64) == CHUNK
+    assert specs[0].cache_kind(CHUNK) == "static"
+    assert [bool(layer.self_attn.use_rope) for layer in model.model.layers] == [True, False]
 
 
 def test_short_convolutions_come_from_layer_types_as_transformers_builds_them():
@@ -227,6 +240,20 @@ def test_a_layer_that_shares_a_cache_holds_none(tmp_path):
     row = 4  # float32 bytes a position of one KV head per unit of head size
     assert plan.kv_cache_bytes == 2 * row * (2 * 6 * 16 + 1 * 64 * 32)
     assert plan.kv_cache_bytes_if_all_full == 2 * row * 64 * 2 * (2 * 16 + 1 * 32)
+
+
+@pytest.mark.parametrize("target", ["executorch", "onnx"])
+def test_a_chunked_layer_holds_one_chunk(tmp_path, target):
+    """kvexport.json's layers and cache size for Llama 4's chunked attention: a ring of the chunk's
+    rows (``chunk`` beside ``window``) on both targets, the full NoPE layer the whole cache."""
+    from kvexport.models.presets import CHUNK
+
+    plan = plan_export(ExportOptions("tiny-llama4", target, tmp_path / "out", 64))
+    layers = plan.layers()
+    assert [(layer["cache"], layer["window"], layer.get("chunk"), layer["slots"]) for layer in layers] == [
+        ("ring", CHUNK, CHUNK, CHUNK), ("static", None, None, 64)]  # fmt: skip
+    assert plan.kv_cache_bytes == 2 * 4 * 2 * 16 * (CHUNK + 64)
+    assert "1 chunked-attention rings" in plan.summary()
 
 
 def test_gemma3_270m_cache_at_8192_is_a_fraction_of_full_length_layers(tmp_path):

@@ -169,3 +169,29 @@ def test_a_rotation_that_depends_on_the_call_keeps_its_own_onnx_nodes(tmp_path, 
     ids = tokenizer(TEXT).input_ids[:21]
     got = greedy_with(load_program(tmp_path / "out").forward, ids, 96 - 21)
     assert_generation_matches(got, eager_reference(model, ids, 96 - 21), FP32_LOGIT_ATOL, "per-call longrope")
+
+
+def test_a_complex_rotary_embedding_is_rotated_with_real_ops_exactly():
+    """Llama 4's complex rotary embedding (``torch.polar``, ``view_as_complex``), which neither target
+    runs, as the adapter writes it: the same angles' cos and sin and each interleaved pair rotated
+    in real arithmetic, against transformers' own ``apply_rotary_emb``; and the prepared model's
+    logits against the model as transformers builds it."""
+    import torch
+    from transformers.models.llama4 import modeling_llama4
+
+    from kvexport.models.adapters import prepare_for_export, rotate_pairs
+
+    model, _ = presets.build_preset("tiny-llama4")
+    reference, _ = presets.build_preset("tiny-llama4")
+    positions = torch.arange(40)[None]
+    freqs_cis = reference.model.rotary_emb(torch.zeros(1), positions)
+    prepare_for_export(model)
+    cos_sin = model.model.rotary_emb(torch.zeros(1), positions)
+    assert not cos_sin.is_complex() and cos_sin.shape == (1, 40, freqs_cis.shape[-1], 2)
+    generator = torch.Generator().manual_seed(0)
+    q, k = torch.randn(1, 40, 4, 16, generator=generator), torch.randn(1, 40, 2, 16, generator=generator)
+    expected = modeling_llama4.apply_rotary_emb(q, k, freqs_cis)
+    torch.testing.assert_close((rotate_pairs(q, cos_sin), rotate_pairs(k, cos_sin)), expected, atol=1e-6, rtol=1e-6)
+    ids = torch.randint(0, 96, (1, 30), generator=generator)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, reference(ids).logits, atol=1e-4, rtol=1e-4)

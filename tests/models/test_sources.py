@@ -113,3 +113,27 @@ def test_the_real_models_load_with_no_weight_missing_or_unexpected(tmp_path, ali
     and the converted folder loads with an empty report."""
     folder = sources._plain_folder(sources.resolve(alias), tmp_path)
     assert loading_report(folder) == EMPTY_REPORT
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-gemma3", "tiny-qwen3.5"])
+def test_compact_linear_weights_quantize_to_the_float32_loads_model(tmp_path, name):
+    """A bfloat16 checkpoint loaded for 8da4w keeps its linear weights in bfloat16 until they are
+    quantized (half the bytes at the peak), and the quantized model is the float32 load's: the
+    same logits, bit for bit."""
+    from kvexport.exporter.executorch.quantize import quantize_linears
+
+    model, tokenizer = presets.build_preset(name)
+    model.to(torch.bfloat16).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    source = sources.resolve(str(tmp_path))
+    plain, _ = sources.load_model(source)
+    compact, _ = sources.load_model(source, compact_linears=True)
+    linears = [m for m in compact.modules() if isinstance(m, torch.nn.Linear)]
+    assert linears and all(m.weight.dtype == torch.bfloat16 for m in linears)
+    assert all(p.dtype == torch.float32 for n, p in compact.named_parameters() if not any(p is m.weight for m in linears))
+    for model in (plain, compact):
+        quantize_linears(model)
+        sources.widen_linears(model)
+    ids = torch.tensor([[1, 5, 9, 2, 7, 3]])
+    with torch.no_grad():
+        assert torch.equal(plain(input_ids=ids).logits, compact(input_ids=ids).logits)

@@ -99,17 +99,25 @@ def _activations_per_token():
     return IntxUnpackedToInt8TensorActivationQuantization.INT8_ASYM_PER_TOKEN
 
 
-def _int8_per_channel(weight: torch.Tensor) -> torch.Tensor:
+def _int8_per_channel(weight: torch.Tensor, rows_per_piece: int = 16384) -> torch.Tensor:
     """torchao's 8da8w weight, one scale per output channel: the row's largest magnitude / 127
-    (symmetric, GGUF's Q8_0 rule; torchao's own divides by 127.5)."""
+    (symmetric, GGUF's Q8_0 rule; torchao's own divides by 127.5). Quantized ``rows_per_piece``
+    rows at a time (torchao's ``from_hp`` over a whole 262k-row lm_head would hold several float32
+    copies of it at once); each row is its own block, so the pieces give ``from_hp``'s values."""
     from torchao.quantization import IntxUnpackedToInt8Tensor
+    from torchao.quantization.quant_primitives import quantize_affine
 
-    weight = weight.float()
-    scale = (weight.abs().amax(-1, keepdim=True) / 127).clamp(min=torch.finfo(torch.float32).tiny)
-    return IntxUnpackedToInt8Tensor.from_hp(
-        weight, (1, weight.shape[1]), torch.int8, intx_choose_qparams_algorithm=None,
-        custom_scale=scale, custom_zero_point=torch.zeros_like(scale, dtype=torch.int8),
-        activation_quantization=_activations_per_token(),
+    qdata, scales = [], []
+    for rows in weight.detach().split(rows_per_piece):
+        rows = rows.float()
+        scale = (rows.abs().amax(-1, keepdim=True) / 127).clamp(min=torch.finfo(torch.float32).tiny)
+        zero = torch.zeros_like(scale, dtype=torch.int8)
+        qdata.append(quantize_affine(rows, (1, rows.shape[1]), scale, zero, output_dtype=torch.int8, quant_min=-128, quant_max=127))
+        scales.append(scale)
+    scale = torch.cat(scales)
+    return IntxUnpackedToInt8Tensor(
+        qdata=torch.cat(qdata), scale=scale, zero_point=torch.zeros_like(scale, dtype=torch.int8), target_dtype=torch.int8,
+        block_size=(1, weight.shape[1]), dtype=torch.float32, activation_quantization=_activations_per_token(),
     )
 
 

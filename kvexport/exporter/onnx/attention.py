@@ -12,6 +12,9 @@ buffers onnxruntime-genai allocates.
   The kernel keeps the newest positions in order at the buffer's first rows and evicts the
   oldest itself, so the runner never moves a row; a call may be longer than the window.
 
+- Chunked attention (``ExternalChunkedLayer``): a sliding layer's buffer of one chunk, which the
+  kernel writes; the attention in plain ops, masked to each query's chunk.
+
 Both read the call's lengths as onnxruntime-genai's builder derives them from ``attention_mask``
 (ones, ``[1, P + T]``): ``seqlens_k`` = sum - 1 and ``total_sequence_length`` = its width
 (``lengths_from_mask``). Soft-capping (Gemma 2) is the kernel's ``softcap`` and attention sinks
@@ -27,7 +30,7 @@ from __future__ import annotations
 import torch
 
 from ...errors import UnsupportedModelError
-from ...models.architecture import RING, STATIC
+from ...models.architecture import CHUNKED, RING, STATIC
 
 
 def _attention(query, keys, values, num_heads: int, kv_num_heads: int, scale: float, bias, softcap: float, sinks):
@@ -324,7 +327,47 @@ class ExternalWindowLayer(_BufferLayer):
         super().__init__(window)
 
 
-EXTERNAL_LAYERS = {STATIC: ExternalStaticLayer, RING: ExternalWindowLayer}
+class ExternalChunkedLayer(_BufferLayer):
+    """A chunked-attention layer (Llama 4): a token at ``q`` attends to positions ``[q - q % C, q]``
+    for chunks of ``C``. The buffer is a sliding layer's of ``C`` rows, written by the kernel as it
+    writes a window's (every key a token attends to is among the last ``C`` positions); the kernel
+    cannot mask a chunk's start, so the attention runs in plain ops over the past rows and the
+    call's keys, and the kernel's own output is dropped. Row ``r`` of the past holds position
+    ``P - min(P, rows) + r`` (the newest positions before the call, in order from row 0) where the
+    buffer has exactly ``C`` rows, as kvexport's runner gives it; genai gives more and compacts
+    (``target.genai_cannot_run``)."""
+
+    def __init__(self, batch: int, kv_heads: int, chunk: int, head_dim: int, dtype: torch.dtype):
+        super().__init__(chunk)
+
+    def attend(self, module, query, key, value, mask, call, scaling=None, softcap=None, s_aux=None, dropout=0.0, **kwargs):
+        super().attend(module, query, key, value, mask, call, scaling=scaling, softcap=softcap, s_aux=s_aux, dropout=dropout)
+        _, heads, t, d = query.shape
+        start = call.positions[:1]
+        rows = torch.arange(self.past_k.shape[2])
+        held = torch.clamp(start, max=self.past_k.shape[2])
+        past_positions = torch.where(rows < held, start - held + rows, -1)
+        new_k, new_v = key[0], value[0]
+        if self.k_scale is not None:  # the rows as the kernel writes them into an int8 buffer
+            new_k = dequantize_from_cache(quantize_to_cache(new_k, self.k_scale), self.k_scale)
+            new_v = dequantize_from_cache(quantize_to_cache(new_v, self.v_scale), self.v_scale)
+        keys = torch.cat([dequantize_from_cache(self.past_k[0], self.k_scale).to(new_k.dtype), new_k], dim=1)
+        values = torch.cat([dequantize_from_cache(self.past_v[0], self.v_scale).to(new_v.dtype), new_v], dim=1)
+        bias = _in_chunk(torch.cat([past_positions, call.positions]), call.positions, self.window)
+        q = query.transpose(1, 2).reshape(1, t, heads * d)
+        scale = float(scaling if scaling is not None else d**-0.5)
+        out = _attention(q, keys, values, heads, keys.shape[0], scale, bias, float(softcap or 0.0), s_aux)
+        return out.view(1, t, heads, -1), None
+
+
+def _in_chunk(key_positions: torch.Tensor, query_positions: torch.Tensor, chunk: int) -> torch.Tensor:
+    """Additive bias: query q sees key k iff 0 <= k <= q and k is in q's chunk, k >= q - q % chunk."""
+    k, q = key_positions[None, :], query_positions[:, None]
+    visible = (k >= 0) & (k <= q) & (k >= q - torch.remainder(q, chunk))
+    return torch.zeros(visible.shape).masked_fill(~visible, float("-inf"))
+
+
+EXTERNAL_LAYERS = {STATIC: ExternalStaticLayer, RING: ExternalWindowLayer, CHUNKED: ExternalChunkedLayer}
 
 
 def lengths_from_mask(path) -> None:

@@ -90,7 +90,7 @@ STATES = {"conv": ("conv",), "recurrent": ("conv", "recurrent")}
 
 def check_layers(specs: list, max_cache_len: int) -> None:
     """Refuse, before the model loads, layers this target cannot describe."""
-    windows = sorted({s.window for s in specs if s.is_ring(max_cache_len)})
+    windows = sorted({s.window for s in specs if s.is_ring(max_cache_len) and not s.chunk})
     if len(windows) > 1:  # genai_config.json has one sliding_window section
         raise UnsupportedModelError(
             f"sliding layers with different windows ({windows}): the ONNX target supports one window per model"
@@ -138,6 +138,11 @@ def lower(program: torch.export.ExportedProgram, spec: ProgramSpec, out_dir: Pat
     _drop_identity_reshapes(onnx_program.model)
     path = out_dir / PROGRAM_FILE
     onnx_program.save(path, external_data=True)
+    # onnxscript's rewrite rules (module-level objects) keep the last graph they matched, whose
+    # initializers hold the model's own tensors: let go of them, or the float model outlives the
+    # export (and doubles the peak of --quantize int4, which runs after it).
+    for value in onnx_program.model.graph.initializers.values():
+        value.const_value = None
     del onnx_program
     lengths_from_mask(path)
     fold_rotations_into_attention(path, spec.max_cache_len)
@@ -155,6 +160,9 @@ def lower(program: torch.export.ExportedProgram, spec: ProgramSpec, out_dir: Pat
 def genai_cannot_run(layers: list[dict]) -> str | None:
     """Why onnxruntime-genai cannot run the graph of these layers (None: it can).
 
+    A chunked-attention layer (``attention.ExternalChunkedLayer``) reads its past buffer as a
+    shared layer reads a window's, below.
+
     A layer that shares a sliding layer's cache reads the window buffer the kernel left, row ``r``
     holding position ``total - min(total, rows) + r``, which holds where the buffer has the
     window's rows, as kvexport's runner gives it. genai gives it more, and the kernel compacts
@@ -165,6 +173,8 @@ def genai_cannot_run(layers: list[dict]) -> str | None:
     if state_layers(layers):
         return "layers with a convolution's or a recurrent state, which kvexport's graph passes as inputs genai does not know"
     by_index = {layer["index"]: layer for layer in layers}
+    if any(layer["cache"] == "ring" and layer.get("chunk") for layer in layers):
+        return "chunked-attention layers read a window buffer of exactly the chunk's rows, which genai does not allocate"
     if any(layer["cache"] == "shared" and by_index[layer["reads"]]["cache"] == "ring" for layer in layers):
         return "layers that share a sliding layer's cache read a window buffer of exactly the window's rows, which genai does not allocate"
     return None

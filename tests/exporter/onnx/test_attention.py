@@ -133,3 +133,38 @@ def test_a_window_hides_what_lies_before_it():
     assert not torch.allclose(windowed[:, WINDOW:], full[:, WINDOW:])
     # The window's buffer keeps positions 1..5 (the call's last W) in order.
     assert torch.equal(present[0][0], key[0].view(t, KV_HEADS, HEAD_DIM).transpose(0, 1)[:, 1:])
+
+
+def test_a_chunked_layer_attends_within_each_chunk_over_calls_of_any_length():
+    """``ExternalChunkedLayer`` (Llama 4's chunked attention) driven as kvexport's runner drives it,
+    its present bound as the next call's past (a buffer of one chunk's rows), against attention
+    over the whole history masked with transformers' own chunk mask; calls that start, end and
+    run across chunk boundaries, some longer than a chunk."""
+    from transformers.masking_utils import and_masks, causal_mask_function, chunked_overlay
+
+    from kvexport.exporter.kv_cache import CallState
+    from kvexport.exporter.onnx.attention import ExternalChunkedLayer
+
+    chunk, generator = WINDOW, torch.Generator().manual_seed(3)
+    layer = ExternalChunkedLayer(1, KV_HEADS, chunk, HEAD_DIM, torch.float32)
+    past = [torch.zeros(1, KV_HEADS, chunk, HEAD_DIM) for _ in range(2)]
+    total = sum(CALLS)
+    q, k, v = torch.randn(1, HEADS, total, HEAD_DIM, generator=generator), *(
+        torch.randn(1, KV_HEADS, total, HEAD_DIM, generator=generator) for _ in range(2)
+    )
+    outs, start = [], 0
+    for t in CALLS:
+        layer.bind(*past)
+        part = slice(start, start + t)
+        call = CallState(None, torch.arange(start, start + t), total)
+        out, _ = layer.attend(None, q[:, :, part], k[:, :, part], v[:, :, part], None, call, scaling=SCALE)
+        outs.append(out.transpose(1, 2))
+        past = [layer.present_k, layer.present_v]
+        start += t
+    mask_fn = and_masks(causal_mask_function, chunked_overlay(chunk, torch.zeros(1, dtype=torch.long)))
+    idx = [torch.tensor(i) for i in range(total)]
+    visible = torch.tensor([[bool(mask_fn(idx[0], idx[0], qi, ki)) for ki in idx] for qi in idx])
+    group = HEADS // KV_HEADS
+    scores = (q @ k.repeat_interleave(group, dim=1).transpose(-1, -2) * SCALE).masked_fill(~visible, float("-inf"))
+    expected = torch.softmax(scores, dim=-1) @ v.repeat_interleave(group, dim=1)
+    torch.testing.assert_close(torch.cat(outs, dim=2), expected, atol=1e-5, rtol=1e-5)

@@ -1,0 +1,173 @@
+"""What an export will need, said before the weights load: memory at its peak and disk for the
+artifact, from the config and the options; an export the machine cannot hold (its container's
+memory limit included) is refused in one line.
+
+The peak is the process's resident memory: what the runtime libraries take, plus the weights as
+the export holds them, plus the KV cache. How much of the weights it holds at once is measured per
+target and per scheme (docs/performance.md#export-memory): a float export holds the model in its
+dtype, and lowering a copy of about a quarter of it on ExecuTorch; ``--quantize 8da4w`` loads a
+bfloat16 checkpoint's linear weights in bfloat16 and quantizes them before export; ONNX's int4
+rewrites the float graph's weights one at a time after the float model is gone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import InvalidOptionError
+
+# What the libraries take before any weight: the tiny matrix's exports measure it.
+BASE_BYTES = {"executorch": 600 * 2**20, "onnx": 680 * 2**20}
+# The weights held at the peak, in multiples of the model's bytes in the export dtype.
+WEIGHT_FACTOR = {"executorch": 1.25, "onnx": 1.0}
+# The bytes of a 4-bit weight in the artifact, its block's scale and offset included.
+INT4_BYTES = 0.625
+# A container's memory limit: cgroup v2's, then v1's ("max" or a huge number where there is none).
+CGROUP_MEMORY_LIMITS = (Path("/sys/fs/cgroup/memory.max"), Path("/sys/fs/cgroup/memory/memory.limit_in_bytes"))
+
+
+@dataclass(frozen=True)
+class Parameters:
+    """The model's parameters (each counted once: a tied lm_head is its embedding) by kind."""
+
+    linear: int  # weights of linear layers 8da4w quantizes (input width a multiple of the group)
+    embedding: int
+    other: int  # norms, biases, the linear weights left in float
+
+    @property
+    def total(self) -> int:
+        return self.linear + self.embedding + self.other
+
+
+def count_parameters(config) -> Parameters:
+    """Counted on the meta device: no memory, no weights."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from .executorch.quantize import GROUP_SIZE
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    seen: set[int] = set()
+    counts = {"linear": 0, "embedding": 0, "other": 0}
+    for module in model.modules():
+        for param in module.parameters(recurse=False):
+            if id(param) in seen:
+                continue
+            seen.add(id(param))
+            if isinstance(module, torch.nn.Embedding):
+                kind = "embedding"
+            elif isinstance(module, torch.nn.Linear) and param is module.weight and module.in_features % GROUP_SIZE == 0:
+                kind = "linear"
+            else:
+                kind = "other"
+            counts[kind] += param.numel()
+    return Parameters(**counts)
+
+
+@dataclass(frozen=True)
+class Footprint:
+    peak_bytes: int  # the export's peak resident memory
+    artifact_bytes: int  # the artifact's files
+    staging_bytes: int  # disk the export writes at its fullest (the artifact, and what it stages beside it)
+
+    def summary(self) -> str:
+        return f"needs about {size(self.peak_bytes)} of memory and {size(self.staging_bytes)} of disk"
+
+
+def footprint(plan, parameters: Parameters, checkpoint_bytes_per_value: int = 2) -> Footprint:
+    """``plan``: an ``ExportPlan``; ``checkpoint_bytes_per_value``: the bytes of a value in the
+    checkpoint's dtype (a bfloat16 checkpoint's linear weights load in bfloat16 for 8da4w)."""
+    target, dtype_bytes = plan.options.target, plan.dtype_bytes
+    quantization = plan.options.quantization
+    floats = parameters.total * dtype_bytes
+    # The artifact's bytes a value: 4-bit linear weights with a scale (and an offset) per block of
+    # 32; ONNX's int4 keeps the embedding table in 8 bits.
+    linear = INT4_BYTES if quantization.scheme else dtype_bytes
+    embedding = {"int8": 1, "int4": INT4_BYTES}.get(quantization.embedding or "", dtype_bytes)
+    if quantization.scheme and target == "onnx":
+        embedding = 1
+    artifact = int(parameters.linear * linear + parameters.embedding * embedding + parameters.other * dtype_bytes)
+    held = floats  # the weights at the peak, before WEIGHT_FACTOR
+    if quantization.scheme and target == "executorch":  # quantized before export, from compact weights
+        loaded = parameters.linear * checkpoint_bytes_per_value + (parameters.embedding + parameters.other) * dtype_bytes
+        held = max(loaded / WEIGHT_FACTOR[target], artifact)
+    peak = BASE_BYTES[target] + plan.kv_cache_bytes + plan.state_bytes + int(held * WEIGHT_FACTOR[target])
+    # ExecuTorch's serialized weights wait in the staged folder until model.ptd is written; ONNX's
+    # int4 writes its data file beside the float one.
+    staging = 2 * artifact if target == "executorch" else artifact + (floats if quantization.scheme else 0)
+    return Footprint(peak, artifact, staging)
+
+
+def total_memory_bytes() -> int | None:
+    """The memory this process may use: the machine's, or its container's limit where that is less
+    (None where the OS says neither)."""
+    try:
+        physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        physical = None
+    return min((m for m in (physical, *map(_cgroup_limit, CGROUP_MEMORY_LIMITS)) if m), default=None)
+
+
+def _cgroup_limit(path: Path) -> int | None:
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() and int(text) < 2**60 else None
+
+
+def refuse_a_cache_beyond_memory(plan) -> None:
+    """A KV cache larger than the machine's memory cannot be exported (nor run): refuse it before the
+    weights load, with the largest --max-cache-len that fits."""
+    memory = total_memory_bytes()
+    if not memory or plan.kv_cache_bytes <= memory:
+        return
+    low, high = 0, plan.max_cache_len  # the cache grows with max_cache_len: the largest that fits
+    while low < high:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if dataclasses.replace(plan, max_cache_len=mid).kv_cache_bytes <= memory else (low, mid - 1)
+    raise InvalidOptionError(
+        f"{_given(plan)}: the KV cache alone needs {size(plan.kv_cache_bytes)}, more than this machine's {size(memory)} of "
+        f"memory; --max-cache-len {low} is the most whose cache fits, and the weights need room too"
+    )
+
+
+def refuse_what_the_machine_cannot_hold(plan, needs: Footprint) -> None:
+    """Refuse an export whose estimated peak passes the machine's memory, or whose files pass the
+    free disk where they are written."""
+    memory = total_memory_bytes()
+    if memory and needs.peak_bytes > memory:
+        raise InvalidOptionError(
+            f"exporting {plan.options.model} ({plan.options.dtype} -> {plan.options.target}) needs about "
+            f"{size(needs.peak_bytes)} of memory at its peak, more than this machine's {size(memory)} of memory: use a machine with more, or quantize (--quantize "
+            f"{'8da4w' if plan.options.target == 'executorch' else 'int4'} loads less at once)"
+        )
+    free = shutil.disk_usage(_existing_parent(plan.out)).free
+    if needs.staging_bytes > free:
+        raise InvalidOptionError(
+            f"exporting {plan.options.model} writes about {size(needs.staging_bytes)} to disk, more than the {size(free)} "
+            f"free where {plan.out} is written: free some disk or write it elsewhere (-o)"
+        )
+
+
+def _existing_parent(path: Path) -> Path:
+    path = Path(path).absolute()
+    while not path.exists():
+        path = path.parent
+    return path
+
+
+def _given(plan) -> str:
+    return f"--max-cache-len {plan.max_cache_len}" if plan.options.max_cache_len else f"max_cache_len {plan.max_cache_len} (the default)"
+
+
+def size(n: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:,.1f} {unit}"
+    return f"{n} bytes"
