@@ -36,6 +36,7 @@ def kvexport_attention(module, query, key, value, attention_mask, kvexport_call=
     if attend is not None:
         return attend(module, query, key, value, attention_mask, kvexport_call, **kwargs)
     keys, values = layer.update(kvexport_call.positions, key, value)
+    kvexport_call.attended[layer] = keys, values  # for layers that share this one's cache
     return family_eager_attention(module)(module, query, keys, values, attention_mask, **kwargs)
 
 

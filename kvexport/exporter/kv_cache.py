@@ -60,10 +60,12 @@ def build_caches(
 
 
 class SharedKVCache(nn.Module):
-    """KV sharing: a layer with no cache of its own, whose queries attend to layer ``reads``'s cache
-    as that layer left it earlier in the same call (``read``). transformers runs such a layer on
-    the call's last token only (``_maybe_slice_kv_shared_inputs``), which is all the logits need;
-    a full layer's buffer serves queries of any length, a ring's only the call's last."""
+    """KV sharing: a layer with no cache of its own, whose queries attend to what layer ``reads``
+    attended to earlier in the same call (``read``), as transformers hands a sharing layer the
+    keys and values its producer's cache returned: a full layer's buffer as the call left it, a
+    ring's keys from before the call's write followed by the call's own (``CallState.attended``).
+    Gemma 4 runs such a layer on the call's last token only (``_maybe_slice_kv_shared_inputs``),
+    Gemma 3n on every token of the call: ``read`` serves the call's last queries, any number."""
 
     def __init__(self, reads: int):
         super().__init__()
@@ -285,9 +287,12 @@ class RingKVCache(nn.Module):
         return ring_key_positions(positions, self.window)
 
     def read(self, module, query, call: CallState, **kwargs):
-        """Attention of the call's last position to the ring this call wrote, which holds its window."""
-        mask = ring_read_mask(call, query, self.window)
-        return family_eager_attention(module)(module, query, self.k, self.v, mask, **kwargs)
+        """Attention of the call's last ``query.shape[2]`` positions to what this layer attended to in
+        the call (the ring before its write, then the call's keys): the ring after the write no
+        longer holds what the call's earlier positions see."""
+        keys, values = call.attended[self]
+        mask = shared_ring_mask(call, query, self.window)
+        return family_eager_attention(module)(module, query, keys, values, mask, **kwargs)
 
 
 def last_positions(call: CallState, query: torch.Tensor) -> torch.Tensor:
@@ -295,12 +300,10 @@ def last_positions(call: CallState, query: torch.Tensor) -> torch.Tensor:
     return call.positions[call.positions.shape[0] - query.shape[2] :]
 
 
-def ring_read_mask(call: CallState, query: torch.Tensor, window: int) -> torch.Tensor:
-    """``[1, 1, 1, W]`` mask of a ring after the call, for a query at the call's last position: every
-    slot written so far is in its window. A ring keeps no older rows, so only that query can read it."""
-    torch._check(query.shape[2] == 1)
-    end = call.positions[-1:] + 1
-    return additive_mask(ring_positions(end, window), call.positions[-1:], window, query.dtype)
+def shared_ring_mask(call: CallState, query: torch.Tensor, window: int) -> torch.Tensor:
+    """``[1, 1, t, W + T]`` mask over a ring's keys before the call followed by the call's, for a
+    sharing layer's queries at the call's last ``t`` positions."""
+    return additive_mask(ring_key_positions(call.positions, window), last_positions(call, query), window, query.dtype)
 
 
 def ring_key_positions(positions: torch.Tensor, window: int) -> torch.Tensor:
@@ -367,6 +370,9 @@ class CallState:
         self.max_cache_len = max_cache_len
         self._start = None
         self._ring_writes = {}
+        # A ring's keys and values as its layer attended to them in this call (the ring before the
+        # call's write, then the call's), by cache: layers that share the ring attend to the same.
+        self.attended = {}
 
     def ring_writes(self, window: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``newest_in_slot`` of this call for rings of ``window`` slots, computed once for all of

@@ -18,6 +18,7 @@ def prepare_for_export(model: nn.Module) -> None:
     _short_convolutions_with_state(model)
     _linear_attention_with_state(model)
     _mamba2_with_state(model)
+    _activation_sparsity_with_fixed_quantile(model)
     _complex_rotary_as_real(model)
 
 
@@ -109,6 +110,30 @@ def _mamba2_with_state(model: nn.Module) -> None:
     for module in model.modules():
         if hasattr(module, "ssm_state_size") and hasattr(module, "A_log") and hasattr(module, "in_proj"):
             _run_with_state(module, scan)
+
+
+def _activation_sparsity_with_fixed_quantile(model: nn.Module) -> None:
+    """Activation sparsity (Gemma 3n's MLPs with ``activation_sparsity_pattern``: ``_gaussian_topk``).
+
+    transformers keeps the gate's activations above ``mean + std * q``, ``q`` the standard normal's
+    quantile at the layer's target sparsity, which it computes at every call (``Normal.icdf``: an
+    ``erfinv``, for which neither ExecuTorch nor ONNX has a kernel). ``q`` depends on the config
+    alone: here it is computed once, by the same call, and the cutoff from it as transformers does."""
+    import types
+
+    from torch.distributions.normal import Normal
+
+    def gaussian_topk(self, inputs):
+        multiplier = self.kvexport_normal_quantile.to(inputs.dtype)
+        mean = torch.mean(inputs, dim=-1, keepdim=True)
+        std = torch.std(inputs, dim=-1, keepdim=True, unbiased=False)
+        return nn.functional.relu(inputs - (mean + std * multiplier))
+
+    for module in model.modules():
+        if callable(getattr(module, "_gaussian_topk", None)) and getattr(module, "activation_sparsity", 0.0) > 0.0:
+            sparsity = torch.tensor(module.activation_sparsity, dtype=torch.float32)
+            module.register_buffer("kvexport_normal_quantile", Normal(0, 1).icdf(sparsity), persistent=False)
+            module._gaussian_topk = types.MethodType(gaussian_topk, module)
 
 
 def _complex_rotary_as_real(model: nn.Module) -> None:

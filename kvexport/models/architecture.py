@@ -57,10 +57,6 @@ _REFUSED = {
     "olmo_hybrid": "a hybrid whose linear-attention layers convolve queries, keys and values apart (kvexport "
     "runs Qwen 3.5's and Qwen3-Next's layout)",
     "recurrent_gemma": "a recurrent hybrid",
-    "gemma3n": "a multimodal model (its text model, gemma3n_text, is refused too)",
-    # Its KV-sharing layers run on every token of a call (Gemma 4's on the last one only), and after
-    # the call a sliding layer's cache no longer holds what the call's earlier tokens attend to.
-    "gemma3n_text": "a model whose KV-sharing layers attend from every token of a call to sliding windows the call has moved",
     "llama4": "a multimodal model (its text model, llama4_text, is supported)",
     "t5": "an encoder-decoder model",
     "bart": "an encoder-decoder model",
@@ -84,6 +80,9 @@ class LayerSpec:
     # KV sharing (Gemma 4, Gemma 3n): the earlier layer whose keys and values this layer attends to;
     # it computes none of its own and holds no cache.
     reads: int | None = None
+    # Whether such a layer runs on every token of a call (Gemma 3n), not on the call's last token
+    # only (Gemma 4, whose model slices its inputs: ``_maybe_slice_kv_shared_inputs``).
+    reads_every_token: bool = False
     # A convolution's state: (channels, the inputs before the call that it looks back at).
     conv_state: tuple[int, int] | None = None
     # A recurrent layer's state, kept in float32, and its update rule: (value heads, key size, value
@@ -287,6 +286,16 @@ def _rope_bounds(config):
             yield rope_type, bound
 
 
+def _slices_kv_shared_layers(model_type: str) -> bool:
+    """Whether transformers' base model of ``model_type`` runs its KV-sharing layers on the call's last
+    token only (``_maybe_slice_kv_shared_inputs``, Gemma 4), rather than on every token (Gemma 3n)."""
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
+
+    name = MODEL_MAPPING_NAMES.get(model_type)
+    return hasattr(getattr(transformers, name, None) if isinstance(name, str) else None, "_maybe_slice_kv_shared_inputs")
+
+
 def _causal_lm_class(model_type: str | None):
     """The class AutoModelForCausalLM builds for ``model_type``, or None."""
     import transformers
@@ -306,6 +315,7 @@ def layer_specs(config) -> list[LayerSpec]:
     if not layer_types:
         layer_types = [SLIDING if window else FULL] * n_layers
     reads = _kv_shared_layers(config, layer_types[:n_layers])
+    every_token = bool(reads) and not _slices_kv_shared_layers(config.model_type)
     specs = []
     for i, layer_type in enumerate(layer_types[:n_layers]):
         if layer_type == CONV:
@@ -321,11 +331,12 @@ def layer_specs(config) -> list[LayerSpec]:
             chunk = config.attention_chunk_size
             specs.append(LayerSpec(CHUNKED, chunk, kv_heads, head_dim, reads.get(i), chunk=chunk))
             continue
-        specs.append(LayerSpec(layer_type, window if layer_type == SLIDING else None, kv_heads, head_dim, reads.get(i)))
+        sliding_window = window if layer_type == SLIDING else None
+        specs.append(LayerSpec(layer_type, sliding_window, kv_heads, head_dim, reads.get(i), i in reads and every_token))
     for i, j in reads.items():
         if not specs[j].has_kv or (specs[i].kv_heads, specs[i].head_dim) != (specs[j].kv_heads, specs[j].head_dim):
             raise UnsupportedModelError(f"layer {i} reads the KV cache of layer {j}, whose keys have another shape")
-        if specs[j].chunk:  # a shared read masks by the window alone (kv_cache.ring_read_mask)
+        if specs[j].chunk:  # a shared read masks by the window alone (kv_cache.shared_ring_mask)
             raise UnsupportedModelError(f"layer {i} reads the KV cache of layer {j}, a chunked-attention layer")
     return specs
 

@@ -92,6 +92,25 @@ PRESETS: dict[str, tuple[str, dict]] = {
             "moe_intermediate_size": 32,
         },
     ),
+    # Gemma 3n: the last layer of each type reading the KV cache of an earlier one (four layers, as
+    # tiny-gemma4), whose sharing layers attend from every token of a call; per-layer input
+    # embeddings, AltUp's four streams, LAuReL's low-rank residual and activation sparsity (a
+    # Gaussian top-k of the gate) in the first layer, as the real ones have in their first ten.
+    "tiny-gemma3n": (
+        "gemma3n_text",
+        {
+            "head_dim": 16,
+            "sliding_window": WINDOW,
+            "num_hidden_layers": 4,
+            "layer_types": ["sliding_attention", "full_attention"] * 2,
+            "num_kv_shared_layers": 2,
+            "hidden_size_per_layer_input": 8,
+            "vocab_size_per_layer_input": VOCAB_SIZE,
+            "altup_num_inputs": 4,
+            "laurel_rank": 8,
+            "activation_sparsity_pattern": [0.95, 0.0, 0.0, 0.0],
+        },
+    ),
     # LFM2: a short gated convolution (a state of conv_L_cache - 1 inputs) before an attention layer.
     "tiny-lfm2": ("lfm2", {"layer_types": ["conv", "full_attention"], "block_auto_adjust_ff_dim": False}),
     # Qwen 3.5: gated-delta linear attention (a convolution and a recurrent state) before a gated

@@ -93,3 +93,39 @@ def test_external_cache_wrapper_takes_any_call_and_any_window_rows(chunks, windo
     forward = external_cache_forward(ExternalCacheDecoder(model, TEST_CACHE_LEN), window_rows)
     got = greedy_with(forward, ids, NEW_TOKENS, chunks=chunks)
     assert_generation_matches(got, expected, FP32_LOGIT_ATOL, f"chunks {chunks}, rows {window_rows}")
+
+
+@pytest.mark.parametrize("chunks", [[1] * 44, [5, 13, 26], [40, 4]])
+def test_layers_sharing_a_ring_from_every_token_match_eager_in_any_calls(chunks):
+    """Gemma 3n's sharing layers attend from every token of a call to what the ring's own layer
+    attended to (the ring before the call's write, then the call's keys), on both wrappers; the
+    ONNX one's window in plain ops, over buffers of the window's rows or more."""
+    from kvexport.models.presets import build_preset
+
+    model, tokenizer = build_preset("tiny-gemma3n")
+    ids = tokenizer(PROMPT).input_ids
+    expected = eager_reference(model, ids, NEW_TOKENS)
+    got = greedy_with(torch_forward(ExportableDecoder(model, TEST_CACHE_LEN)), ids, NEW_TOKENS, chunks=chunks)
+    assert_generation_matches(got, expected, FP32_LOGIT_ATOL, f"chunks {chunks}")
+    decoder = ExternalCacheDecoder(model, TEST_CACHE_LEN)
+    assert [layer.in_plain_ops for layer, _ in decoder.buffer_layers] == [True, False]
+    for window_rows in (None, 9):
+        got = greedy_with(external_cache_forward(decoder, window_rows), ids, NEW_TOKENS, chunks=chunks)
+        assert_generation_matches(got, expected, FP32_LOGIT_ATOL, f"chunks {chunks}, rows {window_rows}")
+
+
+def test_activation_sparsity_cuts_the_gate_where_transformers_does():
+    """Gemma 3n's Gaussian top-k with its normal quantile computed once (neither target has erfinv)
+    keeps exactly the activations transformers' own computation keeps, in both dtypes."""
+    from kvexport.models.adapters import prepare_for_export
+    from kvexport.models.presets import build_preset
+
+    for dtype in (torch.float32, torch.float16):
+        model, _ = build_preset("tiny-gemma3n", dtype)
+        mlp = model.model.layers[0].mlp
+        assert mlp.activation_sparsity > 0
+        x = (torch.randn(1, 5, mlp.intermediate_size, generator=torch.Generator().manual_seed(0)) * 3).to(dtype)
+        expected = mlp._gaussian_topk(x)
+        prepare_for_export(model)
+        assert "kvexport_normal_quantile" in dict(mlp.named_buffers())
+        torch.testing.assert_close(mlp._gaussian_topk(x), expected, atol=0, rtol=0)

@@ -60,17 +60,19 @@ def reference_attention(q, k, v, window, chunk=None):
 
 
 def cached_attention(cache, calls, q, k, v, window, max_len=None, after_call=None, chunk=None):
-    """The same attention computed call by call through the cache and our masks; ``after_call(positions)``
-    after each call (a layer that shares the cache reading it)."""
+    """The same attention computed call by call through the cache and our masks, as kvexport's attention
+    calls it; ``after_call(call)`` after each call (a layer that shares the cache reading it)."""
     outs, start = [], 0
     for n in calls:
         positions = torch.arange(start, start + n)
+        call = CallState(None, positions, max_len)
         keys, values = cache.update(positions, k[:, :, start:start + n], v[:, :, start:start + n])
+        call.attended[cache] = keys, values
         mask = additive_mask(cache.key_positions(positions), positions, window, torch.float32, chunk)
         scores = q[:, :, start:start + n] @ keys.transpose(-1, -2) / DIM**0.5 + mask
         outs.append(torch.softmax(scores, dim=-1) @ values)
         if after_call:
-            after_call(positions)
+            after_call(call)
         start += n
     return torch.cat(outs, dim=2)
 
@@ -86,7 +88,7 @@ def custom_op_attention(cache, calls, q, k, v, window, max_len, after_call=None,
         out, _ = cache.attend(None, q[:, :, part], k[:, :, part], v[:, :, part], mask, call, scaling=DIM**-0.5)
         outs.append(out.transpose(1, 2))  # the kernel answers sequence-major, [1, T, heads, D]
         if after_call:
-            after_call(positions)
+            after_call(call)
         start += n
     return torch.cat(outs, dim=2)
 
@@ -182,8 +184,9 @@ def test_chunked_attention_through_a_ring_of_the_chunk_equals_full_history(famil
 @given(window=WINDOWS, max_len=CACHE_LENS, calls=CALLS, readers=st.integers(1, 16), seed=SEEDS)
 def test_a_layer_sharing_the_cache_reads_what_each_call_left(family, window, max_len, calls, readers, seed):
     """KV sharing: after every call, a layer that holds no cache attends with queries at the call's
-    last positions (a ring: the last one only; a full buffer: up to the whole call) to the cache as
-    the call left it, and sees what full-history attention sees there."""
+    last positions (up to the whole call, as Gemma 3n's sharing layers do) to what the cache's layer
+    attended to in the call, and sees what full-history attention sees there: a ring's earlier
+    queries too, though the call has overwritten what they see."""
     ring, static, attention, kv_heads = FAMILIES[family]
     is_ring = window is not None and window < max_len
     cache = ring(1, kv_heads, window, DIM, torch.float32) if is_ring else static(1, kv_heads, max_len, DIM, torch.float32)
@@ -202,10 +205,11 @@ def test_a_layer_sharing_the_cache_reads_what_each_call_left(family, window, max
     module = SimpleNamespace(num_key_value_groups=HEADS // kv_heads, training=False)
     checked = []
 
-    def read(positions):
-        n = 1 if is_ring else min(readers, positions.shape[0])
+    def read(call):
+        positions = call.positions
+        n = min(readers, positions.shape[0])
         last = slice(int(positions[-1]) + 1 - n, int(positions[-1]) + 1)
-        out, _ = cache.read(module, reader_q[:, :, last], CallState(None, positions, max_len), scaling=DIM**-0.5)
+        out, _ = cache.read(module, reader_q[:, :, last], call, scaling=DIM**-0.5)
         torch.testing.assert_close(out.transpose(1, 2), expected[:, :, last], atol=1e-5, rtol=1e-5)
         checked.append(n)
 

@@ -89,9 +89,9 @@ def test_every_causal_lm_of_transformers_is_accepted_or_refused_in_one_line():
             assert "\n" not in str(e) and str(e).startswith(f"architecture '{model_type}' is not supported: "), str(e)
             refused.append(model_type)
     assert unbuildable == ["gemma4_assistant"]  # a drafter: its config needs its target model's
-    assert {"llama", "gemma3_text", "gemma4_text", "cohere2", "gpt_oss", "lfm2", "lfm2_moe", "lfm3", "qwen3_5_text",
-            "qwen3_5_moe_text", "qwen3_next", "llama4_text"} <= set(accepted)
-    assert {"deepseek_v3", "mamba", "gemma3n_text", "olmo_hybrid"} <= set(refused)
+    assert {"llama", "gemma3_text", "gemma3n_text", "gemma4_text", "cohere2", "gpt_oss", "lfm2", "lfm2_moe", "lfm3",
+            "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "llama4_text"} <= set(accepted)
+    assert {"deepseek_v3", "mamba", "olmo_hybrid"} <= set(refused)
     assert len(accepted) + len(refused) + len(unbuildable) == len(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
 
 
@@ -111,6 +111,24 @@ def test_gemma4_layers_have_their_own_shapes_and_share_caches_as_transformers_bu
         assert (spec.reads is not None) == attention.is_kv_shared_layer
         assert spec.window == attention.sliding_window
     assert {(s.head_dim, s.kv_heads) for s in specs} == {(16, 2), (32, 1)}
+
+
+def test_gemma3n_layers_share_caches_from_every_token_as_transformers_runs_them():
+    """Gemma 3n: the last layer of each type reads the last earlier one of its type, as Gemma 4's
+    do, but transformers runs them on every token of a call (Gemma 4's model slices their inputs to
+    the last one), which a sharing layer of a ring must be served from."""
+    from kvexport.models.presets import build_preset
+
+    model, _ = build_preset("tiny-gemma3n")
+    specs = layer_specs(model.config)
+    assert [s.reads for s in specs] == [None, None, 0, 1]
+    assert [s.reads_every_token for s in specs] == [False, False, True, True]
+    assert [s.cache_kind(64) for s in specs] == ["ring", "static", "shared", "shared"]
+    for spec, layer in zip(specs, model.model.layers):
+        assert (spec.reads is not None) == layer.self_attn.is_kv_shared_layer
+        assert spec.window == layer.self_attn.sliding_window
+    assert not hasattr(model.model, "_maybe_slice_kv_shared_inputs")
+    assert not any(s.reads_every_token for s in layer_specs(build_preset("tiny-gemma4")[0].config))
 
 
 def test_chunked_layers_are_rings_of_the_chunk_as_transformers_builds_them():

@@ -21,7 +21,7 @@ from tests.test_cli import assert_one_line_error, run_cli
 
 
 # Presets whose ONNX folder genai cannot run (test_a_folder_genai_cannot_run_is_refused_in_one_line).
-GENAI_CANNOT_RUN = {"tiny-gemma4", "tiny-llama4"} | GENAI_REFUSES
+GENAI_CANNOT_RUN = {"tiny-gemma4", "tiny-gemma3n", "tiny-llama4"} | GENAI_REFUSES
 
 
 def test_genai_matches_eager_past_the_window(tiny, artifact):
@@ -78,10 +78,11 @@ def test_runner_genai_is_for_onnx_artifacts(artifact, capsys):
 
 @pytest.mark.parametrize("name", sorted(GENAI_CANNOT_RUN))
 def test_a_folder_genai_cannot_run_is_refused_in_one_line(artifact, capsys, name):
-    """Gemma 4's sliding layers that share an earlier layer's cache, and Llama 4's chunked layers,
-    read a window buffer of the window's (the chunk's) rows, which genai does not allocate; the states of convolutions and linear attention
-    are inputs genai does not know: the export writes no genai_config.json and says why in
-    kvexport.json, and --runner genai repeats it; kvexport's own runner runs the folder."""
+    """Gemma 4's and Gemma 3n's sliding layers that share an earlier layer's cache, and Llama 4's
+    chunked layers, read a window buffer of the window's (the chunk's) rows, which genai does not
+    allocate; the states of convolutions and linear attention are inputs genai does not know: the
+    export writes no genai_config.json and says why in kvexport.json, and --runner genai repeats
+    it; kvexport's own runner runs the folder."""
     folder = artifact(name, "onnx")
     assert not (folder / "genai_config.json").exists()
     code, _, err = run_cli(capsys, "check", folder, "--runner", "genai")

@@ -23,7 +23,7 @@ from torch import nn
 
 from ...models.architecture import RING, STATIC
 from ..attention import family_eager_attention, plain_softmax_attention
-from ..kv_cache import CacheKinds, CallState, additive_mask, last_positions, ring_key_positions, ring_read_mask
+from ..kv_cache import CacheKinds, CallState, additive_mask, last_positions, ring_key_positions, shared_ring_mask
 
 
 def _to_seq_major(x: torch.Tensor) -> torch.Tensor:
@@ -79,14 +79,17 @@ class CustomOpRingCache(nn.Module):
         keys = torch.cat([self.k, k_new], dim=1)
         values = torch.cat([self.v, v_new], dim=1)
         result = self._attention(module, query, keys, values, mask, scaling, kwargs)
+        call.attended[self] = keys, values  # for layers that share this ring
         newest, slots = call.ring_writes(self.window)
         torch.ops.llama.update_cache_with_indices(k_new.index_select(1, newest), self.k, 0, slots[None])
         torch.ops.llama.update_cache_with_indices(v_new.index_select(1, newest), self.v, 0, slots[None])
         return result
 
     def read(self, module, query, call: CallState, scaling=None, **kwargs):
-        """A shared layer's query at the call's last position, over the ring as this call left it."""
-        return self._attention(module, query, self.k, self.v, ring_read_mask(call, query, self.window), scaling, kwargs)
+        """A shared layer's queries, the call's last ``query.shape[2]``, over what this layer attended
+        to in the call (the ring before its write, then the call's keys)."""
+        keys, values = call.attended[self]
+        return self._attention(module, query, keys, values, shared_ring_mask(call, query, self.window), scaling, kwargs)
 
     def _attention(self, module, query, keys, values, mask, scaling, kwargs):
         """Attention of ``query`` over sequence-major ``keys``/``values`` under ``mask``."""

@@ -30,7 +30,7 @@ from torch.ao.quantization.fx._decomposed import quantized_decomposed_lib  # noq
 
 from ...models.architecture import RING, STATIC
 from ..attention import family_eager_attention, plain_softmax_attention
-from ..kv_cache import CacheKinds, CallState, additive_mask, last_positions, ring_key_positions, ring_read_mask
+from ..kv_cache import CacheKinds, CallState, additive_mask, last_positions, ring_key_positions, shared_ring_mask
 
 INT8 = torch.int8
 QMIN, QMAX = torch.iinfo(INT8).min, torch.iinfo(INT8).max
@@ -152,14 +152,9 @@ class QuantizedRingCache(_QuantizedRows):
     def attend(self, module, query, key, value, mask, call: CallState, scaling=None, **kwargs):
         query, key = self.rotated(query, key, kwargs)
         new = (*quantize_rows(_to_seq_major(key)), *quantize_rows(_to_seq_major(value)))
-        if plain_softmax_attention(kwargs):
-            rows = tuple(torch.cat([buffer, n], dim=1) for buffer, n in zip(self.buffers_in_order(), new))
-            # The kernel takes a float32 mask whatever the activations' dtype.
-            result = (quantized_sdpa(query, rows, 0, mask[0, 0].float(), scaling), None)
-        else:
-            (ring_k, ring_v), (new_k, new_v) = self.dequantized(self.buffers_in_order()), self.dequantized(new)
-            keys, values = torch.cat([ring_k, new_k], dim=2), torch.cat([ring_v, new_v], dim=2)
-            result = family_eager_attention(module)(module, query, keys, values, mask, scaling=scaling, **kwargs)
+        rows = tuple(torch.cat([buffer, n], dim=1) for buffer, n in zip(self.buffers_in_order(), new))
+        call.attended[self] = rows  # for layers that share this ring
+        result = self._attention(module, query, rows, mask, scaling, kwargs)
         newest, slots = call.ring_writes(self.window)
         for n, buffer in zip(new, self.buffers_in_order()):
             torch.ops.llama.update_cache_with_indices(n.index_select(1, newest), buffer, 0, slots[None])
@@ -169,11 +164,19 @@ class QuantizedRingCache(_QuantizedRows):
         return ring_key_positions(positions, self.window)
 
     def read(self, module, query, call: CallState, scaling=None, **kwargs):
-        """A shared layer's query at the call's last position, over the ring as this call left it."""
-        mask = ring_read_mask(call, query, self.window)
+        """A shared layer's queries, the call's last ``query.shape[2]``, over the rows this layer
+        attended to in the call (the ring before its write, then the call's rows)."""
+        mask = shared_ring_mask(call, query, self.window)
+        if plain_softmax_attention(kwargs):  # the rows' keys were rotated where the fused kernel attends
+            query = query @ self.rotation
+        return self._attention(module, query, call.attended[self], mask, scaling, kwargs)
+
+    def _attention(self, module, query, rows, mask, scaling, kwargs):
+        """Attention of ``query`` (rotated where the fused kernel attends) over int8 ``rows`` under ``mask``."""
         if plain_softmax_attention(kwargs):
-            return quantized_sdpa(query @ self.rotation, self.buffers_in_order(), 0, mask[0, 0].float(), scaling), None
-        keys, values = self.dequantized(self.buffers_in_order())
+            # The kernel takes a float32 mask whatever the activations' dtype.
+            return quantized_sdpa(query, rows, 0, mask[0, 0].float(), scaling), None
+        keys, values = self.dequantized(rows)
         return family_eager_attention(module)(module, query, keys, values, mask, scaling=scaling, **kwargs)
 
 

@@ -227,6 +227,10 @@ class _BufferLayer:
         self.past_k = self.past_v = self.present_k = self.present_v = None
         self.k_scale = self.v_scale = None
         self.observe = None  # called with each call's keys and values (``quantized_kv_cache.calibrate``)
+        # A window whose layers that share it attend from every token of a call (Gemma 3n): they see
+        # what the window held before the call, which the kernel overwrites in place, so this layer
+        # attends and writes in plain ops (``_attend_in_plain_ops``) and keeps what it attended to.
+        self.in_plain_ops = False
 
     def bind(self, past_k: torch.Tensor, past_v: torch.Tensor) -> None:
         self.past_k, self.past_v = past_k, past_v
@@ -241,6 +245,8 @@ class _BufferLayer:
         t = query.shape[2]
         if self.observe is not None:
             self.observe(key, value)
+        if self.in_plain_ops:
+            return self._attend_in_plain_ops(query, key, value, call, scaling, softcap, s_aux)
         (q, k, v), heads, kv_heads, scale = _kernel_inputs(query, key, value, scaling)
         last = call.positions[-1:]  # P + T - 1: the kernel's lengths (the graph reads them from the mask)
         seqlens_k, total_length = last.to(torch.int32), (last[0] + 1).to(torch.int32)
@@ -251,24 +257,59 @@ class _BufferLayer:
         return out.view(1, t, heads, -1), None
 
     def read(self, module, query, call, scaling=None, softcap=None, s_aux=None, dropout=0.0, **kwargs):
-        """A shared layer's queries (the call's last ``query.shape[2]``) over the present buffer this
-        layer's node wrote, in plain ops: the kernel would write the call's rows again. Row ``r``
-        holds position ``r`` in a full layer's buffer, ``total - kept + r`` in a window's (the
-        newest ``kept = min(total, rows)`` positions in order), so a window serves the call's last
-        query only: the rows an earlier one needs may be gone."""
+        """A shared layer's queries (the call's last ``query.shape[2]``) in plain ops (the kernel would
+        write the call's rows again): over what a window in plain ops attended to in the call, else
+        over the present buffer this layer's node wrote. Row ``r`` holds position ``r`` in a full
+        layer's buffer, ``total - kept + r`` in a window's (the newest ``kept = min(total, rows)``
+        positions in order), so a kernel's window serves the call's last query only: the rows an
+        earlier one needs may be gone."""
+        t = query.shape[2]
+        if self.in_plain_ops:
+            keys, values, key_positions = call.attended[self]
+        else:
+            key_positions = torch.arange(self.present_k.shape[2])
+            total = call.positions[-1:] + 1
+            if self.window:
+                torch._check(t == 1)
+                key_positions = total - torch.clamp(total, max=self.present_k.shape[2]) + key_positions
+            keys = dequantize_from_cache(self.present_k[0], self.k_scale)
+            values = dequantize_from_cache(self.present_v[0], self.v_scale)
+        return self._plain_attention(query, keys, values, key_positions, call, scaling, softcap, s_aux)
+
+    def _plain_attention(self, query, keys, values, key_positions, call, scaling, softcap, s_aux):
+        """The kernel's attention in plain ops for queries at the call's last ``query.shape[2]``
+        positions over head-major ``keys``/``values [kv_heads, K, D]`` at ``key_positions``."""
         _, heads, t, d = query.shape
-        rows = torch.arange(self.present_k.shape[2])
-        total = call.positions[-1:] + 1
-        if self.window:
-            torch._check(t == 1)
-            rows = total - torch.clamp(total, max=self.present_k.shape[2]) + rows
-        bias = _visible(rows, call.positions[call.positions.shape[0] - t :], self.window or 0)
-        keys = dequantize_from_cache(self.present_k[0], self.k_scale)
-        values = dequantize_from_cache(self.present_v[0], self.v_scale)
+        bias = _visible(key_positions, call.positions[call.positions.shape[0] - t :], self.window or 0)
         q = query.transpose(1, 2).reshape(1, t, heads * d)
         scale = float(scaling if scaling is not None else d**-0.5)
         out = _attention(q, keys, values, heads, keys.shape[0], scale, bias, float(softcap or 0.0), s_aux)
         return out.view(1, t, heads, -1), None
+
+    def _attend_in_plain_ops(self, query, key, value, call, scaling, softcap, s_aux):
+        """The kernel's window semantics in plain ops: attend over the past buffer's rows (row ``r``
+        holding position ``P - held + r``, ``held = min(P, rows)``) and the call's, and write the
+        present as the kernel does, the newest ``kept = min(P + T, rows)`` positions in order from
+        row 0. Every read of the past comes before the present is written (the present is gathered
+        from their concatenation), so the runner may still bind both to one buffer."""
+        new_k, new_v = key[0], value[0]
+        if self.k_scale is not None:  # the call's rows as the int8 buffer holds them
+            new_k, new_v = quantize_to_cache(new_k, self.k_scale), quantize_to_cache(new_v, self.v_scale)
+        rows_k, rows_v = torch.cat([self.past_k[0], new_k], 1), torch.cat([self.past_v[0], new_v], 1)
+        capacity, start, end = self.past_k.shape[2], call.positions[:1], call.positions[-1:] + 1
+        held, kept = torch.clamp(start, max=capacity), torch.clamp(end, max=capacity)
+        rows = torch.arange(capacity)
+        # A row the buffer did not hold yet gets a position no query's window reaches.
+        past_positions = torch.where(rows < held, start - held + rows, -self.window - 1)
+        key_positions = torch.cat([past_positions, call.positions])
+        position = end - kept + rows  # what present row r holds, r < kept
+        source = torch.where(position >= start, capacity + position - start, position - start + held)
+        source = torch.where(rows < kept, source, rows)  # rows past kept keep what they held
+        self.present_k = rows_k.index_select(1, source)[None]
+        self.present_v = rows_v.index_select(1, source)[None]
+        keys, values = dequantize_from_cache(rows_k, self.k_scale), dequantize_from_cache(rows_v, self.v_scale)
+        call.attended[self] = keys, values, key_positions  # for the layers that share this window
+        return self._plain_attention(query, keys, values, key_positions, call, scaling, softcap, s_aux)
 
 
 class ExternalStaticLayer(_BufferLayer):

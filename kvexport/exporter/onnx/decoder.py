@@ -30,6 +30,9 @@ class ExternalCacheDecoder(ExportableDecoder):
         # then the states of the layers that do not attend (``states``), after every KV buffer.
         self.buffer_layers = [(c, spec) for c, spec in zip(self.caches, self.specs) if spec.reads is None and spec.has_kv]
         self.state_layers = [c for c, spec in zip(self.caches, self.specs) if not spec.has_kv]
+        for spec in self.specs:
+            if spec.reads_every_token and self.specs[spec.reads].is_ring(max_cache_len):
+                self.caches[spec.reads].in_plain_ops = True  # see attention._BufferLayer
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *past: torch.Tensor):
         kv = 2 * len(self.buffer_layers)

@@ -167,7 +167,9 @@ def genai_cannot_run(layers: list[dict]) -> str | None:
     holding position ``total - min(total, rows) + r``, which holds where the buffer has the
     window's rows, as kvexport's runner gives it. genai gives it more, and the kernel compacts
     such a buffer to the window when it fills, so where its newest rows end depends on the
-    calls so far, which the graph cannot know."""
+    calls so far, which the graph cannot know. (A window Gemma 3n's sharing layers read runs in
+    plain ops, whose layout holds for any rows; genai has not been tried on it, so it is refused
+    the same way.)"""
     if state_layers(layers):
         return "layers with a convolution's or a recurrent state, which kvexport's graph passes as inputs genai does not know"
     by_index = {layer["index"]: layer for layer in layers}
