@@ -95,8 +95,11 @@ def footprint(plan, parameters: Parameters, checkpoint_bytes_per_value: int = 2)
     artifact = int(parameters.linear * linear + parameters.embedding * embedding + parameters.other * dtype_bytes)
     held = floats  # the weights at the peak, before WEIGHT_FACTOR
     if quantization.scheme and target == "executorch":  # quantized before export, from compact weights
+        # Loaded with the linear weights in the checkpoint's dtype (the largest weight read, then
+        # converted), then each linear weight quantized (torchao holds 4-bit values a byte each)
+        # while the memory of those it replaced is not yet back with the OS.
         loaded = parameters.linear * checkpoint_bytes_per_value + (parameters.embedding + parameters.other) * dtype_bytes
-        loaded += parameters.largest * (checkpoint_bytes_per_value + dtype_bytes)  # read, then converted
+        loaded += parameters.largest * (checkpoint_bytes_per_value + dtype_bytes) + parameters.linear
         held = max(loaded / WEIGHT_FACTOR[target], artifact)
     peak = BASE_BYTES[target] + plan.kv_cache_bytes + plan.state_bytes + int(held * WEIGHT_FACTOR[target])
     # ExecuTorch's serialized weights wait in the staged folder until model.ptd is written; ONNX's
@@ -146,8 +149,8 @@ def refuse_what_the_machine_cannot_hold(plan, needs: Footprint) -> None:
     if memory and needs.peak_bytes > memory:
         raise InvalidOptionError(
             f"exporting {plan.options.model} ({plan.options.dtype} -> {plan.options.target}) needs about "
-            f"{size(needs.peak_bytes)} of memory at its peak, more than this machine's {size(memory)} of memory: use a machine with more, or quantize (--quantize "
-            f"{'8da4w' if plan.options.target == 'executorch' else 'int4'} loads less at once)"
+            f"{size(needs.peak_bytes)} of memory at its peak, more than this machine's {size(memory)}: use a machine "
+            f"with more, or {_holds_less(plan)}"
         )
     free = shutil.disk_usage(_existing_parent(plan.out)).free
     if needs.staging_bytes > free:
@@ -155,6 +158,16 @@ def refuse_what_the_machine_cannot_hold(plan, needs: Footprint) -> None:
             f"exporting {plan.options.model} writes about {size(needs.staging_bytes)} to disk, more than the {size(free)} "
             f"free where {plan.out} is written: free some disk or write it elsewhere (-o)"
         )
+
+
+def _holds_less(plan) -> str:
+    """What makes the same export hold less at its peak, where anything does."""
+    o = plan.options
+    if o.target == "executorch" and not o.quantization.scheme:
+        return "quantize (--quantize 8da4w loads a bfloat16 checkpoint's linear weights as they are, then 4 bits)"
+    if o.dtype == "float32":
+        return "export in --dtype float16 (half the weights' bytes)"
+    return "a smaller --max-cache-len (the KV cache's share)"
 
 
 def _existing_parent(path: Path) -> Path:
