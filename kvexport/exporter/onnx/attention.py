@@ -13,7 +13,8 @@ buffers onnxruntime-genai allocates.
   oldest itself, so the runner never moves a row; a call may be longer than the window.
 
 - Chunked attention (``ExternalChunkedLayer``): a sliding layer's buffer of one chunk, which the
-  kernel writes; the attention in plain ops, masked to each query's chunk.
+  kernel writes; the attention in plain ops, masked to each query's chunk. The kernel's (dropped)
+  query is that attention's output, so the graph runs every read of the past before the write.
 
 Both read the call's lengths as onnxruntime-genai's builder derives them from ``attention_mask``
 (ones, ``[1, P + T]``): ``seqlens_k`` = sum - 1 and ``total_sequence_length`` = its width
@@ -248,13 +249,19 @@ class _BufferLayer:
         if self.in_plain_ops:
             return self._attend_in_plain_ops(query, key, value, call, scaling, softcap, s_aux)
         (q, k, v), heads, kv_heads, scale = _kernel_inputs(query, key, value, scaling)
+        out = self._kernel(q, k, v, heads, kv_heads, scale, call, softcap, s_aux)
+        return out.view(1, t, heads, -1), None
+
+    def _kernel(self, q, k, v, heads, kv_heads, scale, call, softcap, s_aux):
+        """The kernel on the flat ``q``/``k``/``v`` (``_kernel_inputs``): writes the call's rows into
+        the present buffer and returns its attention ``[1, T, heads * D]``."""
         last = call.positions[-1:]  # P + T - 1: the kernel's lengths (the graph reads them from the mask)
         seqlens_k, total_length = last.to(torch.int32), (last[0] + 1).to(torch.int32)
         out, self.present_k, self.present_v = torch.ops.kvexport.group_query_attention(
             q, k, v, self.past_k, self.past_v, seqlens_k, total_length, s_aux, self.k_scale, self.v_scale,
             heads, kv_heads, scale, self.window or -1, float(softcap or 0.0),
         )  # fmt: skip
-        return out.view(1, t, heads, -1), None
+        return out
 
     def read(self, module, query, call, scaling=None, softcap=None, s_aux=None, dropout=0.0, **kwargs):
         """A shared layer's queries (the call's last ``query.shape[2]``) in plain ops (the kernel would
@@ -335,13 +342,21 @@ class ExternalChunkedLayer(_BufferLayer):
     call's keys, and the kernel's own output is dropped. Row ``r`` of the past holds position
     ``P - min(P, rows) + r`` (the newest positions before the call, in order from row 0) where the
     buffer has exactly ``C`` rows, as kvexport's runner gives it; genai gives more and compacts
-    (``target.genai_cannot_run``)."""
+    (``target.genai_cannot_run``).
+
+    The runner binds past and present to one buffer, which the kernel writes in place, so every
+    plain-ops read of the past must come before the kernel runs. The graph states that as a data
+    dependency, not by node order: the kernel's query (whose output is dropped, and which does not
+    change the rows it writes) is the plain-ops attention's output, computed from those reads."""
 
     def __init__(self, batch: int, kv_heads: int, chunk: int, head_dim: int, dtype: torch.dtype):
         super().__init__(chunk)
 
     def attend(self, module, query, key, value, mask, call, scaling=None, softcap=None, s_aux=None, dropout=0.0, **kwargs):
-        super().attend(module, query, key, value, mask, call, scaling=scaling, softcap=softcap, s_aux=s_aux, dropout=dropout)
+        if dropout:
+            raise UnsupportedModelError("attention dropout in the exported model: export a model in eval mode")
+        if self.observe is not None:
+            self.observe(key, value)
         _, heads, t, d = query.shape
         start = call.positions[:1]
         rows = torch.arange(self.past_k.shape[2])
@@ -357,6 +372,9 @@ class ExternalChunkedLayer(_BufferLayer):
         q = query.transpose(1, 2).reshape(1, t, heads * d)
         scale = float(scaling if scaling is not None else d**-0.5)
         out = _attention(q, keys, values, heads, keys.shape[0], scale, bias, float(softcap or 0.0), s_aux)
+        # The kernel writes the call's rows only after the reads above: its query is their result.
+        (_, k, v), _, kv_heads, _ = _kernel_inputs(query, key, value, scaling)
+        self._kernel(out, k, v, heads, kv_heads, scale, call, softcap, s_aux)
         return out.view(1, t, heads, -1), None
 
 

@@ -296,3 +296,63 @@ def test_a_quiet_export_prints_nothing(tmp_path):
     )
     assert done.returncode == 0, done.stderr
     assert (done.stdout, done.stderr) == ("", "")
+
+
+# Ops whose output may alias their input in ONNX Runtime (no copy): their consumers read the input too.
+_ALIASING_OPS = {"Identity", "Reshape", "Squeeze", "Unsqueeze", "Flatten"}
+
+
+def _reads_not_before_writes(graph) -> dict[str, list[str]]:
+    """For each ``GroupQueryAttention`` node, the nodes that read its past key or value (directly or
+    through an op that may alias it; ``Shape`` reads no data) and that it does not depend on: the
+    runner binds past and present to one buffer the kernel writes in place, so such a read could
+    run after the write."""
+    producer = {out: node for node in graph.node for out in node.output}
+    consumers = collections.defaultdict(list)
+    for node in graph.node:
+        for name in node.input:
+            consumers[name].append(node)
+    missing = {}
+    for gqa in (n for n in graph.node if n.op_type == "GroupQueryAttention"):
+        ancestors, stack = set(), [gqa]
+        while stack:
+            for name in stack.pop().input:
+                if (node := producer.get(name)) is not None and id(node) not in ancestors:
+                    ancestors.add(id(node))
+                    stack.append(node)
+        readers, stack = [], [gqa.input[3], gqa.input[4]]
+        while stack:
+            for node in consumers[stack.pop()]:
+                if node is gqa or node.op_type in ("Shape", "Size"):
+                    continue
+                readers.append(node)
+                if node.op_type in _ALIASING_OPS:
+                    stack.extend(node.output)
+        missing[gqa.name] = [f"{n.op_type} {n.name}" for n in readers if id(n) not in ancestors]
+    return missing
+
+
+def test_onnx_chunked_layer_reads_its_past_before_the_kernel_writes_it(artifact, tmp_path):
+    """Llama 4's chunked layer reads its past in plain ops and lets the kernel write the call's rows
+    into the same buffer in place: the kernel must depend, by data, on every read of the past, in
+    the saved graph and in the graph ONNX Runtime runs after its optimizations."""
+    import onnxruntime as ort
+
+    folder = artifact("tiny-llama4", "onnx")
+    saved = onnx.load(str(folder / "model.onnx"), load_external_data=False).graph
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    options.optimized_model_filepath = str(tmp_path / "optimized.onnx")
+    ort.InferenceSession(str(folder / "model.onnx"), options, providers=["CPUExecutionProvider"])
+    optimized = onnx.load(str(tmp_path / "optimized.onnx"), load_external_data=False).graph
+    for graph in (saved, optimized):
+        missing = _reads_not_before_writes(graph)
+        assert len(missing) == 2 and not any(missing.values()), missing  # a chunked layer and a full one
+        # The check itself: with the kernel's query detached from the plain-ops attention, the
+        # chunked layer's reads are no longer ordered before its write.
+        detached = onnx.GraphProto()
+        detached.CopyFrom(graph)
+        for node in detached.node:
+            if node.op_type == "GroupQueryAttention":
+                node.input[0] = "detached_query"
+        assert sum(bool(m) for m in _reads_not_before_writes(detached).values()) == 1
