@@ -13,7 +13,7 @@ PACKAGE = Path(kvexport.__file__).resolve().parent
 
 # Lowest first. A module may import from its own package or from a package of a lower rank.
 LAYERS = [
-    ["kvexport.errors", "kvexport.logs", "kvexport.version"],
+    ["kvexport.errors", "kvexport.logs", "kvexport.version", "kvexport.allocator"],
     ["kvexport.outputs"],
     ["kvexport.profile"],
     ["kvexport.progress"],

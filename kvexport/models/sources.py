@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ..allocator import return_freed_memory
 from ..errors import InvalidModelError, InvalidOptionError, KvexportError, ModelNotFoundError, UnsupportedModelError
 from ..logs import transformers_progress_quiet
 from ..outputs import check_writable
@@ -508,6 +509,7 @@ def _linear_weights_compact():
             narrow = value.to(torch.bfloat16)
             if torch.equal(narrow.float(), value):
                 value = narrow
+                return_freed_memory()  # the float32 copy transformers made
         return set_param(model, target_name, value, *args, **kwargs)
 
     loading.set_param_for_module = set_compact

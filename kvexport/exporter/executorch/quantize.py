@@ -17,6 +17,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ...allocator import return_freed_memory
 from ..quantization import EMBEDDING_SCHEMES, Quantization
 from ..weight_grids import BLOCK
 
@@ -88,6 +89,7 @@ def quantize_linears(model: torch.nn.Module, lm_head: str = "int8") -> list[str]
         q, scale, offset = int4_blocks(weight, steps)
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name), child, Int4GridLinear.from_blocks(q, scale, offset, module.bias))
+        return_freed_memory()  # the replaced weight's, and the blocks' working copies
     return skipped
 
 
