@@ -509,7 +509,7 @@ def _linear_weights_compact():
             narrow = value.to(torch.bfloat16)
             if torch.equal(narrow.float(), value):
                 value = narrow
-                return_freed_memory()  # the float32 copy transformers made
+                return_freed_memory()  # the float32 copies of the weights before this one
         return set_param(model, target_name, value, *args, **kwargs)
 
     loading.set_param_for_module = set_compact
