@@ -93,15 +93,15 @@ def footprint(plan, parameters: Parameters, checkpoint_bytes_per_value: int = 2)
     if quantization.scheme and target == "onnx":
         embedding = 1
     artifact = int(parameters.linear * linear + parameters.embedding * embedding + parameters.other * dtype_bytes)
-    held = floats  # the weights at the peak, before WEIGHT_FACTOR
+    held = int(floats * WEIGHT_FACTOR[target])  # the weights at the peak
     if quantization.scheme and target == "executorch":  # quantized before export, from compact weights
         # Loaded with the linear weights in the checkpoint's dtype (the largest weight read, then
         # converted), then each linear weight quantized (torchao holds 4-bit values a byte each)
         # while the memory of those it replaced is not yet back with the OS.
         loaded = parameters.linear * checkpoint_bytes_per_value + (parameters.embedding + parameters.other) * dtype_bytes
         loaded += parameters.largest * (checkpoint_bytes_per_value + dtype_bytes) + parameters.linear
-        held = max(loaded / WEIGHT_FACTOR[target], artifact)
-    peak = BASE_BYTES[target] + plan.kv_cache_bytes + plan.state_bytes + int(held * WEIGHT_FACTOR[target])
+        held = max(int(loaded), int(artifact * WEIGHT_FACTOR[target]))
+    peak = BASE_BYTES[target] + plan.kv_cache_bytes + plan.state_bytes + held
     # ExecuTorch's serialized weights wait in the staged folder until model.ptd is written; ONNX's
     # int4 writes its data file beside the float one.
     staging = 2 * artifact if target == "executorch" else artifact + (floats if quantization.scheme else 0)
