@@ -25,6 +25,20 @@ SHAPES = {
                             "mrope_section": [11, 11, 10], "mrope_interleaved": True},
         "max_position_embeddings": 262144,
     }),  # fmt: skip
+    # google/gemma-4-E2B's text config: 35 layers, four sliding (window 512, head size 256) to one full
+    # (head size 512, a quarter of it rotated); the last 20 layers read the last earlier layer's cache
+    # of their kind; per-layer inputs of 256; double-wide MLPs in the shared layers.
+    "gemma4-e2b": ("gemma4_text", {
+        "hidden_size": 1536, "intermediate_size": 6144, "num_hidden_layers": 35, "num_attention_heads": 8,
+        "num_key_value_heads": 1, "head_dim": 256, "global_head_dim": 512, "vocab_size": 262144,
+        "vocab_size_per_layer_input": 262144, "hidden_size_per_layer_input": 256, "num_kv_shared_layers": 20,
+        "use_double_wide_mlp": True, "sliding_window": 512, "final_logit_softcapping": 30.0,
+        "max_position_embeddings": 131072, "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
+        "layer_types": [("full_attention" if (i + 1) % 5 == 0 else "sliding_attention") for i in range(35)],
+        "rope_parameters": {
+            "full_attention": {"rope_type": "proportional", "rope_theta": 1000000.0, "partial_rotary_factor": 0.25},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
+    }),  # fmt: skip
     # meta-llama/Llama-3.2-1B's config.
     "llama3.2-1b": ("llama", {
         "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32,

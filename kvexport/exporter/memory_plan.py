@@ -6,7 +6,8 @@ The peak is the process's resident memory: what the runtime libraries take, plus
 the export holds them, plus the KV cache. How much of the weights it holds at once is measured per
 target and per scheme (docs/performance.md#export-memory): a float export holds the model in its
 dtype, and lowering a copy of about a quarter of it on ExecuTorch; ``--quantize 8da4w`` loads a
-bfloat16 checkpoint's linear weights in bfloat16 and quantizes them before export; ONNX's int4
+bfloat16 checkpoint's linear weights (and its embedding tables, with ``--quantize-embedding``) in
+bfloat16 and quantizes them before export; ONNX's int4
 rewrites the float graph's weights one at a time after the float model is gone.
 """
 
@@ -38,7 +39,7 @@ class Parameters:
     linear: int  # weights of linear layers 8da4w quantizes (input width a multiple of the group)
     embedding: int
     other: int  # norms, biases, the linear weights left in float
-    largest: int  # the largest parameter's
+    largest: dict[str, int]  # kind ("linear", "embedding", "other") -> its largest parameter's
 
     @property
     def total(self) -> int:
@@ -53,7 +54,8 @@ def count_parameters(config) -> Parameters:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     seen: set[int] = set()
-    counts = {"linear": 0, "embedding": 0, "other": 0, "largest": 0}
+    counts = {"linear": 0, "embedding": 0, "other": 0}
+    largest = dict.fromkeys(counts, 0)
     for module in model.modules():
         for param in module.parameters(recurse=False):
             if id(param) in seen:
@@ -66,8 +68,8 @@ def count_parameters(config) -> Parameters:
             else:
                 kind = "other"
             counts[kind] += param.numel()
-            counts["largest"] = max(counts["largest"], param.numel())
-    return Parameters(**counts)
+            largest[kind] = max(largest[kind], param.numel())
+    return Parameters(**counts, largest=largest)
 
 
 @dataclass(frozen=True)
@@ -95,11 +97,16 @@ def footprint(plan, parameters: Parameters, checkpoint_bytes_per_value: int = 2)
     artifact = int(parameters.linear * linear + parameters.embedding * embedding + parameters.other * dtype_bytes)
     held = int(floats * WEIGHT_FACTOR[target])  # the weights at the peak
     if quantization.scheme and target == "executorch":  # quantized before export, from compact weights
-        # Loaded with the linear weights in the checkpoint's dtype (the largest weight read, then
-        # converted), then each linear weight quantized (torchao holds 4-bit values a byte each)
-        # while the memory of those it replaced is not yet back with the OS.
-        loaded = parameters.linear * checkpoint_bytes_per_value + (parameters.embedding + parameters.other) * dtype_bytes
-        loaded += parameters.largest * (checkpoint_bytes_per_value + dtype_bytes) + parameters.linear
+        # Loaded with the linear weights (and the embedding tables, when they are quantized too) in
+        # the checkpoint's dtype, read as stored; the largest of the other weights read, then
+        # converted. Then each weight quantized (torchao holds 4-bit values a byte each) while the
+        # memory of those it replaced is not yet back with the OS.
+        compact = ("linear", "embedding") if quantization.embedding else ("linear",)
+        loaded = sum(getattr(parameters, kind) * checkpoint_bytes_per_value for kind in compact)
+        loaded += sum(getattr(parameters, kind) * dtype_bytes for kind in ("embedding", "other") if kind not in compact)
+        converted = max(parameters.largest[kind] for kind in ("embedding", "other") if kind not in compact)
+        loaded += converted * (checkpoint_bytes_per_value + dtype_bytes)
+        loaded += sum(getattr(parameters, kind) for kind in compact)
         held = max(int(loaded), int(artifact * WEIGHT_FACTOR[target]))
     peak = BASE_BYTES[target] + plan.kv_cache_bytes + plan.state_bytes + held
     # ExecuTorch's serialized weights wait in the staged folder until model.ptd is written; ONNX's

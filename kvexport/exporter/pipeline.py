@@ -262,10 +262,12 @@ def export_model(options: ExportOptions, progress: Progress | None = None) -> Ex
         memory_plan.refuse_what_the_machine_cannot_hold(plan, needs)
 
     quantization = options.quantization
-    # Linear layers quantized before export need no float32 copy of a bfloat16 checkpoint's weights.
-    compact = bool(quantization.scheme and target.QUANTIZES_MODULE)
+    # Layers quantized before export need no float32 copy of a bfloat16 checkpoint's weights.
+    compact = ()
+    if target.QUANTIZES_MODULE:
+        compact = ("linear",) * bool(quantization.scheme) + ("embedding",) * bool(quantization.embedding)
     with progress.step("load", plan.source.name):
-        model, tokenizer = sources.load_model(plan.source, options.dtype, compact_linears=compact)
+        model, tokenizer = sources.load_model(plan.source, options.dtype, compact=compact)
     if options.dtype != "float32":
         with progress.step("probe", f"eager {options.dtype} on {_PROBE_PROMPT!r}"):
             _refuse_if_it_overflows(model, tokenizer, options.dtype)
@@ -274,7 +276,7 @@ def export_model(options: ExportOptions, progress: Progress | None = None) -> Ex
     if quantization and target.QUANTIZES_MODULE:
         with progress.step("quantize", target.quantization_detail(quantization)):
             skipped = target.quantize_model(model, quantization)
-            sources.widen_linears(model)
+            sources.widen_compact_weights(model)
         if skipped:
             info["quantization"]["left_in_float"] = skipped
 

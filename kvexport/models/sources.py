@@ -26,7 +26,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..allocator import return_freed_memory
 from ..errors import InvalidModelError, InvalidOptionError, KvexportError, ModelNotFoundError, UnsupportedModelError
 from ..logs import transformers_progress_quiet
 from ..outputs import check_writable
@@ -425,22 +424,22 @@ def _check_config_file(source: ModelSource) -> None:
         )
 
 
-def load_model(source: ModelSource, dtype: str = "float32", cache_dir: Path | None = None, compact_linears: bool = False):
-    """The transformers causal LM (eval mode) and its tokenizer. ``compact_linears``: for a model
-    whose linear layers are quantized next (``widen_linears`` after), a float32 linear weight that
-    bfloat16 holds exactly (a bfloat16 checkpoint's) stays in bfloat16: half the bytes at the
-    export's peak, the same values."""
+def load_model(source: ModelSource, dtype: str = "float32", cache_dir: Path | None = None, compact: tuple[str, ...] = ()):
+    """The transformers causal LM (eval mode) and its tokenizer. ``compact``: for a float32 model
+    whose layers of these kinds (``COMPACT_KINDS``) are quantized next (``widen_compact_weights``
+    after), their weights that the checkpoint stores in bfloat16 stay in bfloat16: half the bytes
+    at the export's peak, the same values."""
     if source.kind == "preset":
         return presets.build_preset(source.name, dtype)
     folder = _plain_folder(source, cache_dir) if source.kind in ("alias", "gguf") else source.path
-    model, tokenizer = _load_folder(folder, dtype, source.name, compact_linears and dtype == "float32")
+    model, tokenizer = _load_folder(folder, dtype, source.name, compact if dtype == "float32" else ())
     if tokenizer.chat_template is None:  # e.g. Gemma 3 270M's GGUF has no tokenizer.chat_template key
         model_type = model.config.get_text_config().model_type
         tokenizer.chat_template = fallback_chat_template(model_type, tokenizer.get_vocab())
     return model, tokenizer
 
 
-def _load_folder(folder: Path, dtype: str, name: str, compact_linears: bool = False):
+def _load_folder(folder: Path, dtype: str, name: str, compact: tuple[str, ...] = ()):
     from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -453,7 +452,7 @@ def _load_folder(folder: Path, dtype: str, name: str, compact_linears: bool = Fa
             "the folder needs the model's tokenizer files (tokenizer.json or tokenizer.model)"
         )
     try:
-        with _linear_weights_compact() if compact_linears else contextlib.nullcontext():
+        with _weights_kept_in_bfloat16(compact) if compact else contextlib.nullcontext():
             model, report = _with_loading_report(
                 lambda **report: AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype(dtype), **report)
             )
@@ -492,41 +491,55 @@ def _with_loading_report(from_pretrained):
         report_logger.removeFilter(no_report)
 
 
+# What ``load_model``'s ``compact`` may keep in bfloat16: the weights of these module kinds.
+COMPACT_KINDS = {"linear": "Linear", "embedding": "Embedding"}
+
+
 @contextlib.contextmanager
-def _linear_weights_compact():
-    """While transformers loads: each float32 linear weight that bfloat16 holds exactly is kept in
-    bfloat16 (``load_model``'s ``compact_linears``). transformers converts every tensor to the
-    model's dtype as it sets it in its module; this wraps that step (transformers has no option
-    for a dtype per module kind)."""
+def _weights_kept_in_bfloat16(kinds: tuple[str, ...]):
+    """While transformers loads: the weights of the ``kinds`` of module (``COMPACT_KINDS``) that the
+    checkpoint stores in bfloat16 are made bfloat16 in the model before any is read. transformers
+    reads each weight in its parameter's dtype, so these are read as stored, with no float32 copy
+    at any time (the same values: they are the checkpoint's); the others load in the model's
+    dtype. transformers has no option for a dtype per module kind; this wraps its loading step."""
     import torch
-    import transformers.core_model_loading as loading
+    import transformers.modeling_utils as modeling_utils
 
-    set_param = loading.set_param_for_module
+    classes = tuple(getattr(torch.nn, COMPACT_KINDS[kind]) for kind in kinds)
+    convert = modeling_utils.convert_and_load_state_dict_in_model
 
-    def set_compact(model, target_name, value, *args, **kwargs):
-        module, _, param = target_name.rpartition(".")
-        if param == "weight" and value.dtype == torch.float32 and isinstance(model.get_submodule(module), torch.nn.Linear):
-            narrow = value.to(torch.bfloat16)
-            if torch.equal(narrow.float(), value):
-                value = narrow
-                return_freed_memory()  # the float32 copies of the weights before this one
-        return set_param(model, target_name, value, *args, **kwargs)
+    def convert_compact(model, state_dict, *args, **kwargs):
+        for name, module in model.named_modules():
+            weight = getattr(module, "weight", None)
+            if isinstance(module, classes) and weight is not None and _stored_in_bfloat16(state_dict.get(f"{name}.weight")):
+                module.weight = torch.nn.Parameter(torch.empty_like(weight, dtype=torch.bfloat16), requires_grad=False)
+        return convert(model, state_dict, *args, **kwargs)
 
-    loading.set_param_for_module = set_compact
+    modeling_utils.convert_and_load_state_dict_in_model = convert_compact
     try:
         yield
     finally:
-        loading.set_param_for_module = set_param
+        modeling_utils.convert_and_load_state_dict_in_model = convert
 
 
-def widen_linears(model) -> None:
-    """The weights ``load_model(compact_linears=True)`` kept in bfloat16 and quantization left in
-    float (a width no multiple of the group), back in float32."""
+def _stored_in_bfloat16(tensor) -> bool:
+    """A checkpoint's tensor: a safetensors slice (not yet read) or a tensor."""
+    import torch
+
+    if hasattr(tensor, "get_dtype"):
+        return tensor.get_dtype() == "BF16"
+    return isinstance(tensor, torch.Tensor) and tensor.dtype == torch.bfloat16
+
+
+def widen_compact_weights(model) -> None:
+    """The weights ``load_model``'s ``compact`` kept in bfloat16 and quantization left in float
+    (a width no multiple of the group), back in float32."""
     import torch
 
     for module in model.modules():
-        if isinstance(module, torch.nn.Linear) and module.weight.dtype == torch.bfloat16:
-            module.weight = torch.nn.Parameter(module.weight.detach().float(), requires_grad=False)
+        weight = getattr(module, "weight", None)
+        if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)) and weight is not None and weight.dtype == torch.bfloat16:
+            module.weight = torch.nn.Parameter(weight.detach().float(), requires_grad=False)
 
 
 @contextlib.contextmanager

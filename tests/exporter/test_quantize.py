@@ -166,6 +166,30 @@ def test_an_int4_lm_head_is_rounded_like_a_float_weight_and_its_tied_table_stays
     assert table_error < head_error / 4  # 8-bit levels (256 of them), not 4-bit ones (16)
 
 
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_embeddings_quantized_in_pieces_of_rows_are_executorchs_recipe(scheme):
+    """``quantize_embeddings`` quantizes a table in pieces of rows, from bfloat16 where the load
+    kept it so: the values, scales and zero points of ExecuTorch's ``quantize_model_`` over the
+    whole float32 table."""
+    from executorch.extension.llm.export.quantize import quantize_model_
+
+    from kvexport.exporter.executorch.quantize import quantize_embeddings
+    from kvexport.exporter.quantization import EMBEDDING_SCHEMES
+
+    torch.manual_seed(0)
+    table = torch.randn(1000, 64).to(torch.bfloat16)
+    whole = torch.nn.Sequential(torch.nn.Embedding.from_pretrained(table.float()))
+    quantize_model_(whole, qembedding_config=EMBEDDING_SCHEMES[scheme], qembedding_group_size=GROUP_SIZE if scheme == "int4" else 0)
+    pieces = torch.nn.Sequential(torch.nn.Embedding.from_pretrained(table))
+    assert quantize_embeddings(pieces, scheme, rows_per_piece=300) == []
+    expected, got = whole[0].weight, pieces[0].weight
+    for field in ("qdata", "scale", "zero_point"):
+        assert torch.equal(getattr(got, field), getattr(expected, field)), field
+    assert (got.block_size, got.target_dtype, got.dtype) == (expected.block_size, expected.target_dtype, expected.dtype)
+    ids = torch.tensor([[0, 299, 300, 999]])
+    assert torch.equal(pieces(ids), whole(ids))
+
+
 def test_int4_grid_linear_computes_the_exact_weight():
     """The layer adds the offsets back in float: off from ``x @ W.T`` only by its int8 activations,
     far less than symmetric int4 would be."""

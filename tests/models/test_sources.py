@@ -115,25 +115,29 @@ def test_the_real_models_load_with_no_weight_missing_or_unexpected(tmp_path, ali
     assert loading_report(folder) == EMPTY_REPORT
 
 
-@pytest.mark.parametrize("name", ["tiny-llama", "tiny-gemma3", "tiny-qwen3.5"])
-def test_compact_linear_weights_quantize_to_the_float32_loads_model(tmp_path, name):
-    """A bfloat16 checkpoint loaded for 8da4w keeps its linear weights in bfloat16 until they are
-    quantized (half the bytes at the peak), and the quantized model is the float32 load's: the
-    same logits, bit for bit."""
-    from kvexport.exporter.executorch.quantize import quantize_linears
+@pytest.mark.parametrize(
+    "name, embedding", [("tiny-llama", None), ("tiny-gemma3", "int4"), ("tiny-qwen3.5", None), ("tiny-smollm3", "int8")]
+)
+def test_compact_weights_quantize_to_the_float32_loads_model(tmp_path, name, embedding):
+    """A bfloat16 checkpoint loaded for 8da4w (and an embedding quantization) keeps its linear
+    weights (and embedding tables) in bfloat16 until they are quantized (half the bytes at the
+    peak), and the quantized model is the float32 load's: the same logits, bit for bit."""
+    from kvexport.exporter.executorch.quantize import quantize_model
+    from kvexport.exporter.quantization import Quantization
 
     model, tokenizer = presets.build_preset(name)
     model.to(torch.bfloat16).save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
     source = sources.resolve(str(tmp_path))
+    kinds = (torch.nn.Linear,) + (torch.nn.Embedding,) * bool(embedding)
     plain, _ = sources.load_model(source)
-    compact, _ = sources.load_model(source, compact_linears=True)
-    linears = [m for m in compact.modules() if isinstance(m, torch.nn.Linear)]
-    assert linears and all(m.weight.dtype == torch.bfloat16 for m in linears)
-    assert all(p.dtype == torch.float32 for n, p in compact.named_parameters() if not any(p is m.weight for m in linears))
+    compact, _ = sources.load_model(source, compact=("linear",) + ("embedding",) * bool(embedding))
+    narrow = [m.weight for m in compact.modules() if isinstance(m, kinds)]
+    assert narrow and all(w.dtype == torch.bfloat16 for w in narrow)
+    assert all(p.dtype == torch.float32 for p in compact.parameters() if not any(p is w for w in narrow))
     for model in (plain, compact):
-        quantize_linears(model)
-        sources.widen_linears(model)
+        quantize_model(model, Quantization("8da4w", embedding))
+        sources.widen_compact_weights(model)
     ids = torch.tensor([[1, 5, 9, 2, 7, 3]])
     with torch.no_grad():
         assert torch.equal(plain(input_ids=ids).logits, compact(input_ids=ids).logits)

@@ -4,7 +4,8 @@
 grid a quantized source put them on (``weight_grids``), int8 per channel where the source is finer
 than 4 bits and for the lm_head (int4 on request); torchao's tensors, which XNNPACK runs as fused
 kernels.
-Embeddings: ExecuTorch's own torchao recipe (``executorch.extension.llm.export.quantize``).
+Embeddings: ExecuTorch's own torchao recipe (``executorch.extension.llm.export.quantize``), a
+table at a time in pieces of rows (``quantize_embeddings``).
 
 torchao leaves a quantized embedding as ``dequantize_affine`` followed by ``embedding``, which
 ExecuTorch's own fusion into its quantized embedding kernels no longer matches (the block size
@@ -33,28 +34,50 @@ def quantize_model(model: torch.nn.Module, quantization: Quantization) -> list[s
     ``quantize_linears``; the lm_head as ``quantization.lm_head`` asks, default int8) in place,
     before export; return the names of the layers left in float (a width that is no multiple of
     the group size)."""
-    import contextlib
-    import io
-
-    from executorch.extension.llm.export.quantize import quantize_model_
-
     skipped: list[str] = []
-    embedding = quantization.embedding
-    if embedding:
-        # quantize_model_ prints what it does, and each layer it skips, on stdout (which --json owns).
-        with contextlib.redirect_stdout(io.StringIO()) as said:
-            quantize_model_(
-                model,
-                qembedding_config=EMBEDDING_SCHEMES[embedding],
-                # int8: one scale per row (the embedding_byte kernel's fastest form); int4: groups of 32.
-                qembedding_group_size=GROUP_SIZE if embedding == "int4" else 0,
-                skip_incompatible_shapes=True,
-            )
-        for line in said.getvalue().splitlines():
-            if line.strip().startswith("Skipping "):
-                skipped.append(line.strip().split()[1].rstrip(":"))
+    if quantization.embedding:
+        skipped += quantize_embeddings(model, quantization.embedding)
     if quantization.scheme:
         skipped += quantize_linears(model, quantization.lm_head or "int8")
+    return skipped
+
+
+def quantize_embeddings(model: torch.nn.Module, scheme: str, rows_per_piece: int = 16384) -> list[str]:
+    """ExecuTorch's embedding recipe (``quantize_model_``'s ``qembedding_config``: torchao's
+    ``IntxWeightOnlyConfig`` with HQQ scales; int8 one scale per row, int4 groups of 32) applied
+    to one table at a time and ``rows_per_piece`` rows at a time, each piece widened to float32
+    on its own: a row's blocks are quantized apart from the other rows, so the pieces give the
+    whole table's values, and no float32 copy of a whole table is held (Gemma's per-layer inputs
+    are billions of values, kept in bfloat16 until here by ``load_model``'s ``compact``). Return
+    the names of the tables left in float (a width that is no multiple of the group)."""
+    from executorch.extension.llm.export.quantize import _make_embedding_config
+    from torchao.quantization import IntxUnpackedToInt8Tensor
+    from torchao.quantization.quant_api import _intx_weight_only_quantize_tensor
+
+    group = GROUP_SIZE if scheme == "int4" else 0  # 0: one scale per row
+    config = _make_embedding_config(EMBEDDING_SCHEMES[scheme], group)
+    skipped = []
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, torch.nn.Embedding):
+            continue
+        if group and module.embedding_dim % group:
+            skipped.append(name)
+            continue
+        table = module.weight.detach()
+        qdata = torch.empty(table.shape, dtype=torch.int8)
+        scales, zeros = [], []
+        for start in range(0, table.shape[0], rows_per_piece):
+            piece = _intx_weight_only_quantize_tensor(table[start : start + rows_per_piece].float(), config)
+            qdata[start : start + piece.qdata.shape[0]] = piece.qdata
+            scales.append(piece.scale)
+            zeros.append(piece.zero_point)
+        weight = IntxUnpackedToInt8Tensor(
+            qdata=qdata, scale=torch.cat(scales), zero_point=torch.cat(zeros), target_dtype=piece.target_dtype,
+            block_size=piece.block_size, dtype=torch.float32, activation_quantization=piece.activation_quantization,
+        )  # fmt: skip
+        del table
+        module.weight = torch.nn.Parameter(weight, requires_grad=False)
+        return_freed_memory()  # the float table's, where nothing else holds it (a tied lm_head does)
     return skipped
 
 
