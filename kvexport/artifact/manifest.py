@@ -35,9 +35,16 @@ def buffer_layers(layers: list[dict]) -> list[dict]:
 
 
 def state_layers(layers: list[dict]) -> list[dict]:
-    """The layers that hold a state instead of a KV cache (``conv``, ``recurrent``), in order: an
-    ONNX graph passes their states after every KV buffer."""
-    return [layer for layer in layers if layer["cache"] in ("conv", "recurrent")]
+    """The layers that hold a state (``conv``, ``recurrent``), in order: those instead of a KV cache,
+    and a hybrid layer's ``mixer`` (Falcon-H1) beside its KV cache, as an entry of its own with the
+    layer's index. An ONNX graph passes their states after every KV buffer."""
+    states = []
+    for layer in layers:
+        if layer["cache"] in ("conv", "recurrent"):
+            states.append(layer)
+        elif isinstance(layer.get("mixer"), dict):
+            states.append({"index": layer["index"], "layer_type": layer["layer_type"], **layer["mixer"]})
+    return states
 
 
 def sha256_file(path: Path) -> str:
@@ -187,6 +194,13 @@ def _check_details(path: Path, manifest: dict) -> None:
             refuse(f"layers[{i}].chunk", f"its window ({window})", layer["chunk"])
         if layer["cache"] == "static" and window is not None and window < max_cache_len:
             refuse(f"layers[{i}].cache", f'"ring" for a window of {window} below max_cache_len ({max_cache_len})', layer["cache"])
+        mixer = layer.get("mixer")  # a hybrid layer's state (state_layers): the runtimes size it from these
+        if mixer is not None and not (
+            isinstance(mixer, dict) and mixer.get("cache") in ("conv", "recurrent")
+            and all(_count(mixer.get(field), 1) for field in ("channels", "slots"))
+            and (mixer["cache"] == "conv" or _sizes(mixer.get("state")))
+        ):  # fmt: skip
+            refuse(f"layers[{i}].mixer", "a state: its cache, channels, slots and (recurrent) state sizes", mixer)
         # ONNX runtimes name and shape each layer's buffers from these (runtime/onnx_program.py
         # requires them).
         for field in ("index", "kv_heads", "head_dim", "slots", "channels"):
@@ -235,6 +249,11 @@ def _check_details(path: Path, manifest: dict) -> None:
     for key, (valid, expected) in optional.items():
         if key in manifest and not valid(manifest[key]):
             refuse(key, expected, manifest[key])
+
+
+def _sizes(value) -> bool:
+    """A list of positive sizes (a recurrent state's shape)."""
+    return isinstance(value, list) and bool(value) and all(_count(x, 1) for x in value)
 
 
 def _quantization(value) -> bool:

@@ -15,7 +15,7 @@ from torch import nn
 from ..models.adapters import fixed_rotary_frequencies, prepare_for_export
 from ..models.architecture import check_rope, layer_specs
 from . import attention
-from .kv_cache import PLAIN_CACHES, CacheKinds, CallState, additive_mask, build_caches
+from .kv_cache import PLAIN_CACHES, CacheKinds, CallState, additive_mask, build_caches, build_state
 
 
 def _prepare(model: nn.Module) -> nn.Module:
@@ -48,6 +48,12 @@ class ExportableDecoder(nn.Module):
         caches = build_caches(self.specs, max_cache_len, self.dtype, cache_kinds, self.max_tokens_per_call)
         # Caches with state are submodules (their buffers are the program's); the ONNX target's hold none.
         self.caches = nn.ModuleList(caches) if all(isinstance(c, nn.Module) for c in caches) else caches
+        # A hybrid layer (Falcon-H1) holds a state beside its KV cache: its mixer's, a submodule too.
+        mixers = {i: build_state(s, self.dtype, cache_kinds, self.max_tokens_per_call)
+                  for i, s in enumerate(self.specs) if s.has_kv and s.state_kind}  # fmt: skip
+        self.mixer_states = nn.ModuleList(mixers.values())
+        # Each layer's state, in layer order: its mixer's, else its cache (a state where it does not attend).
+        self.states = [mixers.get(i, cache) for i, cache in enumerate(self.caches)]
         # One mask per layer type, built once per call from the type's first layer (one with a cache of
         # its own: a layer that shares one comes after the layer it reads, and masks for itself); none
         # for a convolution (batch 1 has no padding to mask).
@@ -86,7 +92,7 @@ class ExportableDecoder(nn.Module):
             position_ids=positions[None],
             # No transformers cache: our attention (see attention.py) writes and reads our caches.
             use_cache=False,
-            kvexport_call=CallState(self.caches, positions, self.max_cache_len),
+            kvexport_call=CallState(self.caches, positions, self.max_cache_len, self.states),
             logits_to_keep=1,
         )
         return out.logits[:, -1, :]

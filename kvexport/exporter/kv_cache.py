@@ -36,27 +36,32 @@ def build_caches(
     specs: list[LayerSpec], max_cache_len: int, dtype: torch.dtype, kinds: CacheKinds, max_tokens_per_call: int
 ) -> list:
     """One cache per layer: ``kinds[STATIC]`` or ``kinds[RING]`` for a layer that holds its own, a
-    ``SharedKVCache`` for one that reads another's, a ``ConvState`` for a convolution, a
-    ``GatedDeltaState`` for gated-delta linear attention (calls of at most ``max_tokens_per_call``
-    tokens), a ``Mamba2State`` for a Mamba-2 layer."""
+    ``SharedKVCache`` for one that reads another's, else the layer's state (``build_state``). A
+    hybrid layer gets its KV cache here and its state from ``build_state``."""
     caches = []
     for spec in specs:
         kind = spec.cache_kind(max_cache_len)
         if kind == SHARED:
             caches.append(SharedKVCache(spec.reads))
-        elif kind == CONV:
-            caches.append(kinds.get(CONV, ConvState)(*spec.conv_state, dtype))
-        elif kind == RECURRENT and spec.rule == MAMBA2:
-            caches.append(kinds.get(MAMBA2, Mamba2State)(spec.conv_state, spec.recurrent_state, dtype))
-        elif kind == RECURRENT:
-            state = kinds.get(RECURRENT, GatedDeltaState)
-            caches.append(state(spec.conv_state, spec.recurrent_state, max_tokens_per_call, dtype))
+        elif not spec.has_kv:
+            caches.append(build_state(spec, dtype, kinds, max_tokens_per_call))
         else:
             # A chunked layer's ring is a ring of the chunk (the mask adds the chunk's start), unless
             # the target has a kind of its own for it (one whose attention does not take the mask).
             make = kinds.get(CHUNKED, kinds[RING]) if kind == RING and spec.chunk else kinds[kind]
             caches.append(make(1, spec.kv_heads, spec.cache_slots(max_cache_len), spec.head_dim, dtype))
     return caches
+
+
+def build_state(spec: LayerSpec, dtype: torch.dtype, kinds: CacheKinds, max_tokens_per_call: int):
+    """A layer's state: a ``ConvState`` for a convolution, a ``Mamba2State`` for a Mamba-2 layer (or
+    a hybrid layer's mixer), a ``GatedDeltaState`` for gated-delta linear attention (calls of at
+    most ``max_tokens_per_call`` tokens)."""
+    if spec.state_kind == CONV:
+        return kinds.get(CONV, ConvState)(*spec.conv_state, dtype)
+    if spec.rule == MAMBA2:
+        return kinds.get(MAMBA2, Mamba2State)(spec.conv_state, spec.recurrent_state, dtype)
+    return kinds.get(RECURRENT, GatedDeltaState)(spec.conv_state, spec.recurrent_state, max_tokens_per_call, dtype)
 
 
 class SharedKVCache(nn.Module):
@@ -359,13 +364,16 @@ def additive_mask(
 class CallState:
     """What every layer needs to know about the current call: the layers, and where the call starts.
 
+    ``layers`` holds each layer's cache (what its attention uses), ``states`` each layer's state
+    (what its convolution or recurrence uses): the same object but in a hybrid layer, which has both.
     ``positions`` is a tensor (one per token); ``start`` is the same start as a traced integer, for
     kernels that take it as a scalar. It is made on first use, so programs that never need it have
     no data-dependent integer in them.
     """
 
-    def __init__(self, layers, positions: torch.Tensor, max_cache_len: int):
+    def __init__(self, layers, positions: torch.Tensor, max_cache_len: int, states=None):
         self.layers = layers
+        self.states = layers if states is None else states
         self.positions = positions
         self.max_cache_len = max_cache_len
         self._start = None

@@ -168,11 +168,12 @@ class ExportPlan:
         layers = []
         for i, s in enumerate(self.specs):
             kind = s.cache_kind(self.max_cache_len)
-            if kind in (architecture.CONV, architecture.RECURRENT):  # float states, not a KV cache
-                channels, slots = s.conv_state  # the convolution's [1, channels, slots]
-                recurrent = {"state": list(s.recurrent_state)} if s.recurrent_state else {}  # [heads, key, value], float32
-                layers.append({"index": i, "layer_type": s.layer_type, "cache": kind, "window": None,
-                               "slots": slots, "channels": channels, **recurrent})  # fmt: skip
+            if s.state_kind:  # float states: the convolution's [1, channels, slots], a recurrent [heads, key, value] (float32)
+                channels, slots = s.conv_state
+                recurrent = {"state": list(s.recurrent_state)} if s.recurrent_state else {}
+                state = {"cache": s.state_kind, "slots": slots, "channels": channels, **recurrent}
+            if not s.has_kv:
+                layers.append({"index": i, "layer_type": s.layer_type, "cache": kind, "window": None, **state})
                 continue
             layers.append({
                 "index": i,
@@ -184,6 +185,8 @@ class ExportPlan:
                 "slots": s.cache_slots(self.max_cache_len),
                 "kv_heads": s.kv_heads,
                 "head_dim": s.head_dim,
+                # A hybrid layer (Falcon-H1): its mixer's state beside the KV cache.
+                **({"mixer": state} if s.state_kind else {}),
             })  # fmt: skip
         return layers
 
@@ -192,12 +195,14 @@ class ExportPlan:
         rings = sum(s.is_ring(self.max_cache_len) and not s.chunk for s in self.specs)
         chunked = sum(s.is_ring(self.max_cache_len) and bool(s.chunk) for s in self.specs)
         shared = sum(s.reads is not None for s in self.specs)
-        linear = sum(s.recurrent_state is not None for s in self.specs)
+        linear = sum(s.recurrent_state is not None and not s.has_kv for s in self.specs)
+        hybrid = sum(s.has_kv and s.state_kind is not None for s in self.specs)
         convolutions = sum(not s.has_kv for s in self.specs) - linear
         other_kinds = f", {chunked} chunked-attention rings" if chunked else ""
         other_kinds += f", {shared} reading another layer's cache" if shared else ""
         other_kinds += f", {convolutions} short convolutions" if convolutions else ""
         other_kinds += f", {linear} linear attention" if linear else ""
+        other_kinds += f", {hybrid} with a Mamba-2 mixer beside attention" if hybrid else ""
         schemes = [f"--{name.replace('_', '-')} {getattr(o, name)}" for name in quantize.OPTIONS if getattr(o, name)]
         kv = " int8" if o.kv_cache == "int8" else ""
         quantized = f" ({', '.join(schemes)})" if schemes else ""

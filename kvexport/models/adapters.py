@@ -85,19 +85,26 @@ def _linear_attention_with_state(model: nn.Module) -> None:
 
 
 def _mamba2_with_state(model: nn.Module) -> None:
-    """Mamba-2 layers (Granite 4 hybrid's ``*MambaLayer``, Bamba's ``*Mixer``).
+    """Mamba-2 layers (Granite 4 hybrid's ``*MambaLayer``, Bamba's and Falcon-H1's ``*Mixer``).
 
     As for the gated delta rule: transformers branches on the call's length (its 1-token update or
     its chunked scan) and loops over chunks; here the same projection, convolution, step, gated norm
-    and output run around the layer's ``Mamba2State``, one chunk a call."""
+    and output run around the layer's ``Mamba2State``, one chunk a call. Falcon-H1's mixer also
+    scales its input (``ssm_in_multiplier``) and its projection (``mup_vector``), and without its
+    norm (``mamba_rms_norm`` false) gates the scan's output alone, as its chunked scan does."""
     from torch.nn import functional as F
     from transformers.activations import ACT2FN
 
     def scan(self, hidden_states, call):
         batch, n, _ = hidden_states.shape
         groups = self.n_groups * self.ssm_state_size
-        gate, xbc, dt = self.in_proj(hidden_states).split([self.intermediate_size, self.conv_dim, self.num_heads], dim=-1)
-        state = call.layers[self.layer_idx]
+        if hasattr(self, "ssm_in_multiplier"):
+            hidden_states = hidden_states * self.ssm_in_multiplier
+        projected = self.in_proj(hidden_states)
+        if hasattr(self, "mup_vector"):
+            projected = projected * self.mup_vector
+        gate, xbc, dt = projected.split([self.intermediate_size, self.conv_dim, self.num_heads], dim=-1)
+        state = call.states[self.layer_idx]
         xbc = ACT2FN[self.activation](state.conv.convolve(xbc.transpose(1, 2), self.conv1d.weight, self.conv1d.bias, call))
         x, b, c = xbc.transpose(1, 2).split([self.intermediate_size, groups, groups], dim=-1)
         dt = torch.clamp(F.softplus(dt + self.dt_bias.to(dt.dtype)), *self.time_step_limit)
@@ -105,7 +112,9 @@ def _mamba2_with_state(model: nn.Module) -> None:
             x.reshape(batch, n, self.num_heads, self.head_dim), dt, -torch.exp(self.A_log.float()),
             b.reshape(batch, n, self.n_groups, -1), c.reshape(batch, n, self.n_groups, -1), self.D, call,
         )  # fmt: skip
-        return self.out_proj(self.norm(y.reshape(batch, n, -1), gate).to(hidden_states.dtype))
+        y = y.reshape(batch, n, -1)
+        y = self.norm(y, gate) if getattr(self, "mamba_rms_norm", True) else y * F.silu(gate)
+        return self.out_proj(y.to(hidden_states.dtype))
 
     for module in model.modules():
         if hasattr(module, "ssm_state_size") and hasattr(module, "A_log") and hasattr(module, "in_proj"):

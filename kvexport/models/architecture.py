@@ -25,6 +25,8 @@ CONV = "conv"
 # Linear attention (Qwen 3.5, Qwen3-Next): a gated delta rule behind a short causal convolution,
 # whose state is one fixed-size matrix per value head, whatever the position.
 LINEAR = "linear_attention"
+# Attention and a Mamba-2 mixer side by side in one layer (Falcon-H1): a KV cache and a state.
+HYBRID = "hybrid"
 # A layer's cache kinds, as kvexport.json names them: a buffer of max_cache_len positions, a ring of
 # the window's positions, none (the layer attends to an earlier layer's cache: KV sharing), a
 # convolution's state, or a linear-attention layer's convolution and recurrent states.
@@ -46,10 +48,6 @@ _REFUSED = {
     "jamba": "a hybrid of attention and state-space layers",
     "zamba": "a hybrid of attention and state-space layers",
     "zamba2": "a hybrid of attention and state-space layers",
-    # Each layer runs attention and a Mamba-2 mixer side by side: one layer with both a KV cache and
-    # a state, where kvexport gives every layer one kind of cache.
-    "falcon_h1": "a hybrid whose every layer runs attention and Mamba-2 in parallel (a KV cache and a state in "
-    "one layer; kvexport gives each layer one kind)",
     # Its mixers clamp the step to time_step_min in transformers' chunked scan (prefill) but not in
     # its 1-token update (decode), as a Mamba-2 time_step_limit does (see _recurrent_rule).
     "nemotron_h": "a hybrid whose Mamba-2 layers clamp their step to time_step_min in transformers' prefill and "
@@ -70,13 +68,14 @@ _MODALITIES = ("vision", "audio", "image", "video", "speech")
 
 @dataclass(frozen=True)
 class LayerSpec:
-    """One layer as the cache sees it: attention (its KV shape), a convolution (its state), or
-    linear attention (its convolution's state and its recurrent state)."""
+    """One layer as the cache sees it: attention (its KV shape), a convolution (its state), linear
+    attention (its convolution's state and its recurrent state), or both attention and a Mamba-2
+    mixer (Falcon-H1: its KV shape and the mixer's states)."""
 
     layer_type: str  # the key transformers uses for this layer's mask
     window: int | None  # sliding window (a chunked layer's: its chunk size), None for full attention
-    kv_heads: int  # 0 for a convolution
-    head_dim: int  # 0 for a convolution
+    kv_heads: int  # 0 for a layer that does not attend
+    head_dim: int  # 0 for a layer that does not attend
     # KV sharing (Gemma 4, Gemma 3n): the earlier layer whose keys and values this layer attends to;
     # it computes none of its own and holds no cache.
     reads: int | None = None
@@ -93,18 +92,24 @@ class LayerSpec:
     chunk: int | None = None
 
     def cache_kind(self, max_cache_len: int) -> str:
-        if self.recurrent_state is not None:
-            return RECURRENT
-        if self.conv_state is not None:
-            return CONV
+        """The KV cache's kind where the layer attends (a hybrid layer's too), else its state's."""
+        if not self.has_kv:
+            return self.state_kind
         if self.reads is not None:
             return SHARED
         return RING if self.is_ring(max_cache_len) else STATIC
 
+    @property
+    def state_kind(self) -> str | None:
+        """The kind of the layer's state: a linear-attention (or Mamba-2) one, a convolution's, or none."""
+        if self.recurrent_state is not None:
+            return RECURRENT
+        return CONV if self.conv_state is not None else None
+
     def cache_slots(self, max_cache_len: int) -> int:
         """Positions this layer's own cache holds: none for a shared layer, the window for a ring,
         a convolution's state, else the whole context."""
-        if self.conv_state is not None:
+        if not self.has_kv:
             return self.conv_state[1]
         if self.reads is not None:
             return 0
@@ -117,8 +122,8 @@ class LayerSpec:
 
     @property
     def has_kv(self) -> bool:
-        """Whether the layer attends (keys and values), as opposed to convolving or recurring."""
-        return self.conv_state is None
+        """Whether the layer attends (keys and values); a hybrid layer also holds a state."""
+        return self.kv_heads > 0
 
 
 def text_config(config):
@@ -181,6 +186,8 @@ def check_supported(config) -> None:
             continue  # LFM2's short convolution (models/adapters.py runs it over kvexport's state)
         if layer_type == LINEAR and _recurrent_rule(text):
             continue  # a gated delta rule or Mamba-2 (models/adapters.py runs it over kvexport's state)
+        if layer_type == HYBRID and _recurrent_rule(text) == MAMBA2:
+            continue  # Falcon-H1: attention and a Mamba-2 mixer in one layer, a KV cache and a state
         if layer_type == CHUNKED and getattr(text, "attention_chunk_size", None):
             continue  # Llama 4's chunked attention: a ring of the chunk's size
         if layer_type not in (FULL, SLIDING):
@@ -203,8 +210,9 @@ def check_supported(config) -> None:
 
 def _recurrent_rule(config) -> str | None:
     """How the config's linear-attention layers are built, where kvexport runs them: Qwen 3.5's gated
-    delta rule, or Mamba-2 (Granite 4 hybrid, Bamba); None without such layers or for another kind."""
-    if LINEAR not in (getattr(config, "layer_types", None) or ()):
+    delta rule, or Mamba-2 (Granite 4 hybrid, Bamba, Falcon-H1's hybrid layers); None without such
+    layers or for another kind."""
+    if not {LINEAR, HYBRID} & set(getattr(config, "layer_types", None) or ()):
         return None
     if all(getattr(config, name, None) for name in _LINEAR_ATTENTION_SIZES):
         return GATED_DELTA
@@ -327,6 +335,12 @@ def layer_specs(config) -> list[LayerSpec]:
         if layer_type == SLIDING and not window:
             raise UnsupportedModelError("the config has sliding-attention layers but no sliding_window")
         kv_heads, head_dim = _kv_shape(config, i)
+        if layer_type == HYBRID:
+            # Its attention is full attention (transformers masks it with the full_attention mask).
+            mixer = _mamba2(config)
+            specs.append(LayerSpec(FULL, None, kv_heads, head_dim, conv_state=mixer.conv_state,
+                                   recurrent_state=mixer.recurrent_state, rule=MAMBA2))  # fmt: skip
+            continue
         if layer_type == CHUNKED:
             chunk = config.attention_chunk_size
             specs.append(LayerSpec(CHUNKED, chunk, kv_heads, head_dim, reads.get(i), chunk=chunk))
@@ -356,8 +370,9 @@ def _linear_attention(config) -> LayerSpec:
 
 def _mamba2(config) -> LayerSpec:
     """A Mamba-2 layer's states: its convolution over the inner channels and B, C of every group, and
-    one ``head size x state size`` matrix per head."""
-    inner = int(config.mamba_expand * config.hidden_size)
+    one ``head size x state size`` matrix per head. The inner channels are ``mamba_d_ssm`` where the
+    config sets it (Falcon-H1), else ``mamba_expand`` times the hidden size."""
+    inner = getattr(config, "mamba_d_ssm", None) or int(config.mamba_expand * config.hidden_size)
     return LayerSpec(
         LINEAR, None, 0, 0,
         conv_state=(inner + 2 * config.mamba_n_groups * config.mamba_d_state, config.mamba_d_conv - 1),

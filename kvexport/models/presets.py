@@ -154,6 +154,28 @@ PRESETS: dict[str, tuple[str, dict]] = {
             "mamba_chunk_size": 16,
         },
     ),
+    # Falcon-H1: every layer runs attention and a Mamba-2 mixer side by side (a KV cache and a state
+    # in one layer), its mixer's inner channels set apart from the hidden size (mamba_d_ssm), with
+    # the model's muP multipliers away from 1 so that one applied wrongly changes the logits.
+    "tiny-falcon-h1": (
+        "falcon_h1",
+        {
+            "mamba_d_ssm": 96,
+            "mamba_n_heads": 4,
+            "mamba_n_groups": 2,
+            "mamba_d_state": 16,
+            "mamba_chunk_size": 16,
+            "embedding_multiplier": 1.5,
+            "lm_head_multiplier": 0.7,
+            "key_multiplier": 1.3,
+            "attention_in_multiplier": 0.8,
+            "attention_out_multiplier": 1.2,
+            "ssm_in_multiplier": 1.1,
+            "ssm_out_multiplier": 0.9,
+            "ssm_multipliers": [0.9, 1.1, 1.2, 0.8, 1.3],
+            "mlp_multipliers": [1.2, 0.9],
+        },
+    ),
     # Llama 4 text: a chunked-attention layer (chunks of CHUNK tokens) with rope, L2 qk-norm and the
     # mixture of experts, then a full-attention NoPE layer with a dense MLP whose queries get the
     # temperature tuning (a small floor_scale, so it changes within a short test).

@@ -125,6 +125,10 @@ def test_a_shared_layer_reading_an_earlier_cache_is_accepted(tmp_path):
         (lambda m: m["layers"].append({"cache": "shared", "reads": 1, "slots": 8}),
          "'layers[2].slots' should be 0 for a layer that holds no cache, not 8"),
         (lambda m: m.update(genai_unsupported=["why"]), "'genai_unsupported' should be text"),
+        # A hybrid layer's mixer (Falcon-H1): a state the runtimes size from its fields.
+        (lambda m: m["layers"][1].update(mixer={"cache": "recurrent", "channels": 8, "slots": 3}),
+         "'layers[1].mixer' should be a state"),
+        (lambda m: m["layers"][1].update(mixer={"cache": "static", "channels": 8, "slots": 3}), "'layers[1].mixer' should be"),
     ],
     ids=[
         "cache-len-string",
@@ -164,6 +168,8 @@ def test_a_shared_layer_reading_an_earlier_cache_is_accepted(tmp_path):
         "shared-reading-a-shared-layer",
         "shared-with-slots",
         "genai-unsupported-not-text",
+        "mixer-without-its-state",
+        "mixer-of-a-kv-kind",
     ],
 )
 def test_an_inconsistent_manifest_is_refused(tmp_path, change, phrase):
@@ -175,6 +181,16 @@ def test_an_inconsistent_manifest_is_refused(tmp_path, change, phrase):
     (out / "kvexport.json.sha256").unlink()  # as if edited with its sum: the fields are checked too
     with pytest.raises(ArtifactError, match=re.escape(phrase)):
         artifact.read_manifest(out)
+
+
+def test_a_hybrid_layer_is_a_kv_buffer_and_a_state():
+    """Falcon-H1's layers: each counts among the layers with KV buffers and, by its ``mixer``, among
+    those with states, under the layer's own index."""
+    mixer = {"cache": "recurrent", "channels": 8, "slots": 3, "state": [2, 4, 4]}
+    layers = [{"index": 0, "layer_type": "full_attention", "cache": "static", "window": None, "mixer": mixer},
+              {"index": 1, "layer_type": "conv", "cache": "conv", "window": None, "channels": 8, "slots": 3}]  # fmt: skip
+    assert artifact.buffer_layers(layers) == layers[:1]
+    assert artifact.state_layers(layers) == [{"index": 0, "layer_type": "full_attention", **mixer}, layers[1]]
 
 
 def test_a_changed_manifest_is_refused(tmp_path):

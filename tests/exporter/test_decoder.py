@@ -95,6 +95,25 @@ def test_external_cache_wrapper_takes_any_call_and_any_window_rows(chunks, windo
     assert_generation_matches(got, expected, FP32_LOGIT_ATOL, f"chunks {chunks}, rows {window_rows}")
 
 
+@pytest.mark.parametrize("rms_norm", [False, True])
+@pytest.mark.parametrize("chunks", [[1] * 44, [5, 13, 26]])
+def test_falcon_h1_layers_match_eager_in_any_calls_on_both_wrappers(rms_norm, chunks):
+    """Falcon-H1's layers (attention and a Mamba-2 mixer side by side: a KV cache and a state each),
+    prompts fed one token at a time and in calls shorter and longer than the mixer's chunk (16), on
+    the in-program cache and the external one; its mixer's output gated alone (the preset) or through
+    its gated norm (``mamba_rms_norm``), the two ways transformers computes it."""
+    from kvexport.models.presets import PRESETS, build_tiny, tiny_config
+
+    model_type, overrides = PRESETS["tiny-falcon-h1"]
+    model, tokenizer = build_tiny(tiny_config(model_type, {**overrides, "mamba_rms_norm": rms_norm}))
+    ids = tokenizer(PROMPT).input_ids
+    expected = eager_reference(model, ids, NEW_TOKENS)
+    for forward in (torch_forward(ExportableDecoder(model, TEST_CACHE_LEN)),
+                    external_cache_forward(ExternalCacheDecoder(model, TEST_CACHE_LEN))):  # fmt: skip
+        got = greedy_with(forward, ids, NEW_TOKENS, chunks=chunks)
+        assert_generation_matches(got, expected, FP32_LOGIT_ATOL, f"chunks {chunks}, mamba_rms_norm {rms_norm}")
+
+
 @pytest.mark.parametrize("chunks", [[1] * 44, [5, 13, 26], [40, 4]])
 def test_layers_sharing_a_ring_from_every_token_match_eager_in_any_calls(chunks):
     """Gemma 3n's sharing layers attend from every token of a call to what the ring's own layer

@@ -33,7 +33,6 @@ def test_a_window_as_long_as_the_cache_needs_no_ring():
         ("mamba", {}, "state-space"),
         ("t5", {}, "encoder-decoder"),
         ("olmo_hybrid", {}, "convolve queries, keys and values apart"),
-        ("falcon_h1", {}, "attention and Mamba-2 in parallel"),
         # Not named anywhere in kvexport: refused by the generic rules, from the config and transformers.
         ("pegasus", {}, "encoder-decoder"),
         ("falcon_mamba", {}, "AttentionInterface"),  # no attention to route at all
@@ -189,6 +188,37 @@ def test_mamba2_states_come_from_the_config_as_transformers_builds_them(preset):
     assert specs[0].recurrent_state == (mamba.num_heads, mamba.head_dim, mamba.ssm_state_size)
 
 
+@pytest.mark.parametrize("target", ["executorch", "onnx"])
+def test_a_falcon_h1_layer_holds_a_kv_cache_and_a_mamba2_state(tmp_path, target):
+    """Falcon-H1 runs attention and a Mamba-2 mixer side by side in every layer (``hybrid``): each
+    layer's plan has both, the KV shape and the mixer's states as transformers builds them (its inner
+    channels from ``mamba_d_ssm``); kvexport.json lists the mixer beside the layer's KV cache, and
+    the cache size and the states' size count each once."""
+    from kvexport.artifact.manifest import buffer_layers, state_layers
+    from kvexport.models.architecture import MAMBA2
+    from kvexport.models.presets import build_preset
+
+    model, _ = build_preset("tiny-falcon-h1")
+    specs = layer_specs(model.config)
+    layer = model.model.layers[0]
+    mamba, attention = layer.mamba, layer.self_attn
+    assert mamba.intermediate_size == model.config.mamba_d_ssm != model.config.mamba_expand * model.config.hidden_size
+    for spec in specs:
+        assert (spec.cache_kind(64), spec.state_kind, spec.rule, spec.has_kv) == ("static", "recurrent", MAMBA2, True)
+        assert (spec.kv_heads, spec.head_dim) == (attention.k_proj.out_features // attention.head_dim, attention.head_dim)
+        assert spec.conv_state == (mamba.conv_dim, mamba.conv_kernel_size - 1)
+        assert spec.recurrent_state == (mamba.num_heads, mamba.head_dim, mamba.ssm_state_size)
+    plan = plan_export(ExportOptions("tiny-falcon-h1", target, tmp_path / "out", 64))
+    layers = plan.layers()
+    assert buffer_layers(layers) == layers
+    assert [(s["index"], s["cache"], s["channels"], s["slots"], s["state"]) for s in state_layers(layers)] == [
+        (i, "recurrent", mamba.conv_dim, 3, [mamba.num_heads, mamba.head_dim, mamba.ssm_state_size]) for i in range(2)]  # fmt: skip
+    kv_heads, head_dim = specs[0].kv_heads, specs[0].head_dim
+    assert plan.kv_cache_bytes == 2 * 2 * kv_heads * 64 * head_dim * 4
+    assert plan.state_bytes == 2 * (mamba.conv_dim * 3 * 4 + mamba.num_heads * mamba.head_dim * mamba.ssm_state_size * 4)
+    assert "2 with a Mamba-2 mixer beside attention" in plan.summary()
+
+
 def test_a_model_with_no_attention_layer_is_refused_before_loading():
     """A stack of Mamba-2 layers alone (Granite 4 hybrid's config defaults): transformers' own cached
     generation fails on it (its cache has no attention layer to count positions), so no export could
@@ -203,13 +233,15 @@ def test_a_model_with_no_attention_layer_is_refused_before_loading():
 
 def test_a_mamba2_step_limit_is_refused_before_loading():
     """transformers clamps the step of its chunked scan (prefill) to ``time_step_limit`` but not that
-    of its 1-token update (decode): one program cannot be both, so such a config is refused."""
+    of its 1-token update (decode), in Granite 4's mixer and in Falcon-H1's: one program cannot be
+    both, so such a config is refused."""
     from kvexport.models.presets import preset_config
 
-    config = preset_config("tiny-granite4")
-    config.time_step_limit = (0.0, 0.1)
-    with pytest.raises(UnsupportedModelError, match=r"time_step_limit \(0.0, 0.1\) clamps transformers' prefill steps"):
-        layer_specs(config)
+    for preset in ("tiny-granite4", "tiny-falcon-h1"):
+        config = preset_config(preset)
+        config.time_step_limit = (0.0, 0.1)
+        with pytest.raises(UnsupportedModelError, match=r"time_step_limit \(0.0, 0.1\) clamps transformers' prefill steps"):
+            layer_specs(config)
 
 
 def test_nemotron_h_is_refused_for_its_step_clamped_in_prefill_only():

@@ -27,9 +27,10 @@ class ExternalCacheDecoder(ExportableDecoder):
     def __init__(self, model: nn.Module, max_cache_len: int, max_tokens_per_call: int | None = None):
         super().__init__(model, max_cache_len, EXTERNAL_KINDS, max_tokens_per_call)
         # The layers whose buffers cross the graph boundary, in the graph's order, with their specs;
-        # then the states of the layers that do not attend (``states``), after every KV buffer.
+        # then the layers' states (``states``: of the layers that do not attend, and hybrid layers'
+        # mixers), in layer order, after every KV buffer.
         self.buffer_layers = [(c, spec) for c, spec in zip(self.caches, self.specs) if spec.reads is None and spec.has_kv]
-        self.state_layers = [c for c, spec in zip(self.caches, self.specs) if not spec.has_kv]
+        self.state_layers = [s for s, spec in zip(self.states, self.specs) if spec.state_kind]
         for spec in self.specs:
             if spec.reads_every_token and self.specs[spec.reads].is_ring(max_cache_len):
                 self.caches[spec.reads].in_plain_ops = True  # see attention._BufferLayer

@@ -73,7 +73,7 @@ def export(
     rotary tables are computed from a call of ``max_cache_len`` tokens); ``max_tokens_per_call``
     is the interface's limit, which runners keep to (``interface``)."""
     # Linear attention pads each call's system to the longest call: the bound matters there.
-    has_states = any(not spec.has_kv for spec in layer_specs(model.config))
+    has_states = any(spec.state_kind for spec in layer_specs(model.config))
     decoder = ExternalCacheDecoder(model, max_cache_len, max_tokens_per_call if has_states else None)
     if kv_cache == "int8":
         use_int8_buffers(decoder, calibrate(decoder, calibration_ids))
