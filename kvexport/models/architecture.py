@@ -27,13 +27,18 @@ CONV = "conv"
 LINEAR = "linear_attention"
 # A layer's cache kinds, as kvexport.json names them: a buffer of max_cache_len positions, a ring of
 # the window's positions, none (the layer attends to an earlier layer's cache: KV sharing), a
-# convolution's state, or a linear-attention layer's convolution and recurrent states.
-STATIC, RING, SHARED, RECURRENT = "static", "ring", "shared", "recurrent"
+# convolution's state, a linear-attention layer's convolution and recurrent states, or nothing (a
+# layer that mixes no positions: Nemotron-H's MLP and MoE blocks).
+STATIC, RING, SHARED, RECURRENT, NONE = "static", "ring", "shared", "recurrent", "none"
+# Nemotron-H's layer types of blocks that mix no positions: they never touch the cache.
+_NO_CACHE = ("mlp", "moe")
 # The config attributes a linear-attention layer is built from: Qwen 3.5's gated delta rule, or a
 # Mamba-2 state-space layer (Granite 4 hybrid names its layers linear_attention too).
 _LINEAR_ATTENTION_SIZES = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
                            "linear_value_head_dim", "linear_conv_kernel_dim")  # fmt: skip
 _MAMBA2_SIZES = ("mamba_n_heads", "mamba_n_groups", "mamba_d_state", "mamba_d_head", "mamba_d_conv", "mamba_expand")
+# Nemotron-H's names for them (its inner size is heads x head size, not an expansion of the hidden size).
+_NEMOTRON_MAMBA2_SIZES = ("mamba_num_heads", "n_groups", "ssm_state_size", "mamba_head_dim", "conv_kernel")
 # How a recurrent layer updates its state (kv_cache.GatedDeltaState, kv_cache.Mamba2State).
 GATED_DELTA, MAMBA2 = "gated_delta", "mamba2"
 
@@ -50,10 +55,6 @@ _REFUSED = {
     # a state, where kvexport gives every layer one kind of cache.
     "falcon_h1": "a hybrid whose every layer runs attention and Mamba-2 in parallel (a KV cache and a state in "
     "one layer; kvexport gives each layer one kind)",
-    # Its mixers clamp the step to time_step_min in transformers' chunked scan (prefill) but not in
-    # its 1-token update (decode), as a Mamba-2 time_step_limit does (see _recurrent_rule).
-    "nemotron_h": "a hybrid whose Mamba-2 layers clamp their step to time_step_min in transformers' prefill and "
-    "not in its decode, which one program cannot follow",
     "olmo_hybrid": "a hybrid whose linear-attention layers convolve queries, keys and values apart (kvexport "
     "runs Qwen 3.5's and Qwen3-Next's layout)",
     "recurrent_gemma": "a recurrent hybrid",
@@ -93,6 +94,8 @@ class LayerSpec:
     chunk: int | None = None
 
     def cache_kind(self, max_cache_len: int) -> str:
+        if self.holds_nothing:
+            return NONE
         if self.recurrent_state is not None:
             return RECURRENT
         if self.conv_state is not None:
@@ -117,8 +120,13 @@ class LayerSpec:
 
     @property
     def has_kv(self) -> bool:
-        """Whether the layer attends (keys and values), as opposed to convolving or recurring."""
-        return self.conv_state is None
+        """Whether the layer attends (keys and values), as opposed to convolving, recurring or neither."""
+        return self.conv_state is None and not self.holds_nothing
+
+    @property
+    def holds_nothing(self) -> bool:
+        """A layer with no cache and no state: it mixes no positions (Nemotron-H's MLP and MoE blocks)."""
+        return self.layer_type in _NO_CACHE
 
 
 def text_config(config):
@@ -183,6 +191,8 @@ def check_supported(config) -> None:
             continue  # a gated delta rule or Mamba-2 (models/adapters.py runs it over kvexport's state)
         if layer_type == CHUNKED and getattr(text, "attention_chunk_size", None):
             continue  # Llama 4's chunked attention: a ring of the chunk's size
+        if layer_type in _NO_CACHE and text.model_type == "nemotron_h":
+            continue  # Nemotron-H's MLP and MoE blocks: nothing to cache
         if layer_type not in (FULL, SLIDING):
             refuse(
                 f"it has '{layer_type}' layers; only full, sliding-window and chunked attention layers, short "
@@ -203,11 +213,15 @@ def check_supported(config) -> None:
 
 def _recurrent_rule(config) -> str | None:
     """How the config's linear-attention layers are built, where kvexport runs them: Qwen 3.5's gated
-    delta rule, or Mamba-2 (Granite 4 hybrid, Bamba); None without such layers or for another kind."""
+    delta rule, or Mamba-2 (Granite 4 hybrid, Bamba, Nemotron-H); None without such layers or for another kind."""
     if LINEAR not in (getattr(config, "layer_types", None) or ()):
         return None
     if all(getattr(config, name, None) for name in _LINEAR_ATTENTION_SIZES):
         return GATED_DELTA
+    if all(getattr(config, name, None) for name in _NEMOTRON_MAMBA2_SIZES):
+        # Its mixers clamp the step to time_step_min where transformers' chunked scan runs and not in
+        # its 1-token update: models/adapters.py follows the same choice (_mamba2_step).
+        return MAMBA2
     if all(getattr(config, name, None) for name in _MAMBA2_SIZES):
         limit = getattr(config, "time_step_limit", None)
         if limit is not None and tuple(limit) != (0.0, float("inf")):
@@ -218,6 +232,14 @@ def _recurrent_rule(config) -> str | None:
             )
         return MAMBA2
     return None
+
+
+def prompt_in_one_call(config) -> bool:
+    """Whether a prompt must reach the program in one call: Nemotron-H's Mamba-2 mixers clamp the step
+    to time_step_min in transformers' chunked scan and not in its 1-token update, and eager generation
+    prefills the whole prompt in one scan. A prompt split into calls can end in a call of one token,
+    which the program (choosing per call as transformers does) would take as an update."""
+    return text_config(config).model_type == "nemotron_h"
 
 
 def _in_any_layer(config, name: str) -> bool:
@@ -318,6 +340,9 @@ def layer_specs(config) -> list[LayerSpec]:
     every_token = bool(reads) and not _slices_kv_shared_layers(config.model_type)
     specs = []
     for i, layer_type in enumerate(layer_types[:n_layers]):
+        if layer_type in _NO_CACHE:
+            specs.append(LayerSpec(layer_type, None, 0, 0))
+            continue
         if layer_type == CONV:
             specs.append(LayerSpec(CONV, None, 0, 0, conv_state=(config.hidden_size, config.conv_L_cache - 1)))
             continue
@@ -357,11 +382,16 @@ def _linear_attention(config) -> LayerSpec:
 def _mamba2(config) -> LayerSpec:
     """A Mamba-2 layer's states: its convolution over the inner channels and B, C of every group, and
     one ``head size x state size`` matrix per head."""
-    inner = int(config.mamba_expand * config.hidden_size)
+    if all(getattr(config, name, None) for name in _NEMOTRON_MAMBA2_SIZES):
+        heads, head, groups, size = config.mamba_num_heads, config.mamba_head_dim, config.n_groups, config.ssm_state_size
+        inner, width = heads * head, config.conv_kernel
+    else:
+        heads, head, groups, size = config.mamba_n_heads, config.mamba_d_head, config.mamba_n_groups, config.mamba_d_state
+        inner, width = int(config.mamba_expand * config.hidden_size), config.mamba_d_conv
     return LayerSpec(
         LINEAR, None, 0, 0,
-        conv_state=(inner + 2 * config.mamba_n_groups * config.mamba_d_state, config.mamba_d_conv - 1),
-        recurrent_state=(config.mamba_n_heads, config.mamba_d_head, config.mamba_d_state),
+        conv_state=(inner + 2 * groups * size, width - 1),
+        recurrent_state=(heads, head, size),
         rule=MAMBA2,
     )  # fmt: skip
 

@@ -29,7 +29,7 @@ class ExternalCacheDecoder(ExportableDecoder):
         # The layers whose buffers cross the graph boundary, in the graph's order, with their specs;
         # then the states of the layers that do not attend (``states``), after every KV buffer.
         self.buffer_layers = [(c, spec) for c, spec in zip(self.caches, self.specs) if spec.reads is None and spec.has_kv]
-        self.state_layers = [c for c, spec in zip(self.caches, self.specs) if not spec.has_kv]
+        self.state_layers = [c for c, spec in zip(self.caches, self.specs) if spec.conv_state is not None]
         for spec in self.specs:
             if spec.reads_every_token and self.specs[spec.reads].is_ring(max_cache_len):
                 self.caches[spec.reads].in_plain_ops = True  # see attention._BufferLayer
