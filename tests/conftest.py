@@ -26,7 +26,7 @@ if WORKERS > 1:
 PRESET_NAMES = sorted(PRESETS)
 # Presets whose ONNX folder onnxruntime-genai cannot run (the states of convolutions, linear
 # attention and Mamba-2 are inputs it does not know); tests/runtime/test_genai_program.py proves it.
-GENAI_REFUSES = {"tiny-lfm2", "tiny-qwen3.5", "tiny-granite4", "tiny-bamba", "tiny-falcon-h1"}
+GENAI_REFUSES = {"tiny-lfm2", "tiny-qwen3.5", "tiny-granite4", "tiny-bamba", "tiny-falcon-h1", "tiny-nemotron-h"}
 TEST_CACHE_LEN = 64
 # Longer than every preset's window (6), and the generation goes far past it.
 PROMPT = "The quick brown fox jumps over the lazy dog"

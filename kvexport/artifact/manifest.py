@@ -297,7 +297,7 @@ def _plain_name(name: str) -> bool:
 
 
 def _layer(layer) -> bool:
-    return isinstance(layer, dict) and layer.get("cache") in ("ring", "static", "shared", "conv", "recurrent") and (
+    return isinstance(layer, dict) and layer.get("cache") in ("ring", "static", "shared", "conv", "recurrent", "none") and (
         layer.get("window") is None or _count(layer.get("window"), 1)
     )
 

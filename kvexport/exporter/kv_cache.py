@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from ..models.architecture import CHUNKED, CONV, MAMBA2, RECURRENT, RING, SHARED, STATIC, LayerSpec
+from ..models.architecture import CHUNKED, CONV, MAMBA2, NONE, RECURRENT, RING, SHARED, STATIC, LayerSpec
 from .attention import family_eager_attention
 
 # A target's cache for each kind of layer that holds one: ``make(batch, kv_heads, slots, head_dim,
@@ -41,7 +41,9 @@ def build_caches(
     caches = []
     for spec in specs:
         kind = spec.cache_kind(max_cache_len)
-        if kind == SHARED:
+        if kind == NONE:  # a layer that mixes no positions: an empty module where its cache would be
+            caches.append(nn.Module())
+        elif kind == SHARED:
             caches.append(SharedKVCache(spec.reads))
         elif not spec.has_kv:
             caches.append(build_state(spec, dtype, kinds, max_tokens_per_call))

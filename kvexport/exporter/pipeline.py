@@ -168,6 +168,9 @@ class ExportPlan:
         layers = []
         for i, s in enumerate(self.specs):
             kind = s.cache_kind(self.max_cache_len)
+            if kind == architecture.NONE:  # mixes no positions: nothing to hold
+                layers.append({"index": i, "layer_type": s.layer_type, "cache": kind, "window": None})
+                continue
             if s.state_kind:  # float states: the convolution's [1, channels, slots], a recurrent [heads, key, value] (float32)
                 channels, slots = s.conv_state
                 recurrent = {"state": list(s.recurrent_state)} if s.recurrent_state else {}
@@ -197,7 +200,7 @@ class ExportPlan:
         shared = sum(s.reads is not None for s in self.specs)
         linear = sum(s.recurrent_state is not None and not s.has_kv for s in self.specs)
         hybrid = sum(s.has_kv and s.state_kind is not None for s in self.specs)
-        convolutions = sum(not s.has_kv for s in self.specs) - linear
+        convolutions = sum(s.state_kind == architecture.CONV for s in self.specs)
         other_kinds = f", {chunked} chunked-attention rings" if chunked else ""
         other_kinds += f", {shared} reading another layer's cache" if shared else ""
         other_kinds += f", {convolutions} short convolutions" if convolutions else ""
@@ -249,6 +252,14 @@ def plan_export(options: ExportOptions, progress: Progress | None = None) -> Exp
     architecture.check_rope(config, max_cache_len)
     linear = any(s.rule == architecture.GATED_DELTA for s in specs)
     default_chunk = LINEAR_ATTENTION_PREFILL_CHUNK if linear else DEFAULT_PREFILL_CHUNK
+    if architecture.prompt_in_one_call(config):
+        if options.prefill_chunk is not None and options.prefill_chunk < max_cache_len:
+            raise InvalidOptionError(
+                f"--prefill-chunk {options.prefill_chunk} would split a prompt into calls, and {config.model_type}'s "
+                "Mamba-2 layers step differently in a one-token call than eager does in its one prefill call; "
+                f"leave it out (one call takes any prompt the cache holds: {max_cache_len} tokens)"
+            )
+        default_chunk = max_cache_len
     prefill_chunk = choose_prefill_chunk(max_cache_len, options.prefill_chunk, options.target, default_chunk)
     dtype_bytes = sources.DTYPES[options.dtype]
     plan = ExportPlan(options, out, source, config, specs, max_cache_len, max_positions, dtype_bytes, prefill_chunk)

@@ -85,7 +85,7 @@ def _linear_attention_with_state(model: nn.Module) -> None:
 
 
 def _mamba2_with_state(model: nn.Module) -> None:
-    """Mamba-2 layers (Granite 4 hybrid's ``*MambaLayer``, Bamba's and Falcon-H1's ``*Mixer``).
+    """Mamba-2 layers (Granite 4 hybrid's ``*MambaLayer``, Bamba's, Falcon-H1's and Nemotron-H's ``*Mixer``).
 
     As for the gated delta rule: transformers branches on the call's length (its 1-token update or
     its chunked scan) and loops over chunks; here the same projection, convolution, step, gated norm
@@ -107,7 +107,7 @@ def _mamba2_with_state(model: nn.Module) -> None:
         state = call.states[self.layer_idx]
         xbc = ACT2FN[self.activation](state.conv.convolve(xbc.transpose(1, 2), self.conv1d.weight, self.conv1d.bias, call))
         x, b, c = xbc.transpose(1, 2).split([self.intermediate_size, groups, groups], dim=-1)
-        dt = torch.clamp(F.softplus(dt + self.dt_bias.to(dt.dtype)), *self.time_step_limit)
+        dt = _mamba2_step(F.softplus(dt + self.dt_bias.to(dt.dtype)), self.time_step_limit, call)
         y = state.scan(
             x.reshape(batch, n, self.num_heads, self.head_dim), dt, -torch.exp(self.A_log.float()),
             b.reshape(batch, n, self.n_groups, -1), c.reshape(batch, n, self.n_groups, -1), self.D, call,
@@ -119,6 +119,17 @@ def _mamba2_with_state(model: nn.Module) -> None:
     for module in model.modules():
         if hasattr(module, "ssm_state_size") and hasattr(module, "A_log") and hasattr(module, "in_proj"):
             _run_with_state(module, scan)
+
+
+def _mamba2_step(dt: torch.Tensor, limit, call) -> torch.Tensor:
+    """The steps ``dt`` ``[1, T, heads]`` as transformers' Mamba-2 mixers take them: clamped to
+    ``limit`` (``time_step_limit``; Nemotron-H's is ``(time_step_min, inf)``) in the chunked scan, not
+    in the 1-token update. The update runs when the layer already holds a state (a call past position
+    0) and the call is one token; any other call, a one-token prompt included, is a chunked scan. Both
+    conditions are tensors here, so one program takes every call."""
+    positions = call.positions
+    one_token_update = (positions[:1] > 0) & (positions[-1:] == positions[:1])
+    return torch.where(one_token_update, dt, torch.clamp(dt, *limit))
 
 
 def _activation_sparsity_with_fixed_quantile(model: nn.Module) -> None:

@@ -29,13 +29,18 @@ LINEAR = "linear_attention"
 HYBRID = "hybrid"
 # A layer's cache kinds, as kvexport.json names them: a buffer of max_cache_len positions, a ring of
 # the window's positions, none (the layer attends to an earlier layer's cache: KV sharing), a
-# convolution's state, or a linear-attention layer's convolution and recurrent states.
-STATIC, RING, SHARED, RECURRENT = "static", "ring", "shared", "recurrent"
+# convolution's state, a linear-attention layer's convolution and recurrent states, or nothing (a
+# layer that mixes no positions: Nemotron-H's MLP and MoE blocks).
+STATIC, RING, SHARED, RECURRENT, NONE = "static", "ring", "shared", "recurrent", "none"
+# Nemotron-H's layer types of blocks that mix no positions: they never touch the cache.
+_NO_CACHE = ("mlp", "moe")
 # The config attributes a linear-attention layer is built from: Qwen 3.5's gated delta rule, or a
 # Mamba-2 state-space layer (Granite 4 hybrid names its layers linear_attention too).
 _LINEAR_ATTENTION_SIZES = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
                            "linear_value_head_dim", "linear_conv_kernel_dim")  # fmt: skip
 _MAMBA2_SIZES = ("mamba_n_heads", "mamba_n_groups", "mamba_d_state", "mamba_d_head", "mamba_d_conv", "mamba_expand")
+# Nemotron-H's names for them (its inner size is heads x head size, not an expansion of the hidden size).
+_NEMOTRON_MAMBA2_SIZES = ("mamba_num_heads", "n_groups", "ssm_state_size", "mamba_head_dim", "conv_kernel")
 # How a recurrent layer updates its state (kv_cache.GatedDeltaState, kv_cache.Mamba2State).
 GATED_DELTA, MAMBA2 = "gated_delta", "mamba2"
 
@@ -48,10 +53,6 @@ _REFUSED = {
     "jamba": "a hybrid of attention and state-space layers",
     "zamba": "a hybrid of attention and state-space layers",
     "zamba2": "a hybrid of attention and state-space layers",
-    # Its mixers clamp the step to time_step_min in transformers' chunked scan (prefill) but not in
-    # its 1-token update (decode), as a Mamba-2 time_step_limit does (see _recurrent_rule).
-    "nemotron_h": "a hybrid whose Mamba-2 layers clamp their step to time_step_min in transformers' prefill and "
-    "not in its decode, which one program cannot follow",
     "olmo_hybrid": "a hybrid whose linear-attention layers convolve queries, keys and values apart (kvexport "
     "runs Qwen 3.5's and Qwen3-Next's layout)",
     "recurrent_gemma": "a recurrent hybrid",
@@ -92,9 +93,10 @@ class LayerSpec:
     chunk: int | None = None
 
     def cache_kind(self, max_cache_len: int) -> str:
-        """The KV cache's kind where the layer attends (a hybrid layer's too), else its state's."""
+        """The KV cache's kind where the layer attends (a hybrid layer's too), else its state's, else
+        none (a layer that mixes no positions)."""
         if not self.has_kv:
-            return self.state_kind
+            return self.state_kind or NONE
         if self.reads is not None:
             return SHARED
         return RING if self.is_ring(max_cache_len) else STATIC
@@ -110,7 +112,7 @@ class LayerSpec:
         """Positions this layer's own cache holds: none for a shared layer, the window for a ring,
         a convolution's state, else the whole context."""
         if not self.has_kv:
-            return self.conv_state[1]
+            return self.conv_state[1] if self.conv_state else 0
         if self.reads is not None:
             return 0
         if self.window is not None and self.window < max_cache_len:
@@ -190,6 +192,8 @@ def check_supported(config) -> None:
             continue  # Falcon-H1: attention and a Mamba-2 mixer in one layer, a KV cache and a state
         if layer_type == CHUNKED and getattr(text, "attention_chunk_size", None):
             continue  # Llama 4's chunked attention: a ring of the chunk's size
+        if layer_type in _NO_CACHE and text.model_type == "nemotron_h":
+            continue  # Nemotron-H's MLP and MoE blocks: nothing to cache
         if layer_type not in (FULL, SLIDING):
             refuse(
                 f"it has '{layer_type}' layers; only full, sliding-window and chunked attention layers, short "
@@ -210,12 +214,16 @@ def check_supported(config) -> None:
 
 def _recurrent_rule(config) -> str | None:
     """How the config's linear-attention layers are built, where kvexport runs them: Qwen 3.5's gated
-    delta rule, or Mamba-2 (Granite 4 hybrid, Bamba, Falcon-H1's hybrid layers); None without such
-    layers or for another kind."""
+    delta rule, or Mamba-2 (Granite 4 hybrid, Bamba, Falcon-H1's hybrid layers, Nemotron-H); None
+    without such layers or for another kind."""
     if not {LINEAR, HYBRID} & set(getattr(config, "layer_types", None) or ()):
         return None
     if all(getattr(config, name, None) for name in _LINEAR_ATTENTION_SIZES):
         return GATED_DELTA
+    if all(getattr(config, name, None) for name in _NEMOTRON_MAMBA2_SIZES):
+        # Its mixers clamp the step to time_step_min where transformers' chunked scan runs and not in
+        # its 1-token update: models/adapters.py follows the same choice (_mamba2_step).
+        return MAMBA2
     if all(getattr(config, name, None) for name in _MAMBA2_SIZES):
         limit = getattr(config, "time_step_limit", None)
         if limit is not None and tuple(limit) != (0.0, float("inf")):
@@ -226,6 +234,14 @@ def _recurrent_rule(config) -> str | None:
             )
         return MAMBA2
     return None
+
+
+def prompt_in_one_call(config) -> bool:
+    """Whether a prompt must reach the program in one call: Nemotron-H's Mamba-2 mixers clamp the step
+    to time_step_min in transformers' chunked scan and not in its 1-token update, and eager generation
+    prefills the whole prompt in one scan. A prompt split into calls can end in a call of one token,
+    which the program (choosing per call as transformers does) would take as an update."""
+    return text_config(config).model_type == "nemotron_h"
 
 
 def _in_any_layer(config, name: str) -> bool:
@@ -326,6 +342,9 @@ def layer_specs(config) -> list[LayerSpec]:
     every_token = bool(reads) and not _slices_kv_shared_layers(config.model_type)
     specs = []
     for i, layer_type in enumerate(layer_types[:n_layers]):
+        if layer_type in _NO_CACHE:
+            specs.append(LayerSpec(layer_type, None, 0, 0))
+            continue
         if layer_type == CONV:
             specs.append(LayerSpec(CONV, None, 0, 0, conv_state=(config.hidden_size, config.conv_L_cache - 1)))
             continue
@@ -370,13 +389,20 @@ def _linear_attention(config) -> LayerSpec:
 
 def _mamba2(config) -> LayerSpec:
     """A Mamba-2 layer's states: its convolution over the inner channels and B, C of every group, and
-    one ``head size x state size`` matrix per head. The inner channels are ``mamba_d_ssm`` where the
-    config sets it (Falcon-H1), else ``mamba_expand`` times the hidden size."""
-    inner = getattr(config, "mamba_d_ssm", None) or int(config.mamba_expand * config.hidden_size)
+    one ``head size x state size`` matrix per head. The inner channels are Nemotron-H's heads times
+    head size, ``mamba_d_ssm`` where the config sets it (Falcon-H1), else ``mamba_expand`` times
+    the hidden size."""
+    if all(getattr(config, name, None) for name in _NEMOTRON_MAMBA2_SIZES):
+        heads, head, groups, size = config.mamba_num_heads, config.mamba_head_dim, config.n_groups, config.ssm_state_size
+        inner, width = heads * head, config.conv_kernel
+    else:
+        heads, head, groups, size = config.mamba_n_heads, config.mamba_d_head, config.mamba_n_groups, config.mamba_d_state
+        inner = getattr(config, "mamba_d_ssm", None) or int(config.mamba_expand * config.hidden_size)
+        width = config.mamba_d_conv
     return LayerSpec(
         LINEAR, None, 0, 0,
-        conv_state=(inner + 2 * config.mamba_n_groups * config.mamba_d_state, config.mamba_d_conv - 1),
-        recurrent_state=(config.mamba_n_heads, config.mamba_d_head, config.mamba_d_state),
+        conv_state=(inner + 2 * groups * size, width - 1),
+        recurrent_state=(heads, head, size),
         rule=MAMBA2,
     )  # fmt: skip
 

@@ -176,6 +176,26 @@ PRESETS: dict[str, tuple[str, dict]] = {
             "mlp_multipliers": [1.2, 0.9],
         },
     ),
+    # Nemotron-H: one block of each kind it has, a Mamba-2 mixer (two groups of B and C; its step
+    # clamped to time_step_min in transformers' chunked scan only), attention, a mixture of experts
+    # with a shared expert, and an MLP; the last two hold no cache.
+    "tiny-nemotron-h": (
+        "nemotron_h",
+        {
+            "layers_block_type": ["linear_attention", "full_attention", "moe", "mlp"],
+            "num_hidden_layers": 4,
+            "head_dim": 16,
+            "mamba_num_heads": 4,
+            "mamba_head_dim": 16,
+            "n_groups": 2,
+            "ssm_state_size": 16,
+            "chunk_size": 16,
+            "n_routed_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "moe_shared_expert_intermediate_size": 32,
+        },
+    ),
     # Llama 4 text: a chunked-attention layer (chunks of CHUNK tokens) with rope, L2 qk-norm and the
     # mixture of experts, then a full-attention NoPE layer with a dense MLP whose queries get the
     # temperature tuning (a small floor_scale, so it changes within a short test).

@@ -54,7 +54,7 @@ def _check_onnx_fields(manifest: dict) -> None:
 
 
 # What this runner sizes a state layer's buffers from (see _state_shapes).
-_LAYER_FIELDS = {"conv": ("index", "channels", "slots"), "recurrent": ("index", "channels", "slots", "state")}
+_LAYER_FIELDS = {"conv": ("index", "channels", "slots"), "recurrent": ("index", "channels", "slots", "state"), "none": ("index",)}
 
 
 def _state_shapes(layer: dict) -> list[tuple[str, list[int], str]]:

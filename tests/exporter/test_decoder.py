@@ -148,3 +148,30 @@ def test_activation_sparsity_cuts_the_gate_where_transformers_does():
         prepare_for_export(model)
         assert "kvexport_normal_quantile" in dict(mlp.named_buffers())
         torch.testing.assert_close(mlp._gaussian_topk(x), expected, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("chunks", [[12, 1, 1, 1], [12, 1, 6, 1, 1], [1, 1, 4]])
+def test_nemotron_h_steps_as_transformers_does_call_by_call(chunks):
+    """Nemotron-H's mixers clamp the step to time_step_min in transformers' chunked scan (the first
+    call, whatever its length, and any longer call after it) and not in its 1-token update: the
+    wrapper, one program for every call, against transformers' model fed the same calls with its own
+    cache, where some steps are below the minimum (so either choice, made wrongly, shows)."""
+    from transformers import DynamicCache
+
+    from kvexport.models.presets import build_preset
+
+    model, tokenizer = build_preset("tiny-nemotron-h")
+    ids = tokenizer(PROMPT).input_ids[: sum(chunks)]
+    mixer = model.model.layers[0].mixer
+    with torch.no_grad():
+        projected = mixer.in_proj(model.model.layers[0].norm(model.model.embeddings(torch.tensor([ids]))))
+        steps = torch.nn.functional.softplus(projected[..., -mixer.num_heads :] + mixer.dt_bias)
+    assert (steps < mixer.time_step_limit[0]).any() and (steps > mixer.time_step_limit[0]).any()
+    forward = torch_forward(ExportableDecoder(model, TEST_CACHE_LEN))
+    cache, start = DynamicCache(config=model.config), 0
+    for size in chunks:
+        with torch.no_grad():
+            expected = model(torch.tensor([ids[start : start + size]]), past_key_values=cache, use_cache=True).logits[0, -1]
+        got = torch.as_tensor(forward(ids[start : start + size], start))
+        torch.testing.assert_close(got, expected, atol=FP32_LOGIT_ATOL, rtol=0, msg=f"call at {start} of {size} tokens")
+        start += size

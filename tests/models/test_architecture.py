@@ -89,7 +89,7 @@ def test_every_causal_lm_of_transformers_is_accepted_or_refused_in_one_line():
             refused.append(model_type)
     assert unbuildable == ["gemma4_assistant"]  # a drafter: its config needs its target model's
     assert {"llama", "gemma3_text", "gemma3n_text", "gemma4_text", "cohere2", "gpt_oss", "lfm2", "lfm2_moe", "lfm3",
-            "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "llama4_text"} <= set(accepted)
+            "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "llama4_text", "nemotron_h"} <= set(accepted)
     assert {"deepseek_v3", "mamba", "olmo_hybrid"} <= set(refused)
     assert len(accepted) + len(refused) + len(unbuildable) == len(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
 
@@ -244,21 +244,25 @@ def test_a_mamba2_step_limit_is_refused_before_loading():
             layer_specs(config)
 
 
-def test_nemotron_h_is_refused_for_its_step_clamped_in_prefill_only():
-    """Nemotron-H's Mamba-2 mixers clamp the step to ``time_step_min`` whatever the config's
-    ``time_step_limit``: transformers' chunked scan (prefill) clamps it and its 1-token update
-    (decode) does not, as a Granite 4 ``time_step_limit`` would, so it is refused before loading."""
-    from transformers import AutoModelForCausalLM
+def test_nemotron_h_layers_are_planned_by_block_kind():
+    """Nemotron-H's blocks (``layers_block_type``): a Mamba-2 mixer holds its convolution's and its
+    recurrent state, sized as transformers builds the mixer (inner size heads x head size), the
+    attention block a full KV cache of its own shape, and the MoE and MLP blocks nothing."""
+    from kvexport.models.architecture import MAMBA2
+    from kvexport.models.presets import build_preset
 
-    from kvexport.models.presets import tiny_config
-
-    config = tiny_config("nemotron_h", {"layers_block_type": ["linear_attention", "full_attention", "mlp"],
-                                        "mamba_num_heads": 4, "mamba_head_dim": 16, "n_groups": 2, "ssm_state_size": 16})
-    mixer = AutoModelForCausalLM.from_config(config).model.layers[0].mixer
-    assert tuple(config.time_step_limit) == (0.0, float("inf"))
-    assert mixer.time_step_limit == (config.time_step_min, float("inf")) and config.time_step_min > 0
-    with pytest.raises(UnsupportedModelError, match="clamp their step to time_step_min in transformers' prefill and not in its decode"):
-        layer_specs(config)
+    model, _ = build_preset("tiny-nemotron-h")
+    specs = layer_specs(model.config)
+    assert [block.block_type for block in model.model.layers] == [s.layer_type for s in specs]
+    assert [(s.cache_kind(64), s.rule, s.has_kv) for s in specs] == [
+        ("recurrent", MAMBA2, False), ("static", None, True), ("none", None, False), ("none", None, False)
+    ]
+    mixer, attention = model.model.layers[0].mixer, model.model.layers[1].mixer
+    assert specs[0].conv_state == (mixer.conv_dim, mixer.conv_kernel_size - 1)
+    assert specs[0].recurrent_state == (mixer.num_heads, mixer.head_dim, mixer.ssm_state_size)
+    assert (specs[1].kv_heads, specs[1].head_dim) == (attention.k_proj.out_features // attention.head_dim, attention.head_dim)
+    # Its mixers clamp the step to time_step_min (models/adapters.py follows where transformers does).
+    assert mixer.time_step_limit == (model.config.time_step_min, float("inf"))
 
 
 def test_a_layer_that_shares_a_cache_holds_none(tmp_path):
@@ -298,3 +302,15 @@ def test_gemma3_270m_cache_at_8192_is_a_fraction_of_full_length_layers(tmp_path)
         assert all(layer["slots"] == 512 for layer in layers if layer["cache"] == "ring")
         assert plan.kv_cache_bytes <= 0.22 * plan.kv_cache_bytes_if_all_full
     assert plans[0].kv_cache_bytes == plans[1].kv_cache_bytes
+
+
+@pytest.mark.parametrize("target", ["executorch", "onnx"])
+def test_nemotron_h_takes_a_prompt_in_one_call(target, tmp_path):
+    """Eager Nemotron-H clamps the steps of its one prefill call and not those of a one-token call:
+    a prompt split into calls could end in one token, so a chunk shorter than the cache is refused and
+    the default takes any prompt the cache holds in one call."""
+    from kvexport.errors import InvalidOptionError
+
+    assert plan_export(ExportOptions("tiny-nemotron-h", target, tmp_path / "out", 64)).prefill_chunk == 64
+    with pytest.raises(InvalidOptionError, match="--prefill-chunk 16 would split a prompt into calls"):
+        plan_export(ExportOptions("tiny-nemotron-h", target, tmp_path / "out", 64, prefill_chunk=16))
