@@ -89,7 +89,7 @@ def test_every_causal_lm_of_transformers_is_accepted_or_refused_in_one_line():
             refused.append(model_type)
     assert unbuildable == ["gemma4_assistant"]  # a drafter: its config needs its target model's
     assert {"llama", "gemma3_text", "gemma3n_text", "gemma4_text", "cohere2", "gpt_oss", "lfm2", "lfm2_moe", "lfm3",
-            "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "llama4_text", "nemotron_h"} <= set(accepted)
+            "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "llama4_text", "nemotron_h", "falcon_h1"} <= set(accepted)
     assert {"deepseek_v3", "mamba", "olmo_hybrid"} <= set(refused)
     assert len(accepted) + len(refused) + len(unbuildable) == len(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
 
