@@ -4,6 +4,7 @@ weights only for near-ties, memory and time do not. The tokenizer is the tiny pr
 tokenizer (its ids are within every vocabulary).
 
     .venv/bin/python scripts/real_shape_model.py qwen3.5-0.8b build/qwen3.5-0.8b-random
+    .venv/bin/python scripts/real_shape_model.py llama3.1-8b build/llama3.1-8b-config --config-only
 """
 
 from __future__ import annotations
@@ -56,6 +57,39 @@ SHAPES = {
         "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
                             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
     }),  # fmt: skip
+    # meta-llama/Llama-3.2-3B's config.
+    "llama3.2-3b": ("llama", {
+        "hidden_size": 3072, "intermediate_size": 8192, "num_hidden_layers": 28, "num_attention_heads": 24,
+        "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 128256, "tie_word_embeddings": True,
+        "rms_norm_eps": 1e-5, "max_position_embeddings": 131072,
+        "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
+                            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+    }),  # fmt: skip
+    # meta-llama/Llama-3.1-8B's config (its lm_head apart from the embedding).
+    "llama3.1-8b": ("llama", {
+        "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+        "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 128256, "tie_word_embeddings": False,
+        "rms_norm_eps": 1e-5, "max_position_embeddings": 131072,
+        "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+    }),  # fmt: skip
+    # Qwen/Qwen3-1.7B's config.
+    "qwen3-1.7b": ("qwen3", {
+        "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 28, "num_attention_heads": 16,
+        "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936, "tie_word_embeddings": True,
+        "rms_norm_eps": 1e-6, "max_position_embeddings": 40960,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+    }),  # fmt: skip
+    # google/gemma-3-4b-it's text config: five sliding layers (window 1024) to one full, whose rope is
+    # scaled linearly by 8.
+    "gemma3-4b": ("gemma3_text", {
+        "hidden_size": 2560, "intermediate_size": 10240, "num_hidden_layers": 34, "num_attention_heads": 8,
+        "num_key_value_heads": 4, "head_dim": 256, "vocab_size": 262208, "sliding_window": 1024,
+        "query_pre_attn_scalar": 256, "max_position_embeddings": 131072, "rms_norm_eps": 1e-6,
+        "layer_types": [("full_attention" if (i + 1) % 6 == 0 else "sliding_attention") for i in range(34)],
+        "rope_parameters": {"full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 8.0},
+                            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
+    }),  # fmt: skip
 }
 
 
@@ -63,6 +97,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("shape", choices=sorted(SHAPES))
     parser.add_argument("out", type=Path)
+    parser.add_argument("--config-only", action="store_true",
+                        help="write the config and tokenizer, no weights: enough for an export's memory plan")
     args = parser.parse_args()
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -71,6 +107,12 @@ def main() -> None:
 
     model_type, shape = SHAPES[args.shape]
     config = AutoConfig.for_model(model_type, **shape)
+    if args.config_only:
+        config.dtype = torch.bfloat16  # as the checkpoint would be
+        config.save_pretrained(args.out)
+        char_tokenizer().save_pretrained(args.out)
+        print(f"wrote {args.out}: {model_type}, config and tokenizer only")
+        return
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)  # checkpoints ship in bfloat16
     model.save_pretrained(args.out)
