@@ -36,8 +36,9 @@ def build_caches(
     specs: list[LayerSpec], max_cache_len: int, dtype: torch.dtype, kinds: CacheKinds, max_tokens_per_call: int
 ) -> list:
     """One cache per layer: ``kinds[STATIC]`` or ``kinds[RING]`` for a layer that holds its own, a
-    ``SharedKVCache`` for one that reads another's, else the layer's state (``build_state``). A
-    hybrid layer gets its KV cache here and its state from ``build_state``."""
+    ``SharedKVCache`` for one that reads another's, an empty module for one that holds nothing,
+    else the layer's state (``build_state``). A hybrid layer gets its KV cache here and its state
+    from ``build_state``."""
     caches = []
     for spec in specs:
         kind = spec.cache_kind(max_cache_len)
