@@ -12,6 +12,18 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+
+def _llama3(hidden: int, intermediate: int, layers: int, heads: int, head_dim: int, tied: bool, rope_factor: float):
+    """A Llama 3.x config (8 KV heads, llama3 rope scaling from 8,192 positions)."""
+    return ("llama", {
+        "hidden_size": hidden, "intermediate_size": intermediate, "num_hidden_layers": layers,
+        "num_attention_heads": heads, "num_key_value_heads": 8, "head_dim": head_dim, "vocab_size": 128256,
+        "tie_word_embeddings": tied, "rms_norm_eps": 1e-5, "max_position_embeddings": 131072,
+        "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": rope_factor, "low_freq_factor": 1.0,
+                            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+    })  # fmt: skip
+
+
 # name -> (model_type, config): the published text config's shapes.
 SHAPES = {
     # Qwen/Qwen3.5-0.8B's text model (as ExecuTorch's examples/models/qwen3_5/config/0_8b_config.json
@@ -40,14 +52,11 @@ SHAPES = {
             "full_attention": {"rope_type": "proportional", "rope_theta": 1000000.0, "partial_rotary_factor": 0.25},
             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
     }),  # fmt: skip
-    # meta-llama/Llama-3.2-1B's config.
-    "llama3.2-1b": ("llama", {
-        "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32,
-        "num_key_value_heads": 8, "head_dim": 64, "vocab_size": 128256, "tie_word_embeddings": True,
-        "rms_norm_eps": 1e-5, "max_position_embeddings": 131072,
-        "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
-                            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
-    }),  # fmt: skip
+    # meta-llama's Llama-3.2-1B, Llama-3.2-3B and Llama-3.1-8B configs (the 8B's lm_head apart from
+    # its embedding).
+    "llama3.2-1b": _llama3(2048, 8192, 16, 32, 64, tied=True, rope_factor=32.0),
+    "llama3.2-3b": _llama3(3072, 8192, 28, 24, 128, tied=True, rope_factor=32.0),
+    "llama3.1-8b": _llama3(4096, 14336, 32, 32, 128, tied=False, rope_factor=8.0),
     # google/gemma-3-1b-it's config: five sliding layers (window 512) to one full.
     "gemma3-1b": ("gemma3_text", {
         "hidden_size": 1152, "intermediate_size": 6912, "num_hidden_layers": 26, "num_attention_heads": 4,
@@ -56,22 +65,6 @@ SHAPES = {
         "layer_types": [("full_attention" if (i + 1) % 6 == 0 else "sliding_attention") for i in range(26)],
         "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
                             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
-    }),  # fmt: skip
-    # meta-llama/Llama-3.2-3B's config.
-    "llama3.2-3b": ("llama", {
-        "hidden_size": 3072, "intermediate_size": 8192, "num_hidden_layers": 28, "num_attention_heads": 24,
-        "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 128256, "tie_word_embeddings": True,
-        "rms_norm_eps": 1e-5, "max_position_embeddings": 131072,
-        "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
-                            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
-    }),  # fmt: skip
-    # meta-llama/Llama-3.1-8B's config (its lm_head apart from the embedding).
-    "llama3.1-8b": ("llama", {
-        "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
-        "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 128256, "tie_word_embeddings": False,
-        "rms_norm_eps": 1e-5, "max_position_embeddings": 131072,
-        "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
     }),  # fmt: skip
     # Qwen/Qwen3-1.7B's config.
     "qwen3-1.7b": ("qwen3", {
