@@ -1,7 +1,7 @@
 """``kvexport bench``: eager transformers, kvexport artifacts, ExecuTorch's own runner and llama.cpp
 measured in one run.
 
-    kvexport bench MODEL ARTIFACT [ARTIFACT ...] [--prompt-tokens 128] [--new-tokens 128]
+    kvexport bench MODEL ARTIFACT [ARTIFACT ...] [--prompt-tokens 128[,1024,...]] [--new-tokens 128]
         [--repeats 3] [--threads 2] [--json OUT.json] [--markdown OUT.md] [--paths eager,run,textllm,genai,llama]
         [--llama-python PYTHON] [--pte OTHER.pte ...] [--genai-folder OTHER_DIR ...]
 
@@ -37,6 +37,11 @@ one short warm-up generation, then the measured one. Metrics, all from the measu
   tokens costs one forward call of one token);
 - peak RSS: the subprocess's VmHWM (Linux), loading included.
 
+``--prompt-tokens`` may list several lengths (``128,1024,4096``): every path runs at each, a table
+per length, then one of decode tokens/s by length for each path of a kvexport artifact beside its
+memory-traffic limit there (``kvexport.bench.traffic``: the weights and the cache rows a step reads,
+over the bandwidth the path reached at the shortest length) and the share of it reached.
+
 The table also gives each path's decode tokens/s as a multiple of eager's and of llama.cpp's
 (medians of the same run), and kvexport run's against TextLLMRunner's on the same ``.pte``: the
 ratio of their medians, and the median of each round's own ratio (a round runs every path once,
@@ -58,6 +63,7 @@ llama.cpp ``n_threads = n_threads_batch = N``.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -458,8 +464,9 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
-def finish(jobs: list[dict], args) -> None:
-    """Per job: the metrics' median and spread, and what it generated compared with eager / kvexport run."""
+def finish(jobs: list[dict]) -> None:
+    """Per job of one prompt length: the metrics' median and spread, and what it generated compared
+    with eager / kvexport run."""
     eager = next((j for j in jobs if j["path"] == "eager" and j.get("runs")), None)
     runs_by_artifact = {j["artifact"]: j for j in jobs if j["path"] == "run" and j.get("runs")}
     for job in jobs:
@@ -532,39 +539,71 @@ def markdown(report: dict) -> str:
     p = report["protocol"]
     features = " ".join(m.get("cpu_features", []))
     machine = f"{m['cpu']} ({m['cpus']} CPUs{'; ' + features if features else ''})"
+    lengths = " / ".join(str(n) for n in p["prompt_tokens"])
     lines = [
         f"{report['date']}, {machine}, load average {m['load_before']} before / "
-        f"{m['load_after']} after; {p['threads']} threads, {p['prompt_tokens']}-token prompt, "
+        f"{m['load_after']} after; {p['threads']} threads, {lengths}-token prompt, "
         f"{p['new_tokens']} new tokens, {p['repeats']} runs per path (median (min–max)).",
         *busy_lines(m.get("background_busy")),
-        "",
+    ]
+    for context in report["contexts"]:
+        if len(report["contexts"]) > 1:
+            lines += ["", f"{context['prompt_tokens']}-token prompt:"]
+        lines += ["", *context_table(context, p["new_tokens"])]
+    if report.get("traffic"):
+        lines += ["", *traffic_table(report["traffic"], p["prompt_tokens"])]
+    return "\n".join(lines) + "\n"
+
+
+def context_table(context: dict, new_tokens: int) -> list[str]:
+    """One prompt length's table: every path's metrics, its decode against eager's and llama.cpp's."""
+    lines = [
         "| path | " + " | ".join(title for _, title, _ in METRICS)
         + " | decode × eager | decode × llama.cpp | tokens = eager |",
         "|---|" + "---:|" * (len(METRICS) + 3),
     ]
-    for job in report["paths"]:
+    for job in context["paths"]:
         if job.get("skipped"):
             lines.append(f"| {job['label']} | " + " | ".join(["–"] * (len(METRICS) + 3)) + f" |  ← {job['skipped']}")
             continue
         errors = [r["error"] for r in job.get("runs", []) if "error" in r]
         cells = [cell(job["summary"].get(key), digits) for key, _, digits in METRICS]
         for key in ("decode_vs_eager", "decode_vs_llama"):
-            ratio = report["ratios"][key].get(job["label"])
+            ratio = context["ratios"][key].get(job["label"])
             cells.append(f"{ratio:.2f}×" if ratio else "–")
         same = job.get("same_tokens_as_eager")
         if same is not None:
-            same = f"{same}/{p['new_tokens']}"
+            same = f"{same}/{new_tokens}"
         elif job.get("same_text_as_run") is not None:
             same = "text = run" if job["same_text_as_run"] else "text ≠ run"
         row = f"| {job['label']} | " + " | ".join(cells) + f" | {same or '–'} |"
         if errors:
             row += f"  ← {len(errors)} failed: {errors[0][:200]}"
         lines.append(row)
-    by_round = report["ratios"].get("run_vs_textllm_by_round", {})
-    for artifact, r in report["ratios"]["run_vs_textllm"].items():
+    by_round = context["ratios"].get("run_vs_textllm_by_round", {})
+    for artifact, r in context["ratios"]["run_vs_textllm"].items():
         paired = f" (median of the rounds' own ratios: {by_round[artifact]:.3f})" if artifact in by_round else ""
         lines.append(f"\nkvexport run / TextLLMRunner decode tok/s on {Path(artifact).name}: {r:.3f}{paired}")
-    return "\n".join(lines) + "\n"
+    return lines
+
+
+def traffic_table(traffic: dict, lengths: list[int]) -> list[str]:
+    """Decode tokens/s by prompt length, each beside its memory-traffic limit and the share reached."""
+    lines = [
+        "decode tok/s by prompt length / the memory-traffic limit there (the bytes a step reads over the "
+        "bandwidth reached at the shortest) (share of it):",
+        "",
+        "| path | " + " | ".join(f"{n} tokens" for n in lengths) + " |",
+        "|---|" + "---:|" * len(lengths),
+    ]
+    for label, by_length in traffic.items():
+        cells = []
+        for n in lengths:
+            t = by_length.get(n)
+            cells.append(f"{t['decode_tokens_per_s']:.1f} / {t['limit_tokens_per_s']:.1f} ({t['share_of_limit']:.0%})"
+                         if t else "–")
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def busy_lines(busy: dict | None) -> list[str]:
@@ -579,13 +618,25 @@ def busy_lines(busy: dict | None) -> list[str]:
     return ["", line]
 
 
+def _lengths(text: str) -> list[int]:
+    """``--prompt-tokens``: one length or several, comma-separated, each once, in increasing order."""
+    try:
+        lengths = sorted({int(part) for part in text.split(",") if part.strip()})
+    except ValueError:
+        lengths = []
+    if not lengths:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a length or comma-separated lengths (128,1024,4096)")
+    return lengths
+
+
 def parse_args(argv):
     from kvexport.runtime.options import OneLineParser  # here: the workers run this file without kvexport
 
     parser = OneLineParser(prog="kvexport bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("model", help="the model the artifacts come from (alias, preset, folder, .gguf): eager and llama.cpp run it")
     parser.add_argument("artifacts", nargs="+", type=Path, help="kvexport artifact folders (any target, dtype)")
-    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--prompt-tokens", type=_lengths, default=[128],
+                        help="prompt length, or several comma-separated (128,1024,4096) [default: 128]")
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
@@ -602,7 +653,7 @@ def parse_args(argv):
     unknown = set(args.paths) - set(PATHS)
     if unknown:
         parser.error(f"unknown --paths {', '.join(sorted(unknown))}; choose from {', '.join(PATHS)}")
-    if min(args.prompt_tokens, args.new_tokens, args.repeats, args.threads) < 1:
+    if min(*args.prompt_tokens, args.new_tokens, args.repeats, args.threads) < 1:
         parser.error("--prompt-tokens, --new-tokens, --repeats and --threads must be at least 1")
     if not args.artifacts:
         parser.error("give at least one artifact folder (its tokenizer makes the prompt)")
@@ -630,45 +681,56 @@ def main(argv=None) -> int:
 
     manifests = {str(Path(a).resolve()): read_manifest(Path(a)) for a in args.artifacts}
     for manifest in manifests.values():
-        check_fits(args.prompt_tokens, args.new_tokens, manifest["max_cache_len"])
+        check_fits(max(args.prompt_tokens), args.new_tokens, manifest["max_cache_len"])
     tokenizer = ArtifactTokenizer(Path(next(iter(manifests))))  # the model's: every artifact has the same
-    prompt_text, prompt_ids = exact_prompt(tokenizer, args.prompt_tokens)
+    prompts = {n: exact_prompt(tokenizer, n) for n in args.prompt_tokens}
     gguf = gguf_of(args.model) if "llama" in args.paths else None
     llama_version = llama_available(args.llama_python) if gguf else None
-    jobs = plan_jobs(args, manifests, gguf, llama_version)
-    common = {"model": args.model, "prompt_ids": prompt_ids, "prompt_text": prompt_text,
-              "new_tokens": args.new_tokens, "threads": args.threads}
+    contexts = {n: plan_jobs(args, manifests, gguf, llama_version) for n in args.prompt_tokens}
+    for n, jobs in contexts.items():
+        for job in jobs:
+            job["prompt_text"], job["prompt_ids"] = prompts[n]
+    common = {"model": args.model, "new_tokens": args.new_tokens, "threads": args.threads}
     load_before = " ".join(f"{x:.2f}" for x in os.getloadavg())
     started = time.strftime("%Y-%m-%d %H:%M %Z")
     with tempfile.TemporaryDirectory(prefix="kvexport-bench-") as tmp:
         for repeat in range(args.repeats):
-            for job in jobs:
-                if job.get("skipped"):
-                    continue
-                busy = background_busy()
-                result = {**run_job(job, common, Path(tmp)), "background_busy": busy}
-                job.setdefault("runs", []).append(result)
-                shown = "error: " + result["error"] if "error" in result else ", ".join(
-                    f"{title} {'–' if result.get(key) is None else f'{result[key]:.{digits}f}'}"
-                    for key, title, digits in METRICS)
-                print(f"[{repeat + 1}/{args.repeats}] {job['label']}: {shown}", file=sys.stderr, flush=True)
-    finish(jobs, args)
+            for n, jobs in contexts.items():
+                for job in jobs:
+                    if job.get("skipped"):
+                        continue
+                    busy = background_busy()
+                    result = {**run_job(job, common, Path(tmp)), "background_busy": busy}
+                    job.setdefault("runs", []).append(result)
+                    shown = "error: " + result["error"] if "error" in result else ", ".join(
+                        f"{title} {'–' if result.get(key) is None else f'{result[key]:.{digits}f}'}"
+                        for key, title, digits in METRICS)
+                    where = f" ({n}-token prompt)" if len(contexts) > 1 else ""
+                    print(f"[{repeat + 1}/{args.repeats}] {job['label']}{where}: {shown}", file=sys.stderr, flush=True)
+    for jobs in contexts.values():
+        finish(jobs)
     from kvexport.runtime.cpu import cpu_info
 
     cpu, features = cpu_info()
-    busy = summarize([r.get("background_busy") for job in jobs for r in job.get("runs", [])])
+    every_run = [r for jobs in contexts.values() for job in jobs for r in job.get("runs", [])]
     report = {
         "date": started,
         "machine": {"cpu": cpu, "cpu_features": features, "cpus": os.cpu_count(), "load_before": load_before,
-                    "load_after": " ".join(f"{x:.2f}" for x in os.getloadavg()), "background_busy": busy,
+                    "load_after": " ".join(f"{x:.2f}" for x in os.getloadavg()),
+                    "background_busy": summarize([r.get("background_busy") for r in every_run]),
                     "python": platform.python_version()},
         "protocol": {"prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens, "repeats": args.repeats,
-                     "threads": args.threads, "warmup_new_tokens": WARMUP_NEW_TOKENS, "prompt_text": prompt_text},
+                     "threads": args.threads, "warmup_new_tokens": WARMUP_NEW_TOKENS},
         "model": args.model,
         "llama_cpp": llama_version,
-        "paths": [{k: v for k, v in job.items() if k != "python"} for job in jobs],
+        "contexts": [
+            {"prompt_tokens": n, "prompt_text": prompts[n][0], "ratios": ratios(jobs),
+             "paths": [{k: v for k, v in job.items() if k not in ("python", "prompt_ids", "prompt_text")} for job in jobs]}
+            for n, jobs in contexts.items()
+        ],
     }
-    report["ratios"] = ratios(jobs)
+    if len(contexts) > 1:
+        report["traffic"] = traffic_by_path(contexts, manifests, args.new_tokens)
     table = markdown(report)
     print(table)
     if args.json:
@@ -676,6 +738,24 @@ def main(argv=None) -> int:
     if args.markdown:
         write_text(args.markdown, table, "--markdown")
     return 0
+
+
+def traffic_by_path(contexts: dict[int, list[dict]], manifests: dict[str, dict], new_tokens: int) -> dict:
+    """For each path that runs a kvexport artifact (not another exporter's program, not eager or
+    llama.cpp, whose bytes kvexport does not know): its decode by prompt length beside the
+    memory-traffic limit there."""
+    from .traffic import limits
+
+    out = {}
+    for index, job in enumerate(next(iter(contexts.values()))):
+        if job.get("skipped") or job.get("pte") or job.get("genai_folder") or job.get("artifact") not in manifests:
+            continue
+        decode = {}
+        for n, jobs in contexts.items():
+            summary = jobs[index].get("summary", {}).get("decode_tokens_per_s")
+            decode[n] = summary["median"] if summary else None
+        out[job["label"]] = limits(manifests[job["artifact"]], decode, new_tokens)
+    return out
 
 
 if __name__ == "__main__":

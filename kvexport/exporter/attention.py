@@ -9,12 +9,27 @@ per-family details (soft-capping, sinks, scaling) stay transformers'.
 from __future__ import annotations
 
 import sys
+from contextlib import contextmanager
 
 from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask
 from transformers.models.llama import modeling_llama
 
 NAME = "kvexport"
+# The call the decoder is running, for layers whose model does not hand transformers' call arguments
+# on to their attention (Nemotron's decoder layers drop them): they reach it here.
+_running_call = None
+
+
+@contextmanager
+def running(call):
+    """While the decoder runs the model on ``call``: every attention call belongs to it."""
+    global _running_call
+    before, _running_call = _running_call, call
+    try:
+        yield
+    finally:
+        _running_call = before
 
 
 def family_eager_attention(module):
@@ -29,8 +44,10 @@ def plain_softmax_attention(kwargs: dict) -> bool:
 
 
 def kvexport_attention(module, query, key, value, attention_mask, kvexport_call=None, **kwargs):
+    kvexport_call = kvexport_call or _running_call
     if kvexport_call is None:  # called by plain transformers (e.g. generate): its own cache ran already
         return family_eager_attention(module)(module, query, key, value, attention_mask, **kwargs)
+    kvexport_call.reach(module, key, value)
     layer = kvexport_call.layers[module.layer_idx]
     attend = getattr(layer, "attend", None)
     if attend is not None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..errors import UnsupportedModelError
 from ..models.adapters import fixed_rotary_frequencies, prepare_for_export
 from ..models.architecture import check_rope, layer_specs
 from . import attention
@@ -86,15 +87,23 @@ class ExportableDecoder(nn.Module):
         # The bound is stated here rather than in a bounded export Dim: a named Dim with a max
         # makes torch.export reject a spurious guard from transformers' repeat_kv reshape.
         torch._check(tokens.shape[1] <= self.max_tokens_per_call)
-        out = self.model(
-            input_ids=tokens,
-            attention_mask=self.masks(positions),
-            position_ids=positions[None],
-            # No transformers cache: our attention (see attention.py) writes and reads our caches.
-            use_cache=False,
-            kvexport_call=CallState(self.caches, positions, self.max_cache_len, self.states),
-            logits_to_keep=1,
-        )
+        call = CallState(self.caches, positions, self.max_cache_len, self.states, self.specs)
+        with attention.running(call):
+            out = self.model(
+                input_ids=tokens,
+                attention_mask=self.masks(positions),
+                position_ids=positions[None],
+                # No transformers cache: our attention (see attention.py) writes and reads our caches.
+                use_cache=False,
+                kvexport_call=call,
+                logits_to_keep=1,
+            )
+        unreached = [i for i, spec in enumerate(self.specs) if spec.has_kv and i not in call.reached]
+        if unreached:
+            raise UnsupportedModelError(
+                f"architecture '{self.model.config.model_type}' is not supported: the attention of layers {unreached} "
+                "does not go through transformers' AttentionInterface, where kvexport's cache plugs in"
+            )
         return out.logits[:, -1, :]
 
 

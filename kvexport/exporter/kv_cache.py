@@ -20,6 +20,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from ..errors import UnsupportedModelError
 from ..models.architecture import CHUNKED, CONV, MAMBA2, NONE, RECURRENT, RING, SHARED, STATIC, LayerSpec
 from .attention import family_eager_attention
 
@@ -374,8 +375,9 @@ class CallState:
     no data-dependent integer in them.
     """
 
-    def __init__(self, layers, positions: torch.Tensor, max_cache_len: int, states=None):
+    def __init__(self, layers, positions: torch.Tensor, max_cache_len: int, states=None, specs=None):
         self.layers = layers
+        self.specs = specs
         self.states = layers if states is None else states
         self.positions = positions
         self.max_cache_len = max_cache_len
@@ -384,6 +386,29 @@ class CallState:
         # A ring's keys and values as its layer attended to them in this call (the ring before the
         # call's write, then the call's), by cache: layers that share the ring attend to the same.
         self.attended = {}
+        # The layers whose attention ran in this call (each must run once).
+        self.reached = set()
+
+    def reach(self, module, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Note that layer ``module.layer_idx`` attends in this call, and refuse, in one line, a model
+        whose attention is not what its config told the cache: keys and values of another shape than
+        the config's (a family whose attention reads sizes the config does not name), or a second
+        attention call of one layer (differential attention: one cache holds one set of values)."""
+        index = module.layer_idx
+        name = f"architecture '{getattr(getattr(module, 'config', None), 'model_type', None)}' is not supported"
+        if index in self.reached:
+            raise UnsupportedModelError(f"{name}: its layer {index} calls attention twice per step, a cache holds one call's keys and values")
+        self.reached.add(index)
+        spec = self.specs[index] if self.specs is not None else None
+        if spec is None or spec.reads is not None:  # a sharing layer is handed its producer's keys
+            return
+        planned = (spec.kv_heads, spec.head_dim, spec.head_dim)
+        actual = (key.shape[1], key.shape[-1], value.shape[-1])
+        if actual != planned:
+            raise UnsupportedModelError(
+                f"{name}: layer {index}'s attention computes {actual[0]} KV heads of keys of size {actual[1]} and "
+                f"values of size {actual[2]}, where its config gives {planned[0]} heads of size {planned[1]}"
+            )
 
     def ring_writes(self, window: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``newest_in_slot`` of this call for rings of ``window`` slots, computed once for all of

@@ -57,10 +57,20 @@ _REFUSED = {
     "runs Qwen 3.5's and Qwen3-Next's layout)",
     "recurrent_gemma": "a recurrent hybrid",
     "llama4": "a multimodal model (its text model, llama4_text, is supported)",
+    "emu3": "a multimodal model (images as the tokens of its VQ tokenizer, vq_config); its text model, "
+    "emu3_text_model, is no causal LM that AutoModelForCausalLM takes",
     "t5": "an encoder-decoder model",
     "bart": "an encoder-decoder model",
     "whisper": "an encoder-decoder speech model",
     "bert": "an encoder-only model",
+    "diffllama": "a differential-attention model (each layer attends twice, over two halves of its values; a cache "
+    "holds one call's keys and values)",
+    "hrm_text": "a hierarchical reasoning model, which runs its layers several times per step (a cache holds one "
+    "call's keys and values per layer)",
+    "jetmoe": "a mixture of attention heads and of experts whose experts take as many tokens as the call routes "
+    "to each (sizes from the call's values, which torch.export cannot trace)",
+    "dbrx": "a mixture of experts that loops over the experts each call hits (control flow on the call's values, "
+    "which torch.export cannot trace)",
 }
 
 # Sub-config names that mean the model takes more than text.
@@ -183,6 +193,10 @@ def check_supported(config) -> None:
             "its attention is multi-head latent attention (kv_lora_rank: DeepSeek-V2/V3 style), whose cache holds "
             "a latent that the keys and values are expanded from; kvexport caches keys and values"
         )
+    values = getattr(text, "v_head_dim", None)
+    if values and values != _kv_shape(text, 0)[1]:
+        refuse(f"its values have a head size of their own (v_head_dim {values}, keys {_kv_shape(text, 0)[1]}); "
+               "kvexport's caches hold keys and values of one size")  # fmt: skip
     for layer_type in sorted(set(getattr(text, "layer_types", None) or ())):
         if layer_type == CONV and getattr(text, "conv_L_cache", None):
             continue  # LFM2's short convolution (models/adapters.py runs it over kvexport's state)

@@ -248,10 +248,16 @@ def preset_config(name: str):
 
 
 def tiny_config(model_type: str, overrides: dict):
-    """A tiny config of any family: the shared tiny defaults (they fit the tokenizer), then ``overrides``."""
+    """A tiny config of any family: the shared tiny defaults (they fit the tokenizer), then ``overrides``.
+
+    A default the family's config does not have is left out (the token ids aside): GPT-2's attention
+    has no KV heads of its own, and a ``num_key_value_heads`` set on its config would tell kvexport's
+    cache a shape its attention never computes."""
     from transformers import AutoConfig
 
-    return AutoConfig.for_model(model_type, **{**_COMMON, **overrides})
+    known = AutoConfig.for_model(model_type)
+    common = {key: value for key, value in _COMMON.items() if key.endswith("_token_id") or hasattr(known, key)}
+    return AutoConfig.for_model(model_type, **{**common, **overrides})
 
 
 def build_preset(name: str, dtype: torch.dtype | str = "float32"):
@@ -269,11 +275,26 @@ def build_tiny(config, dtype: torch.dtype | str = "float32"):
         torch.manual_seed(0)
         # Drawn in float32, then rounded: float16 draws from one seed differ between torch versions,
         # and a check on another machine rebuilds the model.
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).to(dtype)
-    model.generation_config.eos_token_id = config.eos_token_id
-    model.generation_config.bos_token_id = config.bos_token_id
-    model.generation_config.pad_token_id = config.pad_token_id
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        _redraw_zero_weights(model, config)
+        model = model.to(dtype)
+    text = config.get_text_config()  # a composite config (Fuyu) holds its token ids in its text config
+    for name in ("eos_token_id", "bos_token_id", "pad_token_id"):
+        setattr(model.generation_config, name, getattr(config if hasattr(config, name) else text, name))
     return model.eval(), char_tokenizer()
+
+
+def _redraw_zero_weights(model, config) -> None:
+    """Random weights where the family's initialization leaves a matrix at zero (AFMoE's router):
+    a zero router scores every expert the same, a tie that torch and ONNX Runtime break differently,
+    which a trained router never has. Biases and vectors keep their initialization."""
+    import torch
+
+    std = getattr(config.get_text_config(), "initializer_range", None) or 0.02
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("weight") and param.dim() >= 2 and not param.any():
+                param.normal_(0.0, std)
 
 
 def char_tokenizer() -> PreTrainedTokenizerFast:

@@ -31,12 +31,14 @@ def test_bench_measures_every_path(artifact, tmp_path, capsys):
     table = capsys.readouterr().out
     assert table.strip() == (tmp_path / "b.md").read_text().strip() and "| path |" in table
 
+    (context,) = report["contexts"]
     paths = {(p["path"], Path(p.get("pte") or p.get("genai_folder") or p.get("artifact") or "").name or None): p
-             for p in report["paths"]}
+             for p in context["paths"]}
     assert set(paths) == {("eager", None), ("run", pte.name), ("run", onnx.name), ("textllm", pte.name),
                           ("textllm", "model.pte"), ("genai", onnx.name), ("genai", "other-genai"), ("llama", None)}
     assert "no GGUF" in paths["llama", None]["skipped"]  # a preset has no GGUF file
-    assert report["protocol"] == {**report["protocol"], "prompt_tokens": 8, "new_tokens": 6, "threads": 1}
+    assert report["protocol"] == {**report["protocol"], "prompt_tokens": [8], "new_tokens": 6, "threads": 1}
+    assert context["prompt_tokens"] == 8 and "traffic" not in report  # one length: no table by length
     for key, job in paths.items():
         if key[0] == "llama":
             continue
@@ -59,10 +61,10 @@ def test_bench_measures_every_path(artifact, tmp_path, capsys):
     assert "same_text_as_run" not in paths["textllm", "model.pte"]  # not kvexport run's program
     # A ratio wherever both medians exist: TextLLMRunner's 5 tiny decode steps may round to 0 ms.
     textllm_decode = (paths["textllm", pte.name]["summary"]["decode_tokens_per_s"] or {}).get("median")
-    assert set(report["ratios"]["run_vs_textllm"]) == ({str(pte)} if textllm_decode else set())
+    assert set(context["ratios"]["run_vs_textllm"]) == ({str(pte)} if textllm_decode else set())
     other_decode = (paths["textllm", "model.pte"]["summary"]["decode_tokens_per_s"] or {}).get("median")
-    assert len(report["ratios"]["decode_vs_eager"]) == 4 + bool(textllm_decode) + bool(other_decode)
-    assert report["ratios"]["decode_vs_llama"] == {} and "| decode × llama.cpp |" in table  # llama.cpp skipped
+    assert len(context["ratios"]["decode_vs_eager"]) == 4 + bool(textllm_decode) + bool(other_decode)
+    assert context["ratios"]["decode_vs_llama"] == {} and "| decode × llama.cpp |" in table  # llama.cpp skipped
     # Other load sampled before each of the 7 runs (Linux), and the header says how much there was.
     assert report["machine"]["background_busy"]["n"] == 7 and "CPUs busy between runs" in table
 
@@ -159,3 +161,59 @@ def test_run_against_textllm_is_also_paired_round_by_round():
     assert r["run_vs_textllm"] == {"a": 200.0 / 260.0}
     # Rounds 1, 3, 4, 5: 1.0, 250/260, 250/260, 200/260; their median is 250/260.
     assert r["run_vs_textllm_by_round"] == {"a": pytest.approx(250 / 260)}
+
+
+def test_bench_measures_each_prompt_length_and_its_traffic_limit(artifact, tmp_path, capsys):
+    """Several --prompt-tokens: every path at each length (a table each), and for kvexport's paths
+    decode by length beside the traffic limit, which the shortest length reaches by definition."""
+    pte = artifact("tiny-gemma3", "executorch")
+    out = tmp_path / "bench.json"
+    assert bench_module.main(["tiny-gemma3", str(pte), "--prompt-tokens", "20,4", "--new-tokens", "6", "--repeats", "1",
+                              "--threads", "1", "--paths", "eager,run", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    table = capsys.readouterr().out
+    assert report["protocol"]["prompt_tokens"] == [4, 20]
+    assert [c["prompt_tokens"] for c in report["contexts"]] == [4, 20]
+    for context in report["contexts"]:
+        (run,) = next(p for p in context["paths"] if p["path"] == "run")["runs"]
+        assert run["prompt_tokens"] == context["prompt_tokens"] and run["decode_steps"] == 5
+    (label,) = report["traffic"]  # kvexport run; eager's bytes are not an artifact's
+    short, long = report["traffic"][label]["4"], report["traffic"][label]["20"]
+    assert short["share_of_limit"] == pytest.approx(1.0)
+    # 20 positions read more of the 64-slot buffer than 4 do (the 6-slot ring the same): a lower limit.
+    assert long["step_bytes"] > short["step_bytes"] and long["limit_tokens_per_s"] < short["decode_tokens_per_s"]
+    assert "4-token prompt:" in table and "20-token prompt:" in table and "| 4 tokens | 20 tokens |" in table
+
+
+def test_bench_refuses_prompt_lengths_it_cannot_read_in_one_line():
+    from kvexport.errors import InvalidOptionError
+
+    with pytest.raises(InvalidOptionError, match="'128,x' is not a length or comma-separated lengths"):
+        bench_module.parse_args(["tiny-llama", "a", "--prompt-tokens", "128,x"])
+    with pytest.raises(InvalidOptionError, match="must be at least 1"):
+        bench_module.parse_args(["tiny-llama", "a", "--prompt-tokens", "0,128"])
+
+
+def test_a_step_reads_the_weights_and_the_rows_each_layer_attends_to():
+    """A full layer reads every position so far, a ring at most its window, a sharing layer none;
+    at the cache's own bytes per element (here float32: 4)."""
+    from kvexport.bench import traffic
+
+    layer = {"kv_heads": 2, "head_dim": 16}
+    manifest = {
+        "files": {"model.pte": {"bytes": 1000}, "model.ptd": {"bytes": 9000}, "tokenizer.json": {"bytes": 500}},
+        "layers": [{"index": 0, "cache": "static", "slots": 64, **layer}, {"index": 1, "cache": "ring", "slots": 6, **layer},
+                   {"index": 2, "cache": "shared", "slots": 0, **layer}, {"index": 3, "cache": "conv", "slots": 3}],
+        "kv_cache_bytes": (64 + 6) * 2 * 2 * 16 * 4,
+    }
+    assert traffic.weight_bytes(manifest) == 10_000  # the program's files, not the tokenizer
+    row = 2 * 2 * 16 * 4  # keys and values of one position in one layer
+    assert traffic.cache_bytes_read(manifest, 3) == (3 + 3) * row
+    assert traffic.cache_bytes_read(manifest, 10) == (10 + 6) * row
+    assert traffic.cache_bytes_read(manifest, 100) == (64 + 6) * row
+    # 50 tok/s at the shortest context; at a longer one the same bandwidth over more bytes.
+    got = traffic.limits(manifest, {4: 50.0, 40: 20.0}, new_tokens=8)
+    first, second = 10_000 + (8 + 6) * row, 10_000 + (44 + 6) * row
+    assert got[4]["share_of_limit"] == pytest.approx(1.0)
+    assert got[40]["limit_tokens_per_s"] == pytest.approx(50.0 * first / second)
+    assert got[40]["share_of_limit"] == pytest.approx(20.0 / (50.0 * first / second))

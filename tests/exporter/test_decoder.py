@@ -5,8 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvexport.errors import UnsupportedModelError
 from kvexport.exporter.decoder import ExportableDecoder
 from kvexport.exporter.onnx.decoder import ExternalCacheDecoder
+from kvexport.models import architecture
+from kvexport.models.presets import build_tiny, tiny_config
 
 from tests.conftest import NEW_TOKENS, PROMPT, TEST_CACHE_LEN
 from tests.helpers import FP32_LOGIT_ATOL, assert_generation_matches, eager_reference, greedy_with, torch_forward
@@ -175,3 +178,44 @@ def test_nemotron_h_steps_as_transformers_does_call_by_call(chunks):
         got = torch.as_tensor(forward(ids[start : start + size], start))
         torch.testing.assert_close(got, expected, atol=FP32_LOGIT_ATOL, rtol=0, msg=f"call at {start} of {size} tokens")
         start += size
+
+
+@pytest.mark.parametrize("model_type", ["gpt2", "gpt_neox", "opt", "gpt_bigcode", "nemotron"])
+def test_families_whose_attention_is_laid_out_their_own_way_match_eager(model_type):
+    """Multi-head attention that names no KV heads (GPT-2, GPT-NeoX, OPT), one KV head from
+    ``multi_query`` (GPT-BigCode): the cache is sized as their attention computes. Decoder layers that drop transformers' call
+    arguments (Nemotron): the attention still reaches the call's caches. Each generates what eager does."""
+    # GPT-BigCode derives its KV heads from multi_query (its default: one), as a real config of it has them.
+    overrides = {"num_key_value_heads": 1} if model_type == "gpt_bigcode" else {}
+    model, tokenizer = build_tiny(tiny_config(model_type, overrides))
+    ids = tokenizer(PROMPT).input_ids
+    decoder = ExportableDecoder(model, TEST_CACHE_LEN)
+    got = greedy_with(torch_forward(decoder), ids, NEW_TOKENS)
+    assert_generation_matches(got, eager_reference(model, ids, NEW_TOKENS), FP32_LOGIT_ATOL, model_type)
+
+
+def _unrefused(monkeypatch, model_type: str):
+    """A tiny model of ``model_type`` with kvexport's refusal of it lifted, to reach the guard behind it."""
+    monkeypatch.delitem(architecture._REFUSED, model_type)
+    return build_tiny(tiny_config(model_type, {}))[0]
+
+
+def test_a_layer_that_attends_twice_is_refused_in_one_line(monkeypatch):
+    """Diff-Llama's differential attention (two attention calls per layer, over two halves of its
+    values) is refused from its config; lifted, the first call says why, in one line."""
+    with pytest.raises(UnsupportedModelError, match="differential-attention"):
+        architecture.check_supported(tiny_config("diffllama", {}))
+    decoder = ExportableDecoder(_unrefused(monkeypatch, "diffllama"), TEST_CACHE_LEN)
+    with pytest.raises(UnsupportedModelError, match="its layer 0 calls attention twice per step") as traced:
+        decoder(torch.tensor([[1, 2, 3]]), torch.tensor([0]))
+    assert "\n" not in str(traced.value)
+
+
+def test_keys_of_another_shape_than_the_config_gives_are_refused_in_one_line():
+    """A config whose KV heads its attention ignores (GPT-2 with ``num_key_value_heads`` set): the
+    first call names the layer and both shapes rather than failing inside a cache write."""
+    config = tiny_config("gpt2", {})
+    config.num_key_value_heads = 2
+    decoder = ExportableDecoder(build_tiny(config)[0], TEST_CACHE_LEN)
+    with pytest.raises(UnsupportedModelError, match="layer 0's attention computes 4 KV heads of keys of size 16 .* config gives 2 heads"):
+        decoder(torch.tensor([[1, 2, 3]]), torch.tensor([0]))

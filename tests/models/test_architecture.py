@@ -90,7 +90,10 @@ def test_every_causal_lm_of_transformers_is_accepted_or_refused_in_one_line():
     assert unbuildable == ["gemma4_assistant"]  # a drafter: its config needs its target model's
     assert {"llama", "gemma3_text", "gemma3n_text", "gemma4_text", "cohere2", "gpt_oss", "lfm2", "lfm2_moe", "lfm3",
             "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "llama4_text", "nemotron_h", "falcon_h1"} <= set(accepted)
-    assert {"deepseek_v3", "mamba", "olmo_hybrid"} <= set(refused)
+    # Among them, layers kvexport cannot cache or trace as the config describes them: values of their own
+    # head size, two attention calls per layer (differential attention; layers run in cycles), experts
+    # sized by the call's routing.
+    assert {"deepseek_v3", "mamba", "olmo_hybrid", "mimo_v2_flash", "diffllama", "hrm_text", "dbrx", "jetmoe"} <= set(refused)
     assert len(accepted) + len(refused) + len(unbuildable) == len(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
 
 

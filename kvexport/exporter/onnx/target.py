@@ -11,6 +11,7 @@ a sliding layer's over a window-sized buffer that the kernel itself keeps.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 from pathlib import Path
@@ -123,15 +124,16 @@ def lower(program: torch.export.ExportedProgram, spec: ProgramSpec, out_dir: Pat
     import onnx
 
     input_names, output_names = io_names(spec.layers)
-    onnx_program = torch.onnx.export(
-        program,
-        (),
-        dynamo=True,
-        input_names=input_names,
-        output_names=output_names,
-        custom_translation_table={**ATTENTION_TRANSLATIONS, **ROTARY_TRANSLATIONS},
-        verbose=False,
-    )
+    with _exact_no_op_rules():
+        onnx_program = torch.onnx.export(
+            program,
+            (),
+            dynamo=True,
+            input_names=input_names,
+            output_names=output_names,
+            custom_translation_table={**ATTENTION_TRANSLATIONS, **ROTARY_TRANSLATIONS},
+            verbose=False,
+        )
     if spec.dtype == "float32":
         _fuse_norms(onnx_program.model)
     _tidy(onnx_program.model, spec.layers)
@@ -291,6 +293,25 @@ def describe_quantization(quantization: Quantization, hidden_size: int) -> dict 
 def quantization_detail(quantization: Quantization) -> str:
     return (f"int4 linear weights ({quantization.lm_head or 'int8'} lm_head), MatMul -> MatMulNBits, "
             "Gather -> GatherBlockQuantized int8 (ONNX Runtime)")
+
+
+@contextlib.contextmanager
+def _exact_no_op_rules():
+    """torch.onnx's optimization without onnxscript's no-op rules for arithmetic: they remove
+    ``x + c`` and ``x - c`` where ``c`` is *close* to 0 (within 1e-8), ``x * c`` and ``x / c`` where
+    it is close to 1 (within 1e-5). Helium's RMS norm adds an epsilon of 1e-8: the rule dropped it,
+    and a hidden state of zeros (a padding token's embedding) became NaN. An exact 0 or 1 left in
+    the graph costs an elementwise op; the other rules run as they do."""
+    from onnxscript import rewriter
+    from onnxscript.rewriter.rules.common import _no_op
+
+    arithmetic = set(map(id, _no_op.rules)) - {id(_no_op.dropout_zero_rule), id(_no_op.dropout_inference_rule)}
+    default = rewriter._DEFAULT_REWRITE_RULES
+    rewriter._DEFAULT_REWRITE_RULES = tuple(rule for rule in default if id(rule) not in arithmetic)
+    try:
+        yield
+    finally:
+        rewriter._DEFAULT_REWRITE_RULES = default
 
 
 def _fuse_norms(model) -> None:

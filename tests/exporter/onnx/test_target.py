@@ -356,3 +356,25 @@ def test_onnx_chunked_layer_reads_its_past_before_the_kernel_writes_it(artifact,
             if node.op_type == "GroupQueryAttention":
                 node.input[0] = "detached_query"
         assert sum(bool(m) for m in _reads_not_before_writes(detached).values()) == 1
+
+
+def test_a_tiny_norm_epsilon_stays_in_the_graph(tmp_path):
+    """Helium adds an epsilon of 1e-8 in its RMS norm: onnxscript's optimizer removed it as an
+    addition of (nearly) zero, and the padding token's embedding (zeros) then gave NaN logits."""
+    import numpy as np
+    import torch
+
+    from kvexport import api
+    from kvexport.models.presets import build_tiny, tiny_config
+
+    model, tokenizer = build_tiny(tiny_config("helium", {"head_dim": 16}))
+    assert model.config.rms_norm_eps == 1e-8
+    model.save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    api.export(str(tmp_path / "model"), "onnx", tmp_path / "onnx", max_cache_len=TEST_CACHE_LEN, quiet=True)
+    pad = model.config.pad_token_id
+    got = np.asarray(load_program(tmp_path / "onnx").forward([pad], 0)).ravel()
+    with torch.no_grad():
+        want = model(torch.tensor([[pad]])).logits[0, -1].numpy()
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, want, rtol=0, atol=FP32_LOGIT_ATOL)
