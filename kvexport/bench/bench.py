@@ -746,16 +746,14 @@ def traffic_by_path(contexts: dict[int, list[dict]], manifests: dict[str, dict],
     memory-traffic limit there."""
     from .traffic import limits
 
-    out = {}
-    for index, job in enumerate(next(iter(contexts.values()))):
-        if job.get("skipped") or job.get("pte") or job.get("genai_folder") or job.get("artifact") not in manifests:
-            continue
-        decode = {}
-        for n, jobs in contexts.items():
-            summary = jobs[index].get("summary", {}).get("decode_tokens_per_s")
-            decode[n] = summary["median"] if summary else None
-        out[job["label"]] = limits(manifests[job["artifact"]], decode, new_tokens)
-    return out
+    decode = {}  # label -> {prompt length: decode tokens/s}
+    for n, jobs in contexts.items():
+        for job in jobs:
+            if job.get("skipped") or job.get("pte") or job.get("genai_folder") or job.get("artifact") not in manifests:
+                continue
+            summary = job.get("summary", {}).get("decode_tokens_per_s")
+            decode.setdefault(job["label"], (job["artifact"], {}))[1][n] = summary["median"] if summary else None
+    return {label: limits(manifests[artifact], by_length, new_tokens) for label, (artifact, by_length) in decode.items()}
 
 
 if __name__ == "__main__":

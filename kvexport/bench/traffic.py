@@ -51,10 +51,11 @@ def limits(manifest: dict, decode_by_context: dict[int, float], new_tokens: int)
     if not measured:
         return {}
     shortest = min(measured)
-    bandwidth = measured[shortest] * step_bytes(manifest, shortest + new_tokens // 2)
+    read = {n: step_bytes(manifest, n + new_tokens // 2) for n in measured}
+    bandwidth = measured[shortest] * read[shortest]
     out = {}
     for n, speed in sorted(measured.items()):
-        limit = bandwidth / step_bytes(manifest, n + new_tokens // 2)
+        limit = bandwidth / read[n]
         out[n] = {"decode_tokens_per_s": speed, "limit_tokens_per_s": limit, "share_of_limit": speed / limit,
-                  "step_bytes": step_bytes(manifest, n + new_tokens // 2)}
+                  "step_bytes": read[n]}
     return out

@@ -194,9 +194,10 @@ def check_supported(config) -> None:
             "a latent that the keys and values are expanded from; kvexport caches keys and values"
         )
     values = getattr(text, "v_head_dim", None)
-    if values and values != _kv_shape(text, 0)[1]:
-        refuse(f"its values have a head size of their own (v_head_dim {values}, keys {_kv_shape(text, 0)[1]}); "
-               "kvexport's caches hold keys and values of one size")  # fmt: skip
+    keys = _kv_shape(text, 0)[1] if values else None
+    if values and values != keys:
+        refuse(f"its values have a head size of their own (v_head_dim {values}, keys {keys}); kvexport's caches "
+               "hold keys and values of one size")
     for layer_type in sorted(set(getattr(text, "layer_types", None) or ())):
         if layer_type == CONV and getattr(text, "conv_L_cache", None):
             continue  # LFM2's short convolution (models/adapters.py runs it over kvexport's state)

@@ -194,18 +194,13 @@ def test_families_whose_attention_is_laid_out_their_own_way_match_eager(model_ty
     assert_generation_matches(got, eager_reference(model, ids, NEW_TOKENS), FP32_LOGIT_ATOL, model_type)
 
 
-def _unrefused(monkeypatch, model_type: str):
-    """A tiny model of ``model_type`` with kvexport's refusal of it lifted, to reach the guard behind it."""
-    monkeypatch.delitem(architecture._REFUSED, model_type)
-    return build_tiny(tiny_config(model_type, {}))[0]
-
-
 def test_a_layer_that_attends_twice_is_refused_in_one_line(monkeypatch):
     """Diff-Llama's differential attention (two attention calls per layer, over two halves of its
     values) is refused from its config; lifted, the first call says why, in one line."""
     with pytest.raises(UnsupportedModelError, match="differential-attention"):
         architecture.check_supported(tiny_config("diffllama", {}))
-    decoder = ExportableDecoder(_unrefused(monkeypatch, "diffllama"), TEST_CACHE_LEN)
+    monkeypatch.delitem(architecture._REFUSED, "diffllama")
+    decoder = ExportableDecoder(build_tiny(tiny_config("diffllama", {}))[0], TEST_CACHE_LEN)
     with pytest.raises(UnsupportedModelError, match="its layer 0 calls attention twice per step") as traced:
         decoder(torch.tensor([[1, 2, 3]]), torch.tensor([0]))
     assert "\n" not in str(traced.value)
