@@ -43,6 +43,7 @@ def export(
     quantize_embedding: str | None = None,
     quantize_lm_head: str | None = None,
     kv_cache: str = "float",
+    max_draft_tokens: int = 0,
     force: bool = False,
     quiet: bool = False,
     revision: str | None = None,
@@ -58,7 +59,8 @@ def export(
     child process that has it."""
     options = {
         "max_cache_len": max_cache_len, "prefill_chunk": prefill_chunk, "dtype": dtype, "quantize": quantize,
-        "quantize_embedding": quantize_embedding, "quantize_lm_head": quantize_lm_head, "kv_cache": kv_cache, "force": force,
+        "quantize_embedding": quantize_embedding, "quantize_lm_head": quantize_lm_head, "kv_cache": kv_cache,
+        "max_draft_tokens": max_draft_tokens, "force": force,
         "quiet": quiet, "revision": revision, "offline": offline, "gguf_file": gguf_file,
     }
     if os.environ.get("PYTHONHASHSEED") == EXPORT_HASH_SEED:
@@ -96,11 +98,15 @@ def check(
     model: str | None = None,
     runner: str = "kvexport",
     baseline: str | Path | None = None,
+    draft: str | Path | None = None,
+    draft_tokens: int | None = None,
 ) -> CheckReport:
     """``kvexport check``: the artifact against eager transformers (``model``: another reference
     than the one the artifact came from; ``runner="genai"``: run it in onnxruntime-genai;
-    ``baseline``: for an int8 KV cache, the same export with a float one, compared too).
-    ``.passed`` says whether it holds; ``.prompts`` has each prompt's comparison."""
+    ``baseline``: for an int8 KV cache, the same export with a float one, compared too; ``draft``:
+    ``"ngram"`` or a drafting artifact's folder, the artifact generating speculatively,
+    ``draft_tokens`` at a time). ``.passed`` says whether it holds; ``.prompts`` has each prompt's
+    comparison."""
     from .artifact.manifest import read_manifest
     from .checker.check import choose_prompts, run_check
     from .runtime.tokenizer import ArtifactTokenizer
@@ -108,7 +114,8 @@ def check(
     folder = Path(path)
     manifest = read_manifest(folder)
     chosen = choose_prompts(manifest, ArtifactTokenizer(folder), prompts, max_new_tokens)
-    return run_check(folder, chosen, device, model, runner=runner, baseline=None if baseline is None else Path(baseline))
+    return run_check(folder, chosen, device, model, runner=runner, baseline=None if baseline is None else Path(baseline),
+                     draft=None if draft is None else str(draft), draft_tokens=draft_tokens)
 
 
 class Artifact:
@@ -161,18 +168,30 @@ class Artifact:
         top_p: float = 1.0,
         seed: int | None = None,
         on_token: Callable[[int], None] | None = None,
+        draft: str | Path | None = None,
+        draft_tokens: int | None = None,
     ) -> Generation:
         """``kvexport run``: generate from ``prompt`` (with ``chat``, wrapped in the model's chat
         template) until EOS, ``max_new_tokens`` or a full cache. The result has ``.text``,
-        ``.new_ids``, ``.prompt_ids``, ``.stopped_by`` and the prefill and decode speeds."""
+        ``.new_ids``, ``.prompt_ids``, ``.stopped_by`` and the prefill and decode speeds. ``draft``
+        (``"ngram"`` or a drafting artifact's folder; greedy only): the same tokens, decoded
+        speculatively, ``draft_tokens`` at a time, and ``.speculation`` says how many were accepted."""
+        import contextlib
+
+        from .errors import InvalidOptionError
         from .runtime.generation import Sampling, check_fits
         from .runtime.run import encode_prompt, generate_text
+        from .runtime.speculation import load_drafter
 
         sampling = Sampling(temperature, top_p, seed)
+        if draft is not None and temperature:
+            raise InvalidOptionError("draft decodes greedily: leave out temperature")
         prompt_ids = encode_prompt(self.tokenizer, prompt, chat)
         check_fits(len(prompt_ids), max_new_tokens, self.max_cache_len)
-        return generate_text(self.program, self.tokenizer, prompt_ids, max_new_tokens, ignore_eos, chat, sampling,
-                             on_token=on_token)
+        with contextlib.ExitStack() as stack:
+            drafter = load_drafter(str(draft), stack, self.device) if draft is not None else None
+            return generate_text(self.program, self.tokenizer, prompt_ids, max_new_tokens, ignore_eos, chat, sampling,
+                                 on_token=on_token, drafter=drafter, draft_tokens=draft_tokens)
 
     def chat(self, system: str | None = None, max_new_tokens: int | None = None, *, temperature: float = 0.0,
              top_p: float = 1.0, seed: int | None = None) -> Conversation:

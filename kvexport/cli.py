@@ -62,6 +62,10 @@ def export(
         str,
         typer.Option(help="float (the export's dtype) or int8, about a quarter of float32's bytes (executorch: a scale and zero point per token and KV head; onnx: a fixed scale per KV head and channel, calibrated at export)"),
     ] = "float",
+    max_draft_tokens: Annotated[
+        int,
+        typer.Option(help="speculative decoding (run --draft): most drafted tokens one call verifies (a .pte gets a verify method, an ONNX graph a logits_indices input); 0: none"),
+    ] = 0,
     revision: Annotated[Optional[str], typer.Option(help="hub id: branch, tag or commit [default: main]")] = None,
     offline: Annotated[
         bool, typer.Option("--offline", help="hub id: the local HF cache only, no network (as HF_HUB_OFFLINE=1)")
@@ -84,7 +88,7 @@ def export(
         result = export_in_this_process(
             model, target, out, quiet=quiet, max_cache_len=max_cache_len, dtype=dtype, force=force, quantize=quantize,
             quantize_embedding=quantize_embedding, quantize_lm_head=quantize_lm_head, prefill_chunk=prefill_chunk,
-            kv_cache=kv_cache, revision=revision, offline=offline, gguf_file=gguf_file,
+            kv_cache=kv_cache, max_draft_tokens=max_draft_tokens, revision=revision, offline=offline, gguf_file=gguf_file,
         )
     if as_json:
         print(json.dumps({"folder": str(result.folder), "seconds": result.seconds, "peak_rss_mb": result.peak_rss_mb}))
@@ -168,13 +172,19 @@ def check(
     baseline: Annotated[
         Optional[Path], typer.Option(help="int8 KV cache: the same export with --kv-cache float, fed the same tokens, to tell the cache's error from the weights'")
     ] = None,
+    draft: Annotated[
+        Optional[str], typer.Option(metavar="ngram|ARTIFACT", help="generate speculatively, drafting with prompt lookup (ngram) or another artifact; the tokens must still be eager's (an artifact exported with --max-draft-tokens)")
+    ] = None,
+    draft_tokens: Annotated[
+        Optional[int], typer.Option(metavar="K", help="with --draft: tokens drafted per verification [default: the artifact's max_draft_tokens]")
+    ] = None,
     as_json: JsonFlag = False,
 ):
     """Compare the artifact with eager transformers' greedy generation; exit 0 only if all match."""
     from .checker.check import check_command
 
     _check_runner(runner)
-    ok = check_command(folder, prompt, max_new_tokens, device, model, as_json, runner, baseline)
+    ok = check_command(folder, prompt, max_new_tokens, device, model, as_json, runner, baseline, draft, draft_tokens)
     raise typer.Exit(0 if ok else 1)
 
 

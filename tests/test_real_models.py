@@ -1,5 +1,7 @@
 """The real models (Gemma 3 270M: 15 sliding layers of window 512; SmolLM2-135M), exported once per
-target at max_cache_len 1024 and compared with eager transformers far past the window. Slow: minutes each."""
+target at max_cache_len 1024, with a verification of up to 8 drafted tokens (which leaves the
+interface every runtime calls as it was), and compared with eager transformers far past the window,
+speculative decoding included. Slow: minutes each."""
 
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from tests.helpers import eager_ids, genai_greedy, on_one_worker
 pytestmark = pytest.mark.slow
 
 SHORT_PROMPT = "The history of the city of Paris"
+DRAFT_TOKENS = 8
 PARAGRAPH = (
     "The river flows through the old town, past the market square and the cathedral, and on toward "
     "the sea. Merchants have traded along its banks for centuries, and the bridges that cross it "
@@ -33,7 +36,8 @@ def export_real(tmp_path_factory, name: str, target: str) -> Path:
 
     def export(folder: Path) -> None:
         with pytest.raises(SystemExit) as done:
-            main(["export", name, "--target", target, "-o", str(folder), "--max-cache-len", "1024", "--quiet", "--force"])
+            main(["export", name, "--target", target, "-o", str(folder), "--max-cache-len", "1024",
+                  "--max-draft-tokens", str(DRAFT_TOKENS), "--quiet", "--force"])
         assert done.value.code == 0
 
     return exported_once(tmp_path_factory, f"real-{name}-{target}", export)
@@ -77,9 +81,9 @@ def reference_ids(tmp_path_factory):
     return get
 
 
-def kvexport_run(capsys, folder, prompt, n) -> dict:
+def kvexport_run(capsys, folder, prompt, n, *options) -> dict:
     with pytest.raises(SystemExit) as done:
-        main(["run", str(folder), "--prompt", prompt, "--max-new-tokens", str(n), "--ignore-eos", "--json"])
+        main(["run", str(folder), "--prompt", prompt, "--max-new-tokens", str(n), "--ignore-eos", "--json", *options])
     out, err = capsys.readouterr()
     assert done.value.code == 0, err
     return json.loads(out)
@@ -118,6 +122,16 @@ def test_new_tokens_after_a_prompt_longer_than_the_window_match_eager(real, caps
     result = kvexport_run(capsys, folder, prompt, AFTER_LONG_PROMPT)
     assert len(result["prompt_ids"]) > 512
     assert result["new_ids"] == reference_ids(model, result["prompt_ids"], AFTER_LONG_PROMPT)
+
+
+def test_speculative_decoding_with_prompt_lookup_matches_eager_past_the_window(real, capsys, reference_ids):
+    """Drafts from prompt lookup, verified 8 at a time, through the window's wrap: eager's tokens."""
+    folder, model = real
+    n = long_generation(folder)
+    result = kvexport_run(capsys, folder, SHORT_PROMPT, n, "--draft", "ngram")
+    assert result["new_ids"] == reference_ids(model, result["prompt_ids"], n)
+    spec = result["speculation"]
+    assert spec["verify_calls"] > 0 and spec["accepted"] > 0, spec
 
 
 @pytest.mark.parametrize("prompt_tokens, n", [(None, None), (800, AFTER_LONG_PROMPT)], ids=["short-long-generation", "long-prompt"])

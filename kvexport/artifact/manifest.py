@@ -245,6 +245,7 @@ def _check_details(path: Path, manifest: dict) -> None:
         "genai_unsupported": (lambda v: isinstance(v, str) and v.isprintable(), "text (why genai cannot run the folder)"),
         "kv_cache_bytes": (_count, "a number of bytes"),
         "kv_cache": (lambda v: isinstance(v, dict) and v.get("dtype") == "int8", "the KV cache's element type (int8)"),
+        "max_draft_tokens": (lambda v: _count(v, 1), "a positive number of drafted tokens a call verifies"),
     }
     for key, (valid, expected) in optional.items():
         if key in manifest and not valid(manifest[key]):

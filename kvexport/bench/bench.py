@@ -4,6 +4,7 @@ measured in one run.
     kvexport bench MODEL ARTIFACT [ARTIFACT ...] [--prompt-tokens 128[,1024,...]] [--new-tokens 128]
         [--repeats 3] [--threads 2] [--json OUT.json] [--markdown OUT.md] [--paths eager,run,textllm,genai,llama]
         [--llama-python PYTHON] [--pte OTHER.pte ...] [--genai-folder OTHER_DIR ...]
+        [--draft ngram|DRAFT_ARTIFACT ...] [--draft-tokens 2,4,8] [--prompt-file FILE]
 
 Paths, each measured in a fresh subprocess per repeat (so peak RSS is that path's alone and no path
 warms another's caches), the repeats interleaved round-robin across paths (so a burst of load on a
@@ -12,7 +13,10 @@ shared machine spreads over all of them):
 - ``eager``: transformers' ``generate`` (greedy, its DynamicCache) on MODEL, as ``kvexport check``
   runs it (``kvexport.checker.eager.greedy_generate``);
 - ``run``: each ARTIFACT (any target or dtype) through kvexport's own loop, what ``kvexport run``
-  does (``load_program`` + ``generation.generate``);
+  does (``load_program`` + ``generation.generate``); and for each ``--draft`` (prompt lookup, or a
+  drafting artifact) and each of ``--draft-tokens``, each ARTIFACT that verifies drafted tokens
+  (``--max-draft-tokens``) speculatively, what ``kvexport run --draft`` does
+  (``speculation.generate_with_draft``), its acceptance beside its speed;
 - ``textllm``: each ``.pte`` ARTIFACT through ExecuTorch's C++ ``TextLLMRunner`` (its pybinding), its
   timing from the ``Stats`` it hands to ``stats_callback``; so is each ``--pte`` file, another
   exporter's program of the same model (optimum-executorch's, say), with the first ARTIFACT's
@@ -27,7 +31,7 @@ shared machine spreads over all of them):
   ``--llama-python`` (default: this interpreter); otherwise reported as not installed.
 
 Every path gets the same prompt token ids (a fixed English text cut to exactly ``--prompt-tokens``
-tokens by the artifact's tokenizer) and generates ``--new-tokens`` greedy tokens, EOS ignored (the
+tokens by the artifact's tokenizer, or ``--prompt-file``'s text as it is) and generates ``--new-tokens`` greedy tokens, EOS ignored (the
 TextLLMRunner path cannot ignore EOS; it reports how many it generated). Each subprocess first does
 one short warm-up generation, then the measured one. Metrics, all from the measured generation:
 
@@ -172,6 +176,8 @@ def work_run(spec: dict) -> dict:
     program = load_program(folder, manifest)
     load_s = time.perf_counter() - t
     ids, n = spec["prompt_ids"], spec["new_tokens"]
+    if spec.get("draft"):
+        return _speculative_run(program, spec, load_s)
     generate(program, ids, WARMUP_NEW_TOKENS)
     program.reset()
     stamps: list[float] = []
@@ -180,6 +186,25 @@ def work_run(spec: dict) -> dict:
     end = time.perf_counter()
     return {**_timed(ids, n, t0, stamps[0], end, len(result.new_ids)), "prefill_s": result.prefill_seconds,
             "load_s": load_s, "new_ids": result.new_ids}
+
+
+def _speculative_run(program, spec: dict, load_s: float) -> dict:
+    """``work_run`` with a drafter: warmed up (the drafter too, on its own short generation), then measured."""
+    import contextlib
+
+    from kvexport.runtime.speculation import generate_with_draft, load_drafter
+
+    ids, n = spec["prompt_ids"], spec["new_tokens"]
+    with contextlib.ExitStack() as stack:
+        drafter = load_drafter(spec["draft"], stack)
+        generate_with_draft(program, ids, WARMUP_NEW_TOKENS, drafter, spec["draft_tokens"])
+        stamps: list[float] = []
+        t0 = time.perf_counter()
+        result = generate_with_draft(program, ids, n, drafter, spec["draft_tokens"],
+                                     on_token=lambda _: stamps.append(time.perf_counter()))
+        end = time.perf_counter()
+    return {**_timed(ids, n, t0, stamps[0], end, len(result.new_ids)), "prefill_s": result.prefill_seconds,
+            "load_s": load_s, "new_ids": result.new_ids, "speculation": result.speculation.summary()}
 
 
 def work_textllm(spec: dict) -> dict:
@@ -375,6 +400,11 @@ def plan_jobs(args, manifests: dict[str, dict], gguf: str | None, llama_version:
         if "run" in wanted:
             jobs.append({"path": "run", "label": f"kvexport run · {name} ({describe(manifest)})", "artifact": folder,
                          "python": sys.executable})
+            for draft in args.draft if manifest.get("max_draft_tokens") else []:
+                drafter = draft if draft == "ngram" else Path(draft).name
+                for k in (k for k in args.draft_tokens if k <= manifest["max_draft_tokens"]):
+                    jobs.append({"path": "run", "label": f"kvexport run · {name}, drafts {drafter} k={k}",
+                                 "artifact": folder, "draft": draft, "draft_tokens": k, "python": sys.executable})
         if "textllm" in wanted and manifest["target"] == "executorch":
             jobs.append({"path": "textllm", "label": f"ExecuTorch TextLLMRunner · {name} ({describe(manifest)})",
                          "artifact": folder, "python": sys.executable})
@@ -476,6 +506,8 @@ def finish(jobs: list[dict]) -> None:
         if not ok:
             continue
         first = ok[0]
+        if "speculation" in first:  # the same every run: the drafts depend on the tokens only
+            job["speculation"] = first["speculation"]
         eager_ok = [r for r in (eager or {}).get("runs", []) if "error" not in r]
         if "new_ids" in first and eager_ok:
             job["same_tokens_as_eager"] = common_prefix(first["new_ids"], eager_ok[0]["new_ids"])
@@ -576,7 +608,9 @@ def context_table(context: dict, new_tokens: int) -> list[str]:
             same = f"{same}/{new_tokens}"
         elif job.get("same_text_as_run") is not None:
             same = "text = run" if job["same_text_as_run"] else "text ≠ run"
-        row = f"| {job['label']} | " + " | ".join(cells) + f" | {same or '–'} |"
+        spec = job.get("speculation")
+        label = job["label"] + (f", {spec['acceptance']:.0%} of drafts accepted" if spec else "")
+        row = f"| {label} | " + " | ".join(cells) + f" | {same or '–'} |"
         if errors:
             row += f"  ← {len(errors)} failed: {errors[0][:200]}"
         lines.append(row)
@@ -646,6 +680,13 @@ def parse_args(argv):
                         help="another exporter's .pte of MODEL, run through TextLLMRunner (repeatable)")
     parser.add_argument("--genai-folder", type=Path, action="append", default=[],
                         help="another exporter's onnxruntime-genai folder of MODEL, run through genai (repeatable)")
+    parser.add_argument("--draft", action="append", default=[], metavar="ngram|ARTIFACT",
+                        help="speculative kvexport run of each artifact exported with --max-draft-tokens: drafts from "
+                        "prompt lookup (ngram) or this artifact (repeatable)")
+    parser.add_argument("--draft-tokens", type=_lengths, default=[4], metavar="K[,K...]",
+                        help="with --draft: tokens drafted per verification, or several [default: 4]")
+    parser.add_argument("--prompt-file", type=Path,
+                        help="the prompt: this file's text as it is (its length replaces --prompt-tokens)")
     parser.add_argument("--json", type=Path, help="write the full report here")
     parser.add_argument("--markdown", type=Path, help="write the table here too")
     args = parser.parse_args(argv)
@@ -663,6 +704,11 @@ def parse_args(argv):
     for folder in args.genai_folder:
         if not (folder / "genai_config.json").is_file():
             parser.error(f"--genai-folder {folder}: no genai_config.json there")
+    for draft in args.draft:
+        if draft != "ngram" and not (Path(draft) / "kvexport.json").is_file():
+            parser.error(f"--draft {draft}: give ngram or a kvexport artifact folder")
+    if args.prompt_file is not None and not args.prompt_file.is_file():
+        parser.error(f"--prompt-file {args.prompt_file}: no such file")
     return args
 
 
@@ -680,10 +726,15 @@ def main(argv=None) -> int:
             check_writable(path, option)
 
     manifests = {str(Path(a).resolve()): read_manifest(Path(a)) for a in args.artifacts}
+    tokenizer = ArtifactTokenizer(Path(next(iter(manifests))))  # the model's: every artifact has the same
+    if args.prompt_file is not None:
+        text = args.prompt_file.read_text()
+        args.prompt_tokens = [len(tokenizer.encode(text))]
+        prompts = {args.prompt_tokens[0]: (text, tokenizer.encode(text))}
+    else:
+        prompts = {n: exact_prompt(tokenizer, n) for n in args.prompt_tokens}
     for manifest in manifests.values():
         check_fits(max(args.prompt_tokens), args.new_tokens, manifest["max_cache_len"])
-    tokenizer = ArtifactTokenizer(Path(next(iter(manifests))))  # the model's: every artifact has the same
-    prompts = {n: exact_prompt(tokenizer, n) for n in args.prompt_tokens}
     gguf = gguf_of(args.model) if "llama" in args.paths else None
     llama_version = llama_available(args.llama_python) if gguf else None
     contexts = {n: plan_jobs(args, manifests, gguf, llama_version) for n in args.prompt_tokens}
@@ -742,14 +793,15 @@ def main(argv=None) -> int:
 
 def traffic_by_path(contexts: dict[int, list[dict]], manifests: dict[str, dict], new_tokens: int) -> dict:
     """For each path that runs a kvexport artifact (not another exporter's program, not eager or
-    llama.cpp, whose bytes kvexport does not know): its decode by prompt length beside the
-    memory-traffic limit there."""
+    llama.cpp, whose bytes kvexport does not know, not a speculative run, whose steps each read the
+    weights once for several tokens): its decode by prompt length beside the memory-traffic limit there."""
     from .traffic import limits
 
     decode = {}  # label -> {prompt length: decode tokens/s}
     for n, jobs in contexts.items():
         for job in jobs:
-            if job.get("skipped") or job.get("pte") or job.get("genai_folder") or job.get("artifact") not in manifests:
+            if (job.get("skipped") or job.get("pte") or job.get("genai_folder") or job.get("draft")
+                    or job.get("artifact") not in manifests):
                 continue
             summary = job.get("summary", {}).get("decode_tokens_per_s")
             decode.setdefault(job["label"], (job["artifact"], {}))[1][n] = summary["median"] if summary else None

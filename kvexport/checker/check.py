@@ -4,6 +4,9 @@ Eager ``generate`` drives; at each of its steps the artifact takes the same step
 greedy path, and the two logit vectors are compared. The first step where the two greedy choices
 differ is the divergence; eager's margin there (its top logit minus its logit for the artifact's
 choice) tells a near-tie from a bug. Both sides then stop.
+
+With a drafter (``--draft``), the artifact's steps are those of its speculative generation
+(``SpeculativeSteps``): each new token and the logits it was chosen from, compared the same way.
 """
 
 from __future__ import annotations
@@ -87,6 +90,7 @@ class PromptReport:
     logit_diff_per_step: list[float] = field(default_factory=list)
     eager_ids: list[int] = field(default_factory=list)
     artifact_ids: list[int] = field(default_factory=list)
+    speculation: dict | None = None  # --draft: the speculative generation's verifications (speculation.Speculation)
 
 
 @dataclass
@@ -301,6 +305,40 @@ def check_prompt(
     return report
 
 
+class SpeculativeSteps:
+    """An artifact's speculative generation, served as a program's ``forward`` serves its steps to
+    ``check_prompt``: the prompt's call gives the logits the first new token was chosen from, each
+    later call (of the token chosen before) the next new token's. Where the check feeds another
+    token than the generation chose (a float16 rounding tie, where eager's is fed), the program
+    goes on without drafts from that context, prefilled again."""
+
+    def __init__(self, program, drafter, draft_tokens: int, prompt_ids: list[int], max_new_tokens: int):
+        from ..runtime.speculation import generate_with_draft
+
+        self.program, self.manifest = program, program.manifest
+        self.rows: list[np.ndarray] = []  # row i: the logits new token i was chosen from
+
+        def keep(step: int, logits: np.ndarray) -> bool:
+            self.rows.append(logits)
+            return True
+
+        run = generate_with_draft(program, prompt_ids, max_new_tokens, drafter, draft_tokens, on_logits=keep)
+        self.prompt_len = len(prompt_ids)
+        self.tokens = list(prompt_ids) + run.new_ids
+        self.speculation = run.speculation.summary()
+        self._fed: list[int] = []
+        self._replaying = True
+
+    def forward(self, tokens: list[int], start: int) -> np.ndarray:
+        self._fed[start:] = tokens
+        if self._replaying and self._fed == self.tokens[: len(self._fed)]:
+            return self.rows[len(self._fed) - self.prompt_len]
+        if self._replaying:  # off the generation's path: the artifact alone, from the context so far
+            self._replaying = False
+            return self.program.forward(self._fed, 0)
+        return self.program.forward(tokens, start)
+
+
 def check_half_precision_prompt(program, model, float32_logits: Float32Logits, prompt_ids: list[int],
                                 max_new_tokens: int, tolerance: float) -> PromptReport:
     """A float16 artifact's prompt: against eager float16 (``model``), float32 eager judging the
@@ -323,10 +361,19 @@ def run_check(
     on_prompt=None,
     runner: str = "kvexport",
     baseline: Path | None = None,
+    draft: str | None = None,
+    draft_tokens: int | None = None,
 ) -> CheckReport:
+    """``draft`` (``--draft``): the artifact generates speculatively with that drafter,
+    ``draft_tokens`` at a time (default: its max_draft_tokens), and its tokens must still be eager's."""
+    import contextlib
+
     from ..artifact.manifest import read_manifest
+    from ..runtime.speculation import check_drafter, load_drafter
 
     manifest = read_manifest(folder)
+    if draft is not None and (approximate(manifest) or runner != "kvexport" or baseline is not None):
+        raise InvalidOptionError("--draft checks an exact (unquantized) artifact with kvexport's runner, without --baseline")
     if baseline is not None:
         check_baseline(manifest, read_manifest(baseline), baseline)
     tokenizer = ArtifactTokenizer(folder)
@@ -343,16 +390,23 @@ def run_check(
     half = manifest["dtype"] != "float32" and not quantized
     float32_logits = Float32Logits(lambda: load_reference(manifest, model_name, device, "float32")) if half else None
     reports = []
-    for text, ids, n in encoded:
-        if half:
-            report = check_half_precision_prompt(program, model, float32_logits, ids, n, tolerance)
-        else:
-            report = check_prompt(program, model, ids, n, tolerance, teacher_forcing=quantized,
-                                  suppress=manifest.get("eos_token_ids") if quantized else None, baseline=base)
-        report.prompt = text
-        reports.append(report)
-        if on_prompt:
-            on_prompt(report)
+    with contextlib.ExitStack() as stack:
+        drafter = load_drafter(draft, stack, device if manifest["target"] == "onnx" else "cpu") if draft else None
+        k = draft_tokens or manifest.get("max_draft_tokens", 0)
+        if drafter is not None:
+            check_drafter(program, drafter, k)
+        for text, ids, n in encoded:
+            steps = program if drafter is None else SpeculativeSteps(program, drafter, k, ids, n)
+            if half:
+                report = check_half_precision_prompt(steps, model, float32_logits, ids, n, tolerance)
+            else:
+                report = check_prompt(steps, model, ids, n, tolerance, teacher_forcing=quantized,
+                                      suppress=manifest.get("eos_token_ids") if quantized else None, baseline=base)
+            report.prompt = text
+            report.speculation = getattr(steps, "speculation", None)
+            reports.append(report)
+            if on_prompt:
+                on_prompt(report)
     mode, min_agreement = ("agreement", MIN_QUANTIZED_AGREEMENT) if quantized else ("exact", 1.0)
     return CheckReport(str(folder), manifest["target"], manifest["dtype"], device, tolerance, reports, mode, min_agreement,
                        runner)
@@ -439,9 +493,12 @@ def _summary_line(report: PromptReport, tolerance: float, min_agreement: float |
                       f"more than {tolerance}")
         else:
             status = f"logits off by more than {tolerance}"
+        spec = report.speculation
+        drafted = (f"; speculative: {spec['accepted']}/{spec['drafted']} drafted tokens accepted in "
+                   f"{spec['verify_calls']} verifications of up to {spec['draft_tokens']}") if spec else ""
         return (
             f"{'✓' if report.logits_ok else '✗'} {head}: {tokens}, "
-            f"max |logit diff| {report.max_logit_diff:.2e} ({status})"
+            f"max |logit diff| {report.max_logit_diff:.2e} ({status}){drafted}"
         )
     kind = "near-tie" if report.near_tie else "mismatch"
     return (
@@ -473,7 +530,7 @@ def choose_prompts(manifest: dict, tokenizer: ArtifactTokenizer, prompts: list[s
 
 
 def check_command(folder, prompts, max_new_tokens, device, model_name, as_json, runner: str = "kvexport",
-                  baseline: Path | None = None) -> bool:
+                  baseline: Path | None = None, draft: str | None = None, draft_tokens: int | None = None) -> bool:
     from ..artifact.manifest import read_manifest
 
     folder = Path(folder)
@@ -499,6 +556,8 @@ def check_command(folder, prompts, max_new_tokens, device, model_name, as_json, 
         ran_by = " in onnxruntime-genai" if runner == "genai" else ""
         if baseline is not None:
             rule += f"; {baseline} (float KV cache) fed the same tokens beside it"
+        if draft is not None:
+            rule += f"; generating speculatively, drafts from {draft}"
         print(f"checking {folder} ({manifest['target']}, {manifest['dtype']}){ran_by} against eager transformers on {device}; {rule}", file=sys.stderr)
     report = run_check(
         folder,
@@ -508,6 +567,8 @@ def check_command(folder, prompts, max_new_tokens, device, model_name, as_json, 
         on_prompt=None if as_json else lambda r: print(_summary_line(r, tolerance, min_agreement)),
         runner=runner,
         baseline=baseline,
+        draft=draft,
+        draft_tokens=draft_tokens,
     )
     if as_json:
         print(json.dumps(report.to_dict()))

@@ -4,7 +4,9 @@ cache and masks are ours.
 ``ExportableDecoder``: ``forward(tokens[1, T], input_pos[1]) -> logits[1, vocab]`` with the cache
 in mutable buffers. That is ExecuTorch's LLM-runner calling convention with a start position (the
 runner passes ``[start]`` when the program's second input has one element). A target may give its
-own cache kinds (``cache_kinds``) or subclass it (the ONNX target's external cache).
+own cache kinds (``cache_kinds``) or subclass it (the ONNX target's external cache). Exported
+``verifying``, the same call returns every position's logits ``[1, T, vocab]``: a speculative
+decoder's verification of drafted tokens.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ class ExportableDecoder(nn.Module):
     """A causal LM with an export-safe cache, returning the logits of the last position."""
 
     def __init__(
-        self, model: nn.Module, max_cache_len: int, cache_kinds: CacheKinds = PLAIN_CACHES, max_tokens_per_call: int | None = None
+        self, model: nn.Module, max_cache_len: int, cache_kinds: CacheKinds = PLAIN_CACHES, max_tokens_per_call: int | None = None,
+        spare_slots: int = 0,
     ):
         super().__init__()
         # Rotary frequencies that transformers recomputes from the length are fixed to those eager
@@ -46,7 +49,9 @@ class ExportableDecoder(nn.Module):
         self.max_tokens_per_call = max_tokens_per_call or max_cache_len
         self.specs = layer_specs(model.config)
         self.dtype = next(model.parameters()).dtype
-        caches = build_caches(self.specs, max_cache_len, self.dtype, cache_kinds, self.max_tokens_per_call)
+        # Rings with spare slots take a call that starts up to that many positions before the previous
+        # call's end (a verification's rejected drafted tokens, kv_cache.RingKVCache).
+        caches = build_caches(self.specs, max_cache_len, self.dtype, cache_kinds, self.max_tokens_per_call, spare_slots)
         # Caches with state are submodules (their buffers are the program's); the ONNX target's hold none.
         self.caches = nn.ModuleList(caches) if all(isinstance(c, nn.Module) for c in caches) else caches
         # A hybrid layer (Falcon-H1) holds a state beside its KV cache: its mixer's, a submodule too.
@@ -63,6 +68,9 @@ class ExportableDecoder(nn.Module):
             self._mask_groups.setdefault(spec.layer_type, (i, spec.window, spec.chunk) if spec.has_kv else None)
         # transformers takes one mask per layer type when the model mixes them, else a single one.
         self._mask_by_type = len(self._mask_groups) > 1
+        # A flag, not a wrapper module: a program exported with it names the buffers as forward's
+        # does, and a .pte's methods share the buffers of one name.
+        self.verifying = False
 
     def masks(self, positions: torch.Tensor):
         masks = {}
@@ -79,15 +87,16 @@ class ExportableDecoder(nn.Module):
 
     def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
         positions = input_pos[:1] + torch.arange(tokens.shape[1], device=tokens.device)
-        return self.logits_at(tokens, positions)
+        return self.logits_at(tokens, positions, torch.arange(tokens.shape[1]) if self.verifying else None)
 
-    def logits_at(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def logits_at(self, tokens: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
         """Run the model on ``tokens`` at ``positions``, through our caches and masks; the last
-        position's logits."""
+        position's logits ``[1, vocab]``, or with ``rows`` (indices into the call, negative from its
+        end) those positions' ``[1, len(rows), vocab]``, as a verification of drafted tokens reads them."""
         # The bound is stated here rather than in a bounded export Dim: a named Dim with a max
         # makes torch.export reject a spurious guard from transformers' repeat_kv reshape.
         torch._check(tokens.shape[1] <= self.max_tokens_per_call)
-        call = CallState(self.caches, positions, self.max_cache_len, self.states, self.specs)
+        call = CallState(self.caches, positions, self.max_cache_len, self.states, self.specs, self.verifying)
         with attention.running(call):
             out = self.model(
                 input_ids=tokens,
@@ -96,7 +105,7 @@ class ExportableDecoder(nn.Module):
                 # No transformers cache: our attention (see attention.py) writes and reads our caches.
                 use_cache=False,
                 kvexport_call=call,
-                logits_to_keep=1,
+                logits_to_keep=1 if rows is None else rows,
             )
         unreached = [i for i, spec in enumerate(self.specs) if spec.has_kv and i not in call.reached]
         if unreached:
@@ -104,13 +113,27 @@ class ExportableDecoder(nn.Module):
                 f"architecture '{self.model.config.model_type}' is not supported: the attention of layers {unreached} "
                 "does not go through transformers' AttentionInterface, where kvexport's cache plugs in"
             )
-        return out.logits[:, -1, :]
+        return out.logits[:, -1, :] if rows is None else out.logits
 
 
 def example_inputs(max_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
     # A prompt-sized example (not 1, not max) so no dimension is specialised on its example value.
     n = min(8, max_tokens)
     return torch.zeros((1, n), dtype=torch.long), torch.zeros((1,), dtype=torch.long)
+
+
+def export_verifier(decoder: ExportableDecoder, tokens: int) -> torch.export.ExportedProgram:
+    """The call that returns every position's logits (``verifying``), of exactly ``tokens`` tokens:
+    a verification of drafted tokens, which its runner pads to that length. A fixed length lets an
+    attention kernel that is fast for one query run once per query (``CallState.one_query_at_a_time``:
+    ExecuTorch's ``custom_sdpa`` takes much longer for 2 queries than twice 1)."""
+    decoder.verifying = True
+    try:
+        with torch.no_grad():
+            example = (torch.zeros((1, tokens), dtype=torch.long), torch.zeros((1,), dtype=torch.long))
+            return torch.export.export(decoder, example, strict=False)
+    finally:
+        decoder.verifying = False
 
 
 def export_decoder(decoder: ExportableDecoder) -> torch.export.ExportedProgram:

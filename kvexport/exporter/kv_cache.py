@@ -34,12 +34,15 @@ CacheKinds = dict[str, Callable[..., object]]
 
 
 def build_caches(
-    specs: list[LayerSpec], max_cache_len: int, dtype: torch.dtype, kinds: CacheKinds, max_tokens_per_call: int
+    specs: list[LayerSpec], max_cache_len: int, dtype: torch.dtype, kinds: CacheKinds, max_tokens_per_call: int,
+    spare_slots: int = 0,
 ) -> list:
     """One cache per layer: ``kinds[STATIC]`` or ``kinds[RING]`` for a layer that holds its own, a
     ``SharedKVCache`` for one that reads another's, an empty module for one that holds nothing,
     else the layer's state (``build_state``). A hybrid layer gets its KV cache here and its state
-    from ``build_state``."""
+    from ``build_state``. ``spare_slots``: a ring's slots beyond its window, so that a call may
+    start up to that many positions before the previous call's end (speculative verification
+    rejecting drafted tokens, ``RingKVCache``)."""
     caches = []
     for spec in specs:
         kind = spec.cache_kind(max_cache_len)
@@ -53,7 +56,8 @@ def build_caches(
             # A chunked layer's ring is a ring of the chunk (the mask adds the chunk's start), unless
             # the target has a kind of its own for it (one whose attention does not take the mask).
             make = kinds.get(CHUNKED, kinds[RING]) if kind == RING and spec.chunk else kinds[kind]
-            caches.append(make(1, spec.kv_heads, spec.cache_slots(max_cache_len), spec.head_dim, dtype))
+            spare = {"spare": spare_slots} if kind == RING and spare_slots else {}
+            caches.append(make(1, spec.kv_heads, spec.cache_slots(max_cache_len), spec.head_dim, dtype, **spare))
     return caches
 
 
@@ -266,41 +270,43 @@ class StaticKVCache(nn.Module):
 
 
 class RingKVCache(nn.Module):
-    """Sliding window ``W``: a ring of ``W`` slots, position ``p`` stored at slot ``p % W``.
+    """Sliding window ``W``: a ring of ``S = W + spare`` slots, position ``p`` stored at slot ``p % S``.
 
     ``update`` returns the ring as it was *before* this call followed by the new keys
-    (``W + T`` columns), so every query of a multi-token call still sees the ``W - 1`` positions
+    (``S + T`` columns), so every query of a multi-token call still sees the ``W - 1`` positions
     before it even when the call itself overwrites them; the mask picks the visible ones.
+
+    ``spare`` slots let a call start up to ``spare`` positions before the previous call's end
+    (a verification whose drafted tokens were rejected): the rejected positions' rows sit in slots
+    the slot arithmetic then gives positions at least ``W`` before the call, which no query sees,
+    and the rows the window still needs were not overwritten, being fewer than ``S`` positions back.
     """
 
-    def __init__(self, batch: int, kv_heads: int, window: int, head_dim: int, dtype: torch.dtype):
+    def __init__(self, batch: int, kv_heads: int, window: int, head_dim: int, dtype: torch.dtype, spare: int = 0):
         super().__init__()
-        shape = (batch, kv_heads, window, head_dim)
         self.window = window
+        self.slots = window + spare
+        shape = (batch, kv_heads, self.slots, head_dim)
         self.register_buffer("k", torch.zeros(shape, dtype=dtype), persistent=False)
         self.register_buffer("v", torch.zeros(shape, dtype=dtype), persistent=False)
-
-    @property
-    def slots(self) -> int:
-        return self.window
 
     def update(self, positions: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor):
         keys = torch.cat([self.k, k_new], dim=2)
         values = torch.cat([self.v, v_new], dim=2)
-        newest, slots = newest_in_slot(positions, self.window)
+        newest, slots = newest_in_slot(positions, self.slots)
         self.k.index_copy_(2, slots, k_new.index_select(2, newest))
         self.v.index_copy_(2, slots, v_new.index_select(2, newest))
         return keys, values
 
     def key_positions(self, positions: torch.Tensor) -> torch.Tensor:
-        return ring_key_positions(positions, self.window)
+        return ring_key_positions(positions, self.slots)
 
     def read(self, module, query, call: CallState, **kwargs):
         """Attention of the call's last ``query.shape[2]`` positions to what this layer attended to in
         the call (the ring before its write, then the call's keys): the ring after the write no
         longer holds what the call's earlier positions see."""
         keys, values = call.attended[self]
-        mask = shared_ring_mask(call, query, self.window)
+        mask = shared_ring_mask(call, query, self.slots, self.window)
         return family_eager_attention(module)(module, query, keys, values, mask, **kwargs)
 
 
@@ -309,15 +315,15 @@ def last_positions(call: CallState, query: torch.Tensor) -> torch.Tensor:
     return call.positions[call.positions.shape[0] - query.shape[2] :]
 
 
-def shared_ring_mask(call: CallState, query: torch.Tensor, window: int) -> torch.Tensor:
-    """``[1, 1, t, W + T]`` mask over a ring's keys before the call followed by the call's, for a
-    sharing layer's queries at the call's last ``t`` positions."""
-    return additive_mask(ring_key_positions(call.positions, window), last_positions(call, query), window, query.dtype)
+def shared_ring_mask(call: CallState, query: torch.Tensor, slots: int, window: int) -> torch.Tensor:
+    """``[1, 1, t, S + T]`` mask over a ring's ``S`` slots before the call followed by the call's
+    keys, for a sharing layer's queries at the call's last ``t`` positions."""
+    return additive_mask(ring_key_positions(call.positions, slots), last_positions(call, query), window, query.dtype)
 
 
-def ring_key_positions(positions: torch.Tensor, window: int) -> torch.Tensor:
+def ring_key_positions(positions: torch.Tensor, slots: int) -> torch.Tensor:
     """Position of each key column a ring returns: the ring's slots, then the call's tokens."""
-    return torch.cat([ring_positions(positions[:1], window), positions])
+    return torch.cat([ring_positions(positions[:1], slots), positions])
 
 
 def newest_in_slot(positions: torch.Tensor, window: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -375,8 +381,12 @@ class CallState:
     no data-dependent integer in them.
     """
 
-    def __init__(self, layers, positions: torch.Tensor, max_cache_len: int, states=None, specs=None):
+    def __init__(self, layers, positions: torch.Tensor, max_cache_len: int, states=None, specs=None,
+                 one_query_at_a_time: bool = False):
         self.layers = layers
+        # A call of a few tokens whose length is fixed at export (a verification of drafted tokens):
+        # a fused kernel that is fast for one query and slow for a few runs once per query.
+        self.one_query_at_a_time = one_query_at_a_time
         self.specs = specs
         self.states = layers if states is None else states
         self.positions = positions

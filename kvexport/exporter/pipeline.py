@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ..artifact import manifest
 from ..artifact.staging import check_output_path, staged_folder
-from ..errors import InvalidOptionError
+from ..errors import InvalidOptionError, UnsupportedModelError
 from ..models import architecture, sources
 from ..progress import Progress, peak_rss_mb
 from ..version import __version__
@@ -42,6 +42,8 @@ class ExportOptions:
     quantize_lm_head: str | None = None  # "int8" (the default) or "int4", with quantize
     prefill_chunk: int | None = None  # most tokens per forward call [default: DEFAULT_PREFILL_CHUNK]
     kv_cache: str = "float"  # "float" (the dtype's) or "int8" (quantization.KV_CACHES)
+    # Most drafted tokens one call verifies (speculative decoding); 0: none, the program as before.
+    max_draft_tokens: int = 0
     # A hub id's branch, tag or commit; no network (the local HF cache only); a .gguf file in the repo.
     revision: str | None = None
     offline: bool = False
@@ -130,6 +132,12 @@ class ExportPlan:
     dtype_bytes: int
     prefill_chunk: int
 
+    def slots(self, spec) -> int:
+        """A layer's cache slots: a ring's window, and its spare slots where the target keeps them
+        (``--max-draft-tokens``)."""
+        spare = self.options.max_draft_tokens if get_target(self.options.target).RING_SPARE_SLOTS else 0
+        return spec.cache_slots(self.max_cache_len) + spare * spec.is_ring(self.max_cache_len)
+
     @property
     def kv_cache_bytes(self) -> int:
         """What the layers' own KV caches take (a layer that shares another's takes nothing; a
@@ -185,7 +193,7 @@ class ExportPlan:
                 **({"reads": s.reads} if kind == architecture.SHARED else {}),
                 "window": s.window,
                 **({"chunk": s.chunk} if s.chunk else {}),
-                "slots": s.cache_slots(self.max_cache_len),
+                "slots": self.slots(s),
                 "kv_heads": s.kv_heads,
                 "head_dim": s.head_dim,
                 # A hybrid layer (Falcon-H1): its mixer's state beside the KV cache.
@@ -261,10 +269,36 @@ def plan_export(options: ExportOptions, progress: Progress | None = None) -> Exp
             )
         default_chunk = max_cache_len
     prefill_chunk = choose_prefill_chunk(max_cache_len, options.prefill_chunk, options.target, default_chunk)
+    if options.max_draft_tokens:
+        check_draft_tokens(options, specs, max_cache_len, prefill_chunk, config.model_type)
     dtype_bytes = sources.DTYPES[options.dtype]
     plan = ExportPlan(options, out, source, config, specs, max_cache_len, max_positions, dtype_bytes, prefill_chunk)
     memory_plan.refuse_a_cache_beyond_memory(plan)
     return plan
+
+
+def check_draft_tokens(options: ExportOptions, specs: list, max_cache_len: int, prefill_chunk: int, model_type: str) -> None:
+    """Refuse a ``--max-draft-tokens`` the call bound or the model's layers cannot take:
+    a verification's call must be able to start again where the previous one's accepted tokens end,
+    which a ring does with spare slots and a full layer by writing over, but a state that has moved
+    on (a convolution's, a recurrence's), a chunk's ring and a layer that reads another's cache
+    within one call do not."""
+    k = options.max_draft_tokens
+    if k < 0:
+        raise InvalidOptionError(f"--max-draft-tokens must be 0 (no speculative decoding) or more, got {k}")
+    if k + 1 > prefill_chunk:
+        raise InvalidOptionError(
+            f"--max-draft-tokens {k}: a verification call takes the last token and {k} drafted ones, more than "
+            f"--prefill-chunk {prefill_chunk}; draft fewer or raise the chunk"
+        )
+    refused = [(i, s) for i, s in enumerate(specs) if s.state_kind or s.reads is not None or (s.chunk and s.is_ring(max_cache_len))]
+    if refused:
+        i, s = refused[0]
+        kind = "a state" if s.state_kind else "another layer's cache" if s.reads is not None else "a chunked-attention ring"
+        raise UnsupportedModelError(
+            f"--max-draft-tokens: {model_type}'s layer {i} holds {kind}, which cannot forget rejected drafted tokens "
+            "in this version; export it without --max-draft-tokens"
+        )
 
 
 def export_model(options: ExportOptions, progress: Progress | None = None) -> ExportResult:
@@ -300,7 +334,9 @@ def export_model(options: ExportOptions, progress: Progress | None = None) -> Ex
         calls = f"dynamic (calls of 1 to {plan.prefill_chunk} tokens)" if plan.prefill_chunk > 1 else "static (calls of 1 token)"
         with progress.step("export", f"torch.export, T {calls}"):
             calibration = calibration_ids(tokenizer) if options.kv_cache == "int8" else None
-            program = target.export(model, plan.max_cache_len, plan.prefill_chunk, options.kv_cache, calibration)
+            program = target.export(
+                model, plan.max_cache_len, plan.prefill_chunk, options.kv_cache, calibration, options.max_draft_tokens
+            )
         with progress.step("lower", options.target):
             lowered = target.lower(program, spec, folder)
             del program
@@ -401,6 +437,7 @@ def _manifest_info(plan: ExportPlan, model, tokenizer) -> dict:
             # Only when set, so unquantized manifests read as before.
             **{name: getattr(plan.options, name) for name in quantize.OPTIONS if getattr(plan.options, name)},
             **({"kv_cache": plan.options.kv_cache} if plan.options.kv_cache != "float" else {}),
+            **({"max_draft_tokens": plan.options.max_draft_tokens} if plan.options.max_draft_tokens else {}),
             **{name: getattr(plan.options, name) for name in ("revision", "gguf_file") if getattr(plan.options, name)},
         },
         "model_type": config.model_type,
@@ -419,6 +456,8 @@ def _manifest_info(plan: ExportPlan, model, tokenizer) -> dict:
         "kv_cache_bytes": plan.kv_cache_bytes,
         "kv_cache_bytes_if_all_full": plan.kv_cache_bytes_if_all_full,
         **({"state_bytes": plan.state_bytes} if plan.state_bytes else {}),
+        # Speculative decoding: a call may verify this many drafted tokens and start again after the accepted ones.
+        **({"max_draft_tokens": plan.options.max_draft_tokens} if plan.options.max_draft_tokens else {}),
         "interface": {
             "inputs": [
                 {"name": "tokens", "dtype": "int64", "shape": [1, "T"], "note": "1 <= T <= max_tokens_per_call"},
@@ -445,6 +484,7 @@ def _program_spec(plan: ExportPlan, info: dict) -> ProgramSpec:
         dtype=plan.options.dtype, max_cache_len=plan.max_cache_len, max_tokens_per_call=plan.prefill_chunk,
         layers=info["layers"], vocab_size=info["vocab_size"], bos_token_id=info["bos_token_id"],
         eos_token_ids=info["eos_token_ids"], hidden_size=text.hidden_size, num_attention_heads=text.num_attention_heads,
+        max_draft_tokens=plan.options.max_draft_tokens,
     )
 
 

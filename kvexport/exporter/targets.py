@@ -31,6 +31,7 @@ class ProgramSpec:
     eos_token_ids: list[int]
     hidden_size: int
     num_attention_heads: int
+    max_draft_tokens: int = 0  # --max-draft-tokens: verification of that many drafted tokens, rings' spare slots
 
 
 class Target(Protocol):
@@ -41,6 +42,7 @@ class Target(Protocol):
     # program's weights after lowering (quantize_files); the other hook does nothing.
     QUANTIZES_MODULE: bool
     MIN_MAX_CACHE_LEN: int  # the shortest cache it exports exactly
+    RING_SPARE_SLOTS: bool  # whether its rings keep --max-draft-tokens spare slots for a call inside a verification
     CALL_BOUNDS_REFUSED: tuple[int, ...]  # --prefill-chunk values it cannot export as one program
 
     def quantize_model(self, model: torch.nn.Module, quantization: Quantization) -> list[str]:
@@ -48,11 +50,13 @@ class Target(Protocol):
 
     def export(
         self, model: torch.nn.Module, max_cache_len: int, max_tokens_per_call: int, kv_cache: str,
-        calibration_ids: torch.Tensor | None,
+        calibration_ids: torch.Tensor | None, max_draft_tokens: int,
     ) -> torch.export.ExportedProgram:
         """The model wrapped with the target's cache (its elements ``kv_cache``), traced with ``T``
         dynamic. ``calibration_ids``: for ``kv_cache`` int8, the tokens of the text a target with
-        fixed scales measures them on (``kv_calibration``)."""  # fmt: skip
+        fixed scales measures them on (``kv_calibration``). ``max_draft_tokens``: the program also
+        returns the logits of every position a verification asks for, and rings keep that many
+        spare slots."""  # fmt: skip
 
     def lower(self, program: torch.export.ExportedProgram, spec: ProgramSpec, out_dir: Path) -> dict:
         """Write the program file(s) into ``out_dir``; return facts for ``kvexport.json`` (at least

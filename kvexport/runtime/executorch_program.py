@@ -12,6 +12,7 @@ from ..artifact.manifest import program_mismatch
 from ..errors import ArtifactError, InvalidOptionError
 from ..logs import native_stderr_quiet
 from .cpu import runtime_threads
+from .generation import check_call
 from .programs import max_tokens_per_call
 
 
@@ -25,6 +26,7 @@ class ExecuTorchProgram:
 
         self.manifest = manifest
         self._chunk = max_tokens_per_call(manifest)
+        self._next_start = 0
         self._torch = torch
         self._path = path
         check_program_file(path, manifest)  # before forward loads: its memory is planned for the program
@@ -36,18 +38,52 @@ class ExecuTorchProgram:
                 self._method = self._program.load_method("forward")
         except Exception as e:  # the runtime raises a bare RuntimeError for any unreadable program
             raise ArtifactError(f"ExecuTorch cannot load {path}: {_first_line(e)}")
+        # --max-draft-tokens: `verify` returns every position's logits, over forward's cache buffers.
+        # Loaded on first use: its delegates pack the weights again (memory for a second copy).
+        self._verify = None
+
+    def _verify_method(self):
+        if not self.manifest.get("max_draft_tokens"):
+            raise InvalidOptionError("this artifact does not verify drafted tokens; re-export it with --max-draft-tokens")
+        if self._verify is None:
+            try:
+                with native_stderr_quiet():
+                    self._verify = self._program.load_method("verify")
+            except Exception as e:  # as for forward
+                raise ArtifactError(f"ExecuTorch cannot load the verify method of {self._path}: {_first_line(e)}")
+        return self._verify
 
     def forward(self, tokens: list[int], start: int) -> np.ndarray:
         torch = self._torch
-        if not tokens:
-            raise InvalidOptionError("forward needs at least one token")
+        # A ring's slots are a function of the start: a call elsewhere than where the sequence is would
+        # read the wrong rows (up to max_draft_tokens back: a ring's spare slots hold what it needs).
+        check_call(tokens, start, self._next_start, self.manifest["max_cache_len"], self.manifest.get("max_draft_tokens", 0))
         # Activation memory is planned for calls of at most `_chunk` tokens: a longer prompt takes several.
         for first in range(0, len(tokens), self._chunk):
             chunk = tokens[first : first + self._chunk]
             inputs = [torch.tensor([chunk], dtype=torch.long), torch.tensor([start + first], dtype=torch.long)]
             logits = self._method.execute(inputs)[0]
+        self._next_start = start + len(tokens)
         # Copy: the runtime may reuse the output memory on the next call.
         return logits[0].to(torch.float32, copy=True).numpy()
+
+    def verify(self, tokens: list[int], start: int) -> np.ndarray:
+        """One call of ``tokens`` from ``start`` (the last chosen token, then drafted ones): the logits
+        ``[T, vocab]`` of each of its positions. The method takes ``max_draft_tokens + 1`` tokens:
+        fewer are padded (the padding's rows are written and dropped, as rejected drafts' are); near
+        the cache's end, where the padding would not fit, the positions are one-token calls."""
+        torch = self._torch
+        verify = self._verify_method()
+        most = self.manifest["max_draft_tokens"] + 1
+        if len(tokens) > most:
+            raise InvalidOptionError(f"a verification takes at most {most} tokens, got {len(tokens)}")
+        check_call(tokens, start, self._next_start, self.manifest["max_cache_len"], most - 1)
+        if start + most > self.manifest["max_cache_len"]:
+            return np.stack([self.forward([token], start + i) for i, token in enumerate(tokens)])
+        padded = tokens + tokens[-1:] * (most - len(tokens))
+        logits = verify.execute([torch.tensor([padded], dtype=torch.long), torch.tensor([start], dtype=torch.long)])[0]
+        self._next_start = start + len(tokens)
+        return logits[0, : len(tokens)].to(torch.float32, copy=True).numpy()
 
     def write_event_trace(self, path: Path) -> None:
         """Write the ETDump of every call so far (needs ``trace_events=True``)."""
@@ -55,7 +91,7 @@ class ExecuTorchProgram:
 
     def reset(self) -> None:
         # Nothing to clear: a call at position 0 starts a new sequence (the masks ignore older state).
-        pass
+        self._next_start = 0
 
 
 def set_executorch_threads(threads: int) -> None:

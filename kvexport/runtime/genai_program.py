@@ -17,7 +17,8 @@ import numpy as np
 
 from ..errors import ArtifactError, InvalidOptionError, KvexportError
 from .cpu import runtime_threads
-from .onnx_artifact import check_against_genai_config, check_call, check_runs_on_cuda
+from .generation import check_call
+from .onnx_artifact import check_against_genai_config, check_runs_on_cuda
 
 PACKAGE = "onnxruntime-genai"
 

@@ -87,6 +87,22 @@ def check_fits(prompt_len: int, max_new_tokens: int | None, max_cache_len: int) 
         )
 
 
+def check_call(tokens: list[int], start: int, next_start: int, max_cache_len: int, rewind: int = 0) -> None:
+    """A call a program takes: some tokens, inside the cache, where the sequence is (or at 0, a new
+    one, or up to ``rewind`` positions before: after drafted tokens a verification rejected)."""
+    end = start + len(tokens)
+    if not tokens:
+        raise InvalidOptionError("forward needs at least one token")
+    if end > max_cache_len:
+        raise PromptTooLongError(f"positions {start}..{end - 1} do not fit in the artifact's max_cache_len {max_cache_len}")
+    if start != 0 and not next_start - rewind <= start <= next_start:
+        back = f", or up to {rewind} positions before (the artifact's max_draft_tokens)" if rewind else ""
+        raise InvalidOptionError(
+            f"calls must be contiguous: this one starts at {start}, the sequence is at {next_start}{back} "
+            "(start at 0 for a new sequence)"
+        )
+
+
 def generate(
     program,
     prompt_ids: list[int],

@@ -9,22 +9,7 @@ import json
 from pathlib import Path
 
 from ..artifact.manifest import buffer_layers, program_mismatch, read_listed_file
-from ..errors import ArtifactError, InvalidOptionError, PromptTooLongError
-
-
-def check_call(tokens: list[int], start: int, next_start: int, max_cache_len: int) -> None:
-    """A call an external-cache runner takes: some tokens, inside the cache, where the sequence is
-    (or at 0, a new one)."""
-    end = start + len(tokens)
-    if not tokens:
-        raise InvalidOptionError("forward needs at least one token")
-    if end > max_cache_len:
-        raise PromptTooLongError(f"positions {start}..{end - 1} do not fit in the artifact's max_cache_len {max_cache_len}")
-    if start not in (0, next_start):
-        raise InvalidOptionError(
-            f"calls must be contiguous: this one starts at {start}, the sequence is at {next_start} "
-            "(start at 0 for a new sequence)"
-        )
+from ..errors import ArtifactError, InvalidOptionError
 
 
 GPU_HINT = "install onnxruntime-gpu (pip install 'kvexport[gpu]') on a machine with an NVIDIA GPU, or use --device cpu"
@@ -42,6 +27,10 @@ def check_runs_on_cuda(manifest: dict) -> None:
         )
 
 
+# A verifying graph's input with a default (exporter/onnx/target.py), which genai does not bind.
+LOGITS_INDICES = "logits_indices"
+
+
 def check_against_genai_config(folder: Path, manifest: dict) -> None:
     """Refuse, in one line, a config that is not onnxruntime-genai's, or one that disagrees with the
     manifest in any field the manifest also says (the graph's rotary tables have ``context_length``
@@ -57,7 +46,8 @@ def check_against_genai_config(folder: Path, manifest: dict) -> None:
         layers = buffer_layers(manifest["layers"])
         eos = manifest.get("eos_token_ids") or [-1]  # -1: no end-of-sequence token
         bos = manifest["bos_token_id"] if manifest.get("bos_token_id") is not None else eos[0]
-        said = {kind: [entry["name"] for entry in manifest.get("interface", {}).get(kind, [])] for kind in ("inputs", "outputs")}
+        said = {kind: [entry["name"] for entry in manifest.get("interface", {}).get(kind, [])
+                       if entry["name"] != LOGITS_INDICES] for kind in ("inputs", "outputs")}  # fmt: skip
         inputs, outputs = decoder["inputs"], decoder["outputs"]
         names = {  # the names genai binds: one past and present key and value per buffer layer
             "inputs": [inputs["input_ids"], inputs["attention_mask"],

@@ -29,7 +29,8 @@ import numpy as np
 from ..artifact.manifest import MANIFEST, buffer_layers, program_mismatch, state_layers
 from ..errors import ArtifactError, InvalidOptionError
 from .cpu import runtime_threads
-from .onnx_artifact import GPU_HINT, check_against_genai_config, check_call, check_runs_on_cuda
+from .generation import check_call
+from .onnx_artifact import GPU_HINT, LOGITS_INDICES, check_against_genai_config, check_runs_on_cuda
 from .programs import max_tokens_per_call
 
 # ONNX Runtime's element types of the manifest's dtypes.
@@ -69,7 +70,8 @@ def _state_shapes(layer: dict) -> list[tuple[str, list[int], str]]:
 def _check_against_graph(session, manifest: dict) -> None:
     """Refuse a manifest that does not describe the graph: the buffers and logits this runner sizes
     from it would not fit the graph's inputs (ONNX Runtime fails mid-generation), or, worse, would."""
-    graph = {t.name: t for t in session.get_inputs()}
+    # An input with a default (logits_indices) is an initializer a caller may override.
+    graph = {t.name: t for t in (*session.get_inputs(), *session.get_overridable_initializers())}
     outputs = {t.name: t for t in session.get_outputs()}
     said = [entry["name"] for entry in manifest["interface"]["inputs"]]
     if sorted(said) != sorted(graph):
@@ -151,6 +153,41 @@ class _Layer:
         self.index = index  # in the graph's names: the n-th layer that holds a cache
         self.shape = [1, spec["kv_heads"], _rows(spec, max_cache_len), spec["head_dim"]]  # GroupQueryAttention's layout
         self.buffers = {kv: _Buffer(ort, tuple(self.shape), dtype, device) for kv in ("key", "value")}
+        self.ring = spec["cache"] == "ring"
+        # A sliding buffer's first rows before each recent call, by the first position they hold:
+        # what the call may have evicted, which a call that goes back (``rewind``) needs again.
+        self.evicted: list[tuple[int, dict]] = []
+
+    def keep_evictable(self, start: int, n: int) -> None:
+        """Before a call of ``n`` tokens from ``start``: a copy of the first ``n`` rows, holding
+        positions from ``start - min(start, rows)`` (the kernel keeps exactly the window's rows, the
+        newest in order from row 0), the only ones the call can evict."""
+        if self.ring:
+            rows = self.buffers["key"].array.shape[2]
+            first = start - min(start, rows)
+            self.evicted.append((first, {kv: buffer.array[:, :, :n].copy() for kv, buffer in self.buffers.items()}))
+
+    def forget_before(self, position: int) -> None:
+        """Drop the copies of positions before ``position``, which no rewind reaches any more."""
+        self.evicted = [(first, kept) for first, kept in self.evicted if first + kept["key"].shape[2] > position]
+
+    def rewind(self, end: int, start: int) -> None:
+        """A sliding buffer as a call from ``start`` expects it, the sequence being at ``end``
+        (``start < end``): the newest ``min(start, W)`` positions before ``start`` in order from row 0.
+        Those from ``end - W`` on are in the buffer now; older ones were evicted by the calls since,
+        and are in the rows kept before them (``keep_evictable``). A full layer needs nothing: the
+        next call writes its rows from ``start`` on again, and reads no further."""
+        if not self.ring:
+            return
+        rows = self.buffers["key"].array.shape[2]
+        wanted = np.arange(start - min(start, rows), start)  # what rows 0 .. min(start, W)-1 must hold
+        oldest_held = end - min(end, rows)
+        for kv, buffer in self.buffers.items():
+            rebuilt = buffer.array[:, :, (wanted - oldest_held).clip(0, rows - 1)].copy()
+            for first, kept in self.evicted:
+                inside = (wanted < oldest_held) & (wanted >= first) & (wanted < first + kept[kv].shape[2])
+                rebuilt[:, :, inside] = kept[kv][:, :, wanted[inside] - first]
+            buffer.array[:, :, : len(wanted)] = rebuilt
 
 
 class _State:
@@ -219,6 +256,7 @@ class OnnxProgram:
         self._logits = np.zeros((1, 1, manifest["vocab_size"]), dtype=self._dtype)
         self._binding = self._session.io_binding()
         self._binding.bind_output("logits", "cpu", 0, self._dtype, list(self._logits.shape), self._logits.ctypes.data)
+        self._last_row = np.array([-1], dtype=np.int64)  # logits_indices' default, bound again after a verification
         for layer in self._layers:  # every past is a whole buffer and its present the same: bound once
             for kv, buf in layer.buffers.items():
                 self._binding.bind_input(_cache_name("past", kv, layer.index), device, 0, self._cache_dtype, layer.shape, buf.ptr)
@@ -229,16 +267,58 @@ class OnnxProgram:
             for name, shape, dtype in _state_shapes(layer)
         ]
         self._next_start = 0
+        # Speculative decoding: a verification returns the logits of each of its positions, and a
+        # call may start up to max_draft_tokens positions before the sequence's end (``_start_at``).
+        self.max_draft_tokens = manifest.get("max_draft_tokens", 0)
+        if self.max_draft_tokens and device != "cpu":
+            raise InvalidOptionError("--device cuda: artifacts that verify drafted tokens run on cpu in this version")
 
     def forward(self, tokens: list[int], start: int) -> np.ndarray:
-        check_call(tokens, start, self._next_start, self._max_cache_len)
+        self._start_at(tokens, start)
         for first in range(0, len(tokens), self._chunk):
             self._call(tokens[first : first + self._chunk], start + first)
         self._next_start = start + len(tokens)
         return self._logits[0, 0].astype(np.float32)  # a copy: the next call overwrites the bound logits
 
+    def verify(self, tokens: list[int], start: int) -> np.ndarray:
+        """One call of ``tokens`` (the last chosen token, then drafted ones) from ``start``; the
+        logits ``[T, vocab]`` (float32) of each of its positions: row i chooses the token after
+        ``tokens[i]``."""
+        if not self.max_draft_tokens:
+            raise InvalidOptionError("this artifact does not verify drafted tokens; re-export it with --max-draft-tokens")
+        if len(tokens) > self.max_draft_tokens + 1:
+            raise InvalidOptionError(f"a verification takes at most {self.max_draft_tokens + 1} tokens, got {len(tokens)}")
+        self._start_at(tokens, start)
+        n = len(tokens)
+        rows = np.arange(n, dtype=np.int64)
+        self._binding.bind_input(LOGITS_INDICES, "cpu", 0, np.int64, [n], rows.ctypes.data)
+        # Left for ONNX Runtime to allocate: the graph declares the default's [1, 1, vocab] (for
+        # onnxruntime-genai), and a bound buffer of another shape is refused.
+        self._binding.bind_output("logits", "cpu")
+        try:
+            self._call(tokens, start)
+            logits = self._binding.get_outputs()[0].numpy()
+        finally:
+            self._binding.bind_input(LOGITS_INDICES, "cpu", 0, np.int64, [1], self._last_row.ctypes.data)
+            self._binding.bind_output("logits", "cpu", 0, self._dtype, list(self._logits.shape), self._logits.ctypes.data)
+        self._next_start = start + n
+        return logits[0].astype(np.float32)
+
+    def _start_at(self, tokens: list[int], start: int) -> None:
+        """Check a call's start; where it is before the sequence's end (rejected drafted tokens),
+        rebuild the sliding layers' buffers as they were at ``start``."""
+        check_call(tokens, start, self._next_start, self._max_cache_len, self.max_draft_tokens)
+        for layer in self._layers:
+            if 0 < start < self._next_start:
+                layer.rewind(self._next_start, start)
+            # A later call goes back to max_draft_tokens before this one's end at most, and reads a window before that.
+            layer.forget_before(start + len(tokens) - self.max_draft_tokens - layer.shape[2] if start else self._max_cache_len)
+
     def _call(self, tokens: list[int], start: int) -> None:
         n = len(tokens)
+        if self.max_draft_tokens:
+            for layer in self._layers:
+                layer.keep_evictable(start, n)
         self._tokens[0, :n] = tokens
         # Host inputs are rebound every call: ONNX Runtime may copy them to the device when bound.
         self._binding.bind_input("input_ids", "cpu", 0, np.int64, [1, n], self._tokens.ctypes.data)

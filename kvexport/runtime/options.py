@@ -39,6 +39,11 @@ def run_parser(prog: str) -> OneLineParser:
     parser.add_argument("--runner", choices=RUNNERS, default="kvexport",
                         help="executorch: ExecuTorch's own TextLLMRunner (.pte only); genai: onnxruntime-genai "
                         "(ONNX only) [default: kvexport]")
+    parser.add_argument("--draft", metavar="ngram|ARTIFACT",
+                        help="speculative decoding (greedy, the same tokens): draft with prompt lookup (ngram) or "
+                        "another artifact of the same tokenizer; the artifact must be exported with --max-draft-tokens")
+    parser.add_argument("--draft-tokens", type=int, metavar="K",
+                        help="with --draft: tokens drafted per verification [default: the artifact's max_draft_tokens]")
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     parser.add_argument("--verbose", action="store_true",
                         help="let third-party libraries' log lines (ExecuTorch's native layer) through")

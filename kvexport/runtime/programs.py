@@ -21,6 +21,9 @@ class Program(Protocol):
 
     def forward(self, tokens: list[int], start: int) -> np.ndarray: ...
 
+    # An artifact exported with --max-draft-tokens: every position's logits [T, vocab].
+    def verify(self, tokens: list[int], start: int) -> np.ndarray: ...
+
     def reset(self) -> None: ...
 
 

@@ -4,16 +4,19 @@ its tokenizer only."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
 from pathlib import Path
 
 from ..artifact.archive import open_artifact
+from ..errors import InvalidOptionError
 from ..logs import VERBOSE_ENV
 from .generation import Generation, Sampling, check_fits, generate
 from .options import parse_run_args
 from .programs import load_program
+from .speculation import SpeculativeGeneration, generate_with_draft, load_drafter
 from .tokenizer import ArtifactTokenizer
 
 
@@ -45,13 +48,18 @@ def encode_prompt(tokenizer: ArtifactTokenizer, prompt: str, chat: bool = False)
 
 def generate_text(program, tokenizer: ArtifactTokenizer, prompt_ids: list[int], max_new_tokens: int | None = None,
                   ignore_eos: bool = False, chat: bool = False, sampling: Sampling | None = None,
-                  on_token=None) -> Generation:
+                  on_token=None, drafter=None, draft_tokens: int | None = None) -> Generation:
     """Generate from ``prompt_ids`` until EOS (and, with ``chat``, the template's end of turn), and
-    decode the new tokens."""
+    decode the new tokens; with a ``drafter``, speculatively (``speculation``), ``draft_tokens`` at
+    a time (default: the artifact's most)."""
     eos = set() if ignore_eos else set(program.manifest["eos_token_ids"])
     if chat and not ignore_eos:  # a reply ends at the template's end of turn (Gemma: <end_of_turn>, not <eos>)
         eos |= set(tokenizer.turn_end_ids())
-    result = generate(program, prompt_ids, max_new_tokens, eos, sampling or Sampling(), on_token=on_token)
+    if drafter is not None:
+        k = draft_tokens or program.manifest.get("max_draft_tokens", 0)
+        result = generate_with_draft(program, prompt_ids, max_new_tokens, drafter, k, eos, on_token=on_token)
+    else:
+        result = generate(program, prompt_ids, max_new_tokens, eos, sampling or Sampling(), on_token=on_token)
     result.text = tokenizer.decode(result.new_ids)
     return result
 
@@ -64,8 +72,10 @@ def run_command(folder: Path, manifest: dict, args: argparse.Namespace, sampling
     check_fits(len(prompt_ids), args.max_new_tokens, manifest["max_cache_len"])  # before the program loads
     program = load_program(folder, manifest, args.device, args.runner)
     stream = None if args.json else TextStream(tokenizer)
-    result = generate_text(program, tokenizer, prompt_ids, args.max_new_tokens, args.ignore_eos, args.chat, sampling,
-                           on_token=stream)
+    with contextlib.ExitStack() as stack:
+        drafter = load_drafter(args.draft, stack, args.device) if args.draft else None
+        result = generate_text(program, tokenizer, prompt_ids, args.max_new_tokens, args.ignore_eos, args.chat, sampling,
+                               on_token=stream, drafter=drafter, draft_tokens=args.draft_tokens)
     summary = {
         "prompt_ids": result.prompt_ids,
         "new_ids": result.new_ids,
@@ -73,14 +83,18 @@ def run_command(folder: Path, manifest: dict, args: argparse.Namespace, sampling
         "stopped_by": result.stopped_by,
         "prefill_tokens_per_s": round(result.prefill_tokens_per_s, 2),
         "decode_tokens_per_s": round(result.decode_tokens_per_s, 2),
+        **({"speculation": result.speculation.summary()} if isinstance(result, SpeculativeGeneration) else {}),
     }
     if args.json:
         print(json.dumps(summary))
     else:
         print()
         note = ""
+        if "speculation" in summary:
+            spec = summary["speculation"]
+            note += f"; {spec['accepted']}/{spec['drafted']} drafted tokens accepted in {spec['verify_calls']} verifications"
         if result.stopped_by == "max_cache_len":
-            note = f"; stopped: the cache is full ({manifest['max_cache_len']} positions)"
+            note += f"; stopped: the cache is full ({manifest['max_cache_len']} positions)"
         print(
             f"[{len(result.prompt_ids)} prompt tokens, {len(result.new_ids)} new; "
             f"prefill {summary['prefill_tokens_per_s']} tok/s, decode {summary['decode_tokens_per_s']} tok/s{note}]",
@@ -95,6 +109,8 @@ def run_main(argv: list[str], prog: str) -> dict | None:
     if args.verbose:
         os.environ[VERBOSE_ENV] = "1"
     sampling = Sampling(args.temperature, args.top_p, args.seed)  # checked before anything loads
+    if args.draft and (args.temperature or args.runner != "kvexport"):
+        raise InvalidOptionError("--draft decodes greedily with kvexport's runner: leave out --temperature and --runner")
     with open_artifact(args.artifact) as (folder, manifest):
         if args.runner == "executorch":
             from .textllm import run_with_textllm_runner

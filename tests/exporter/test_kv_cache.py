@@ -387,3 +387,46 @@ def test_a_mamba2_state_gives_the_token_by_token_recurrence(groups, calls, earli
         run(earlier_calls)
     got, expected = run(calls)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def _one_call(family, cache, start, q, k, v, window, max_len):
+    """One call of ``q``/``k``/``v`` (``[1, heads, n, D]``) from ``start`` through ``cache``, as
+    ``cached_attention`` or ``custom_op_attention`` makes each of theirs; its output ``[1, heads, n, D]``."""
+    n = q.shape[2]
+    positions = torch.arange(start, start + n)
+    mask = additive_mask(cache.key_positions(positions), positions, window, torch.float32)
+    call = CallState(None, positions, max_len)
+    if FAMILIES[family][2] is cached_attention:
+        keys, values = cache.update(positions, k, v)
+        return torch.softmax(q @ keys.transpose(-1, -2) / DIM**0.5 + mask, dim=-1) @ values
+    return cache.attend(None, q, k, v, mask, call, scaling=DIM**-0.5)[0].transpose(1, 2)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+@settings(max_examples=200, deadline=None)
+@given(window=st.integers(1, 12), spare=st.integers(1, 6), max_len=st.integers(2, 48), data=st.data(), seed=SEEDS)
+def test_a_call_may_start_again_after_rejected_drafted_tokens(family, window, spare, max_len, data, seed):
+    """Speculative decoding: each call verifies up to ``spare + 1`` tokens, of which the first
+    ``accepted`` (at least one) are kept and the rest, random keys and values, rejected; the next call
+    starts after the accepted ones. With ``spare`` slots beyond a ring's window (a static buffer
+    simply overwrites), every kept position's attention is the full-history attention over the kept
+    sequence alone."""
+    ring, static, _, kv_heads = FAMILIES[family]
+    is_ring = window < max_len
+    cache = ring(1, kv_heads, window, DIM, torch.float32, spare=spare) if is_ring else static(1, kv_heads, max_len, DIM, torch.float32)
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, HEADS, max_len, DIM, generator=gen)
+    k, v = (torch.randn(1, kv_heads, max_len, DIM, generator=gen) for _ in range(2))
+    outs, start = [], 0
+    while start < max_len:
+        n = data.draw(st.integers(1, min(spare + 1, max_len - start)), label="call")
+        accepted = data.draw(st.integers(1, n), label="accepted")
+        junk = [torch.randn(1, h, n - accepted, DIM, generator=gen) for h in (HEADS, kv_heads, kv_heads)]
+        call = [torch.cat([x[:, :, start : start + accepted], j], dim=2) for x, j in zip((q, k, v), junk)]
+        outs.append(_one_call(family, cache, start, *call, window, max_len)[:, :, :accepted])
+        start += accepted
+    got = torch.cat(outs, dim=2)
+    if family.startswith("int8"):
+        rotation = key_rotation(DIM)
+        q, k, v = quantized_rows(q @ rotation), quantized_rows(k @ rotation), quantized_rows(v)
+    torch.testing.assert_close(got, reference_attention(q, k, v, window if is_ring else None), atol=1e-5, rtol=1e-5)

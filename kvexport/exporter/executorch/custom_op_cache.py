@@ -43,8 +43,7 @@ class CustomOpStaticCache(nn.Module):
         torch.ops.llama.update_cache(_to_seq_major(key), self.k, call.start)
         torch.ops.llama.update_cache(_to_seq_major(value), self.v, call.start)
         if plain_softmax_attention(kwargs):
-            out = torch.ops.llama.custom_sdpa(_to_seq_major(query), self.k, self.v, call.start, None, 0.0, True, scaling)
-            return out, None
+            return custom_sdpa(query, self.k, self.v, call.start, None, scaling, call.one_query_at_a_time), None
         end = call.start + query.shape[2]
         keys, values = _to_seq_major(self.k[:, :end]), _to_seq_major(self.v[:, :end])
         return family_eager_attention(module)(module, query, keys, values, mask[..., :end], scaling=scaling, **kwargs)
@@ -64,13 +63,14 @@ class CustomOpStaticCache(nn.Module):
 
 
 class CustomOpRingCache(nn.Module):
-    """Sliding window W: W slots, position p at slot p % W; attends to the ring as it was before the
-    call followed by the call's own keys, masked to the window (same semantics as RingKVCache)."""
+    """Sliding window W: S = W + spare slots, position p at slot p % S; attends to the ring as it was
+    before the call followed by the call's own keys, masked to the window (RingKVCache's semantics)."""
 
-    def __init__(self, batch: int, kv_heads: int, window: int, head_dim: int, dtype: torch.dtype):
+    def __init__(self, batch: int, kv_heads: int, window: int, head_dim: int, dtype: torch.dtype, spare: int = 0):
         super().__init__()
-        shape = (batch, window, kv_heads, head_dim)
         self.window = window
+        self.slots = window + spare
+        shape = (batch, self.slots, kv_heads, head_dim)
         self.register_buffer("k", torch.zeros(shape, dtype=dtype), persistent=False)
         self.register_buffer("v", torch.zeros(shape, dtype=dtype), persistent=False)
 
@@ -78,9 +78,9 @@ class CustomOpRingCache(nn.Module):
         k_new, v_new = _to_seq_major(key), _to_seq_major(value)
         keys = torch.cat([self.k, k_new], dim=1)
         values = torch.cat([self.v, v_new], dim=1)
-        result = self._attention(module, query, keys, values, mask, scaling, kwargs)
+        result = self._attention(module, query, keys, values, mask, scaling, kwargs, call.one_query_at_a_time)
         call.attended[self] = keys, values  # for layers that share this ring
-        newest, slots = call.ring_writes(self.window)
+        newest, slots = call.ring_writes(self.slots)
         torch.ops.llama.update_cache_with_indices(k_new.index_select(1, newest), self.k, 0, slots[None])
         torch.ops.llama.update_cache_with_indices(v_new.index_select(1, newest), self.v, 0, slots[None])
         return result
@@ -89,9 +89,9 @@ class CustomOpRingCache(nn.Module):
         """A shared layer's queries, the call's last ``query.shape[2]``, over what this layer attended
         to in the call (the ring before its write, then the call's keys)."""
         keys, values = call.attended[self]
-        return self._attention(module, query, keys, values, shared_ring_mask(call, query, self.window), scaling, kwargs)
+        return self._attention(module, query, keys, values, shared_ring_mask(call, query, self.slots, self.window), scaling, kwargs)
 
-    def _attention(self, module, query, keys, values, mask, scaling, kwargs):
+    def _attention(self, module, query, keys, values, mask, scaling, kwargs, one_query_at_a_time=False):
         """Attention of ``query`` over sequence-major ``keys``/``values`` under ``mask``."""
         if not plain_softmax_attention(kwargs):
             return family_eager_attention(module)(
@@ -101,10 +101,26 @@ class CustomOpRingCache(nn.Module):
             # Runs inside the delegate; custom_sdpa is a call out of it (docs/performance.md).
             return window_attention(query, keys, values, mask, scaling), None
         # The kernel takes a float32 mask whatever the activations' dtype (float16 ones fail at run time).
-        return torch.ops.llama.custom_sdpa(_to_seq_major(query), keys, values, 0, mask[0, 0].float(), 0.0, False, scaling), None
+        return custom_sdpa(query, keys, values, 0, mask[0, 0].float(), scaling, one_query_at_a_time), None
 
     def key_positions(self, positions: torch.Tensor) -> torch.Tensor:
-        return ring_key_positions(positions, self.window)
+        return ring_key_positions(positions, self.slots)
+
+
+def custom_sdpa(query, keys, values, start, mask, scaling, one_query_at_a_time=False) -> torch.Tensor:
+    """``llama::custom_sdpa`` of ``query [1, H, T, D]`` over sequence-major ``keys``/``values``:
+    causal from ``start`` (reading positions ``[0, start + T)``) where ``mask`` is None, else under
+    ``mask [T, K]``. Returns ``[1, T, H, D]``. ``one_query_at_a_time`` (``T`` fixed at export): one
+    call per query, each the kernel's one-query path; for 2 to 9 queries its flash-attention path
+    takes several times as long as that many one-query calls (docs/speculative.md)."""
+    q = _to_seq_major(query)
+    if not one_query_at_a_time:
+        return torch.ops.llama.custom_sdpa(q, keys, values, start, mask, 0.0, mask is None, scaling)
+    return torch.cat([
+        torch.ops.llama.custom_sdpa(q[:, i : i + 1], keys, values, start + i if mask is None else start,
+                                    None if mask is None else mask[i : i + 1], 0.0, mask is None, scaling)
+        for i in range(q.shape[1])
+    ], dim=1)  # fmt: skip
 
 
 def window_attention(query, keys, values, mask, scaling=None) -> torch.Tensor:

@@ -6,7 +6,7 @@ asymmetric ops, as ExecuTorch's ``QuantizedKVCache`` does). Attention is
 ``llama::custom_quantized_sdpa``, which reads the int8 rows in place with their scales; it takes the
 query quantized the same way. The buffers keep the layout of ``custom_op_cache``'s float caches
 (sequence-major ``[1, slots, kv_heads, head_dim]``, scales ``[1, slots, kv_heads, 1]``), written by
-the same ``llama::update_cache`` ops, and a ring keeps exactly ``window`` slots.
+the same ``llama::update_cache`` ops, and a ring keeps ``window`` slots (and any spare ones, ``RingKVCache``).
 
 Keys and queries are first rotated by one orthonormal Hadamard matrix (``key_rotation``): q·k is
 unchanged, and the few channels in which a key is large are spread over all of them, so one scale
@@ -66,10 +66,17 @@ def _to_seq_major(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(1, 2)  # [1, heads, T, D] <-> [1, T, heads, D]
 
 
-def quantized_sdpa(query, rows, start, mask, scaling):
+def quantized_sdpa(query, rows, start, mask, scaling, one_query_at_a_time=False):
     """``llama::custom_quantized_sdpa`` of ``query [1, H, T, D]`` over int8 ``rows`` (values, scales
     and zero points of K, then of V, sequence-major): causal from ``start`` where ``mask`` is None
-    (reading positions ``[0, start + T)`` only), else under ``mask [T, K]``. Returns ``[1, T, H, D]``."""
+    (reading positions ``[0, start + T)`` only), else under ``mask [T, K]``. Returns ``[1, T, H, D]``.
+    ``one_query_at_a_time``: one call per query (``custom_op_cache.custom_sdpa`` says why)."""
+    if one_query_at_a_time:
+        return torch.cat([
+            quantized_sdpa(query[:, :, i : i + 1], rows, start + i if mask is None else start,
+                           None if mask is None else mask[i : i + 1], scaling)
+            for i in range(query.shape[2])
+        ], dim=1)  # fmt: skip
     q, q_scales, q_zero_points = quantize_rows(_to_seq_major(query))
     k, k_scales, k_zero_points, v, v_scales, v_zero_points = rows
     out = torch.ops.llama.custom_quantized_sdpa(
@@ -122,7 +129,7 @@ class QuantizedStaticCache(_QuantizedRows):
         for rows, buffer in zip(new, self.buffers_in_order()):
             torch.ops.llama.update_cache(rows, buffer, call.start)
         if plain_softmax_attention(kwargs):
-            return quantized_sdpa(query, self.buffers_in_order(), call.start, None, scaling), None
+            return quantized_sdpa(query, self.buffers_in_order(), call.start, None, scaling, call.one_query_at_a_time), None
         end = call.start + query.shape[2]
         keys, values = self.dequantized(buffer[:, :end] for buffer in self.buffers_in_order())
         return family_eager_attention(module)(module, query, keys, values, mask[..., :end], scaling=scaling, **kwargs)
@@ -142,40 +149,42 @@ class QuantizedStaticCache(_QuantizedRows):
 
 
 class QuantizedRingCache(_QuantizedRows):
-    """Sliding window W: W slots, position p at slot p % W; attends to the ring as it was before the
-    call followed by the call's own rows, masked to the window (``RingKVCache``'s semantics)."""
+    """Sliding window W: S = W + spare slots, position p at slot p % S; attends to the ring as it was
+    before the call followed by the call's own rows, masked to the window (``RingKVCache``'s semantics)."""
 
-    def __init__(self, batch: int, kv_heads: int, window: int, head_dim: int, dtype: torch.dtype, rotation: torch.Tensor):
-        super().__init__(batch, kv_heads, window, head_dim, dtype, rotation)
+    def __init__(self, batch: int, kv_heads: int, window: int, head_dim: int, dtype: torch.dtype, rotation: torch.Tensor,
+                 spare: int = 0):
+        super().__init__(batch, kv_heads, window + spare, head_dim, dtype, rotation)
         self.window = window
+        self.slots = window + spare
 
     def attend(self, module, query, key, value, mask, call: CallState, scaling=None, **kwargs):
         query, key = self.rotated(query, key, kwargs)
         new = (*quantize_rows(_to_seq_major(key)), *quantize_rows(_to_seq_major(value)))
         rows = tuple(torch.cat([buffer, n], dim=1) for buffer, n in zip(self.buffers_in_order(), new))
         call.attended[self] = rows  # for layers that share this ring
-        result = self._attention(module, query, rows, mask, scaling, kwargs)
-        newest, slots = call.ring_writes(self.window)
+        result = self._attention(module, query, rows, mask, scaling, kwargs, call.one_query_at_a_time)
+        newest, slots = call.ring_writes(self.slots)
         for n, buffer in zip(new, self.buffers_in_order()):
             torch.ops.llama.update_cache_with_indices(n.index_select(1, newest), buffer, 0, slots[None])
         return result
 
     def key_positions(self, positions: torch.Tensor) -> torch.Tensor:
-        return ring_key_positions(positions, self.window)
+        return ring_key_positions(positions, self.slots)
 
     def read(self, module, query, call: CallState, scaling=None, **kwargs):
         """A shared layer's queries, the call's last ``query.shape[2]``, over the rows this layer
         attended to in the call (the ring before its write, then the call's rows)."""
-        mask = shared_ring_mask(call, query, self.window)
+        mask = shared_ring_mask(call, query, self.slots, self.window)
         if plain_softmax_attention(kwargs):  # the rows' keys were rotated where the fused kernel attends
             query = query @ self.rotation
         return self._attention(module, query, call.attended[self], mask, scaling, kwargs)
 
-    def _attention(self, module, query, rows, mask, scaling, kwargs):
+    def _attention(self, module, query, rows, mask, scaling, kwargs, one_query_at_a_time=False):
         """Attention of ``query`` (rotated where the fused kernel attends) over int8 ``rows`` under ``mask``."""
         if plain_softmax_attention(kwargs):
             # The kernel takes a float32 mask whatever the activations' dtype.
-            return quantized_sdpa(query, rows, 0, mask[0, 0].float(), scaling), None
+            return quantized_sdpa(query, rows, 0, mask[0, 0].float(), scaling, one_query_at_a_time), None
         keys, values = self.dequantized(rows)
         return family_eager_attention(module)(module, query, keys, values, mask, scaling=scaling, **kwargs)
 
@@ -183,8 +192,8 @@ class QuantizedRingCache(_QuantizedRows):
 def _with_rotation(cache_class):
     """A cache kind whose layers of one head size share one rotation constant."""
 
-    def make(batch: int, kv_heads: int, slots: int, head_dim: int, dtype: torch.dtype):
-        return cache_class(batch, kv_heads, slots, head_dim, dtype, _rotation(head_dim, dtype))
+    def make(batch: int, kv_heads: int, slots: int, head_dim: int, dtype: torch.dtype, **spare):
+        return cache_class(batch, kv_heads, slots, head_dim, dtype, _rotation(head_dim, dtype), **spare)
 
     return make
 

@@ -10,7 +10,7 @@ import torch
 
 from ...errors import UnsupportedModelError
 from ...progress import report
-from ..decoder import ExportableDecoder, export_decoder
+from ..decoder import ExportableDecoder, export_decoder, export_verifier
 from ..quantization import Quantization
 from ..targets import ProgramSpec
 from .quantize import GROUP_SIZE, fuse_quantized_embeddings
@@ -32,6 +32,10 @@ QUANTIZES_MODULE = True
 INT8_KV_ROW_EXTRA_BYTES = 4 + 1
 # A cache of one position is a decode-only program (T static at 1).
 MIN_MAX_CACHE_LEN = 1
+# --max-draft-tokens K: a second method, `verify`, of K + 1 tokens, returns every position's logits,
+# sharing forward's cache buffers; rings keep K spare slots, so a call may start inside the verification.
+RING_SPARE_SLOTS = True
+VERIFY_METHOD = "verify"
 # torch.export's dynamic sizes start at 2, so a bound of 2 on T would fix every call at 2 tokens,
 # and decoding calls with 1: calls of up to 2 tokens are no one program.
 CALL_BOUNDS_REFUSED = (2,)
@@ -43,12 +47,14 @@ def export(
     max_tokens_per_call: int,
     kv_cache: str = "float",
     calibration_ids: torch.Tensor | None = None,
-) -> torch.export.ExportedProgram:
+    max_draft_tokens: int = 0,
+) -> torch.export.ExportedProgram | dict[str, torch.export.ExportedProgram]:
     """The cache lives in the program's mutable buffers, written and read by ExecuTorch's LLM
     custom ops (in-place update, fused attention over the filled positions only), in the model's
     dtype or in int8 (``kv_cache``; its scales are chosen per row as it is written, so
     ``calibration_ids`` is not needed). A call takes at most ``max_tokens_per_call`` tokens, the
-    size ExecuTorch plans activation memory for."""
+    size ExecuTorch plans activation memory for. ``max_draft_tokens``: the programs of two methods,
+    ``forward`` and ``verify`` (every position's logits), over the same buffers."""
     from .custom_op_cache import CUSTOM_OP_CACHES
     from .quantized_kv_cache import QUANTIZED_CACHES
     from .stacked_projections import stacked_projections
@@ -56,7 +62,10 @@ def export(
 
     caches = QUANTIZED_CACHES if kv_cache == "int8" else CUSTOM_OP_CACHES
     with rotary_as_matmul(model), stacked_projections(model):
-        return export_decoder(ExportableDecoder(model, max_cache_len, caches, max_tokens_per_call))
+        decoder = ExportableDecoder(model, max_cache_len, caches, max_tokens_per_call, max_draft_tokens)
+        if not max_draft_tokens:
+            return export_decoder(decoder)
+        return {"forward": export_decoder(decoder), VERIFY_METHOD: export_verifier(decoder, max_draft_tokens + 1)}
 
 
 def check_layers(specs: list, max_cache_len: int) -> None:
@@ -146,8 +155,10 @@ def _constant_methods(spec: ProgramSpec) -> dict:
     return methods
 
 
-def lower(program: torch.export.ExportedProgram, spec: ProgramSpec, out_dir: Path) -> dict:
-    """Lower to XNNPACK and write ``model.pte``; return facts for ``kvexport.json``."""
+def lower(program: torch.export.ExportedProgram | dict[str, torch.export.ExportedProgram], spec: ProgramSpec,
+          out_dir: Path) -> dict:
+    """Lower to XNNPACK and write ``model.pte`` (one method, ``forward``, or each of a dict's, their
+    mutable buffers shared by name); return facts for ``kvexport.json``."""
     from executorch.exir import EdgeCompileConfig, ExecutorchBackendConfig, to_edge_transform_and_lower
     from executorch.exir.passes import MemoryPlanningPass
     from executorch.exir.passes.sym_shape_eval_pass import ConstraintBasedSymShapeEvalPass
@@ -158,29 +169,38 @@ def lower(program: torch.export.ExportedProgram, spec: ProgramSpec, out_dir: Pat
     from .xnnpack_rewrites import XnnpackFriendlyShapes
 
     partitioner = xnnpack_partitioner()
-    program = decomposed_once(program, partitioner)
-    _tag_weights_for_data_file(program)
+    methods = program if isinstance(program, dict) else {"forward": program}
+    methods = {name: decomposed_once(p, partitioner) for name, p in methods.items()}
+    programs = list(methods.values())
+    for p in programs:
+        _tag_weights_for_data_file(p)
     # XNNPACK's serialized weights wait here (inside the staged artifact) until model.ptd is written.
     with tempfile.TemporaryDirectory(dir=out_dir, prefix=".weights-") as spill:
-        with (_weights_shared_on_deepcopy(program), _serialized_weights_on_disk(Path(spill)), only_the_passes_that_apply(),
-              functionalized_already(program), operator_rewrites_chained(), merge_checks_by_set_overlap()):
+        with (_weights_shared_on_deepcopy(programs), _serialized_weights_on_disk(Path(spill)), only_the_passes_that_apply(),
+              functionalized_already(programs), operator_rewrites_chained(), merge_checks_by_set_overlap()):
             edge = to_edge_transform_and_lower(
-                program,
+                methods,
                 transform_passes=[XnnpackFriendlyShapes()],
                 partitioner=[partitioner],
                 compile_config=EdgeCompileConfig(_check_ir_validity=False),
                 constant_methods=_constant_methods(spec),
             )
         # A quantized embedding is still torchao's dequantize + embedding: make it ExecuTorch's kernel.
-        fused = fuse_quantized_embeddings(edge.exported_program())
-        delegated, portable, custom = _op_counts(edge.exported_program().graph_module)
+        fused = fuse_quantized_embeddings(edge.exported_program("forward"))
+        for name in methods.keys() - {"forward"}:
+            fuse_quantized_embeddings(edge.exported_program(name))
+        delegated, portable, custom = _op_counts(edge.exported_program("forward").graph_module)
         et_program = edge.to_executorch(
             ExecutorchBackendConfig(
                 extract_delegate_segments=True,
-                memory_planning_pass=MemoryPlanningPass(alloc_graph_input=False),
+                # The methods' caches are one set of buffers, shared by name.
+                memory_planning_pass=MemoryPlanningPass(alloc_graph_input=False, share_mutable_buffers=len(methods) > 1),
                 # Plan activation memory for the largest call (T = max_tokens_per_call), not the example input.
                 sym_shape_eval_pass=ConstraintBasedSymShapeEvalPass(),
-                external_constants=lambda node: WEIGHTS_TAG,
+                # Methods' constants share one namespace in the data file, and constant propagation
+                # names its results per method (`_prop_tensor_constant0`, ...): with several methods,
+                # those stay in the program, where each method has its own.
+                external_constants=_external_constants(len(methods) > 1),
                 # Quantized embeddings (torchao dequantize + embedding) become ExecuTorch's
                 # quantized_decomposed::embedding_* kernels; constant folding drops the packing ops.
                 do_quant_fusion_and_const_prop=True,
@@ -203,16 +223,17 @@ def lower(program: torch.export.ExportedProgram, spec: ProgramSpec, out_dir: Pat
         # Kernels beyond ExecuTorch's portable set that a runtime must link or register.
         "custom_ops": custom,
         **({"quantized_embedding_ops": fused} if fused else {}),
+        **({"methods": list(methods)} if len(methods) > 1 else {}),
     }
 
 
 @contextlib.contextmanager
-def _weights_shared_on_deepcopy(program: torch.export.ExportedProgram):
+def _weights_shared_on_deepcopy(programs: list[torch.export.ExportedProgram]):
     """``to_edge`` deep-copies the program it is given, weights included, while the caller's program
     (and the model it came from) keep theirs: one more copy of every weight at the export's peak
     (docs/performance.md; the artifact's bytes are the same).
     Lowering reads the weights and never changes them, so the copy may share them."""
-    tensors = [t for t in (*program.state_dict.values(), *program.constants.values()) if isinstance(t, torch.Tensor)]
+    tensors = [t for p in programs for t in (*p.state_dict.values(), *p.constants.values()) if isinstance(t, torch.Tensor)]
     for t in tensors:
         t.__deepcopy__ = lambda memo, t=t: t
     try:
@@ -252,6 +273,14 @@ def _serialized_weights_on_disk(folder: Path):
         NamedDataStore.add_named_data = add_named_data
 
 
+def _external_constants(several_methods: bool):
+    """Which constants ``model.ptd`` holds: every one, or with several methods, every one but those
+    constant propagation made."""
+    if not several_methods:
+        return lambda node: WEIGHTS_TAG
+    return lambda node: None if node.name.startswith("_prop_tensor_constant") else WEIGHTS_TAG
+
+
 def _tag_weights_for_data_file(program: torch.export.ExportedProgram) -> None:
     """Ask XNNPACK to put the weights it takes into the shared data file too."""
     signature = program.graph_signature
@@ -262,8 +291,8 @@ def _tag_weights_for_data_file(program: torch.export.ExportedProgram) -> None:
 
 
 def _planned_memory_bytes(et_program) -> int:
-    forward = next(plan for plan in et_program.executorch_program.execution_plan if plan.name == "forward")
-    return sum(forward.non_const_buffer_sizes)
+    """The memory plan's arenas, of the method that needs most (a program's methods share them)."""
+    return max(sum(plan.non_const_buffer_sizes) for plan in et_program.executorch_program.execution_plan)
 
 
 def _op_counts(graph_module: torch.fx.GraphModule) -> tuple[int, int, list[str]]:

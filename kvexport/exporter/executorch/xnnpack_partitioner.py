@@ -72,13 +72,13 @@ def decomposed_once(program: torch.export.ExportedProgram, partitioner: XnnpackP
 
 
 @contextlib.contextmanager
-def functionalized_already(program: torch.export.ExportedProgram):
+def functionalized_already(programs: list[torch.export.ExportedProgram]):
     """Within the block, ``program.run_decompositions({})`` (functionalize, decompose nothing) is
-    ``program``: it is the output of ``decomposed_once``, functional already."""
+    ``program`` for each of ``programs``: outputs of ``decomposed_once``, functional already."""
     original = torch.export.ExportedProgram.run_decompositions
 
     def run_decompositions(self, decomp_table=None, *args, **kwargs):
-        if self is program and decomp_table == {} and not args and not kwargs:
+        if any(self is p for p in programs) and decomp_table == {} and not args and not kwargs:
             return self
         return original(self, decomp_table, *args, **kwargs)
 

@@ -73,6 +73,8 @@ def calibrate(decoder, ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tens
         rows = layer.window or n
         past += [torch.zeros((1, spec.kv_heads, rows, spec.head_dim), dtype=decoder.dtype) for _ in range(2)]
     past += [torch.zeros(shape, dtype=dtype) for layer in decoder.state_layers for shape, dtype in layer.shapes]
+    if decoder.verifies:
+        past.append(torch.tensor([-1]))  # logits_indices: the last position's, as the graph's default
     offsets = sorted({round(float(x)) for x in torch.linspace(0, decoder.max_cache_len - n, ROTARY_OFFSETS)})
     try:
         for i, (layer, _) in enumerate(decoder.buffer_layers):

@@ -45,6 +45,9 @@ GENAI_CONFIG = "genai_config.json"
 # The graph's sizes are traced from a call of 2 tokens after a cached position: torch.export
 # specialises a size of 1, and equates the call's size with the mask's where both are 2.
 MIN_MAX_CACHE_LEN = 3
+# --max-draft-tokens: the graph takes logits_indices (decoder.ExternalCacheDecoder); a sliding
+# buffer keeps exactly the window, which the runner rebuilds after rejected drafted tokens.
+RING_SPARE_SLOTS = False
 # The graph takes any T: --prefill-chunk is the interface's limit, which runners keep to.
 CALL_BOUNDS_REFUSED = ()
 
@@ -64,6 +67,7 @@ def export(
     max_tokens_per_call: int,
     kv_cache: str = "float",
     calibration_ids: torch.Tensor | None = None,
+    max_draft_tokens: int = 0,
 ) -> torch.export.ExportedProgram:
     """The cache crosses the graph boundary: past rows in, the call's new rows out. Rotary
     embeddings go through ONNX Runtime's kernel where the family's rotation is the standard one.
@@ -72,10 +76,12 @@ def export(
 
     ONNX Runtime sizes memory per call, so the graph itself takes any ``T`` the cache holds (its
     rotary tables are computed from a call of ``max_cache_len`` tokens); ``max_tokens_per_call``
-    is the interface's limit, which runners keep to (``interface``)."""
+    is the interface's limit, which runners keep to (``interface``). ``max_draft_tokens``: the graph
+    also takes ``logits_indices`` (the positions whose logits a verification reads); a runner
+    rebuilds a sliding layer's buffer after rejected drafted tokens (runtime/onnx_program.py)."""
     # Linear attention pads each call's system to the longest call: the bound matters there.
     has_states = any(spec.state_kind for spec in layer_specs(model.config))
-    decoder = ExternalCacheDecoder(model, max_cache_len, max_tokens_per_call if has_states else None)
+    decoder = ExternalCacheDecoder(model, max_cache_len, max_tokens_per_call if has_states else None, max_draft_tokens > 0)
     if kv_cache == "int8":
         use_int8_buffers(decoder, calibrate(decoder, calibration_ids))
     with rotary_as_kernel(decoder.model):
@@ -98,10 +104,10 @@ def check_layers(specs: list, max_cache_len: int) -> None:
         )
 
 
-def io_names(layers: list[dict]) -> tuple[list[str], list[str]]:
+def io_names(layers: list[dict], verifies: bool = False) -> tuple[list[str], list[str]]:
     """Graph input and output names, in ``ExternalCacheDecoder.forward``'s order: the n-th buffer
     layer's (``buffer_layers``) past and present are numbered n; then each state of the layers that
-    do not attend, named by the layer's index."""
+    do not attend, named by the layer's index; then, in a graph that ``verifies``, ``logits_indices``."""
     inputs, outputs = ["input_ids", "attention_mask"], ["logits"]
     for n, _ in enumerate(buffer_layers(layers)):
         for kv in ("key", "value"):
@@ -111,7 +117,11 @@ def io_names(layers: list[dict]) -> tuple[list[str], list[str]]:
         for state in STATES[layer["cache"]]:
             inputs.append(PAST_STATE.format(index=layer["index"], state=state))
             outputs.append(PRESENT_STATE.format(index=layer["index"], state=state))
-    return inputs, outputs
+    return inputs + [LOGITS_INDICES] * verifies, outputs
+
+
+# A verifying graph's input naming the call's positions whose logits come out (decoder.ExternalCacheDecoder).
+LOGITS_INDICES = "logits_indices"
 
 
 def quantize_model(model: torch.nn.Module, quantization: Quantization) -> list[str]:
@@ -123,7 +133,7 @@ def lower(program: torch.export.ExportedProgram, spec: ProgramSpec, out_dir: Pat
     """Convert to ONNX, check it, write ``model.onnx`` + ``model.onnx.data``; return facts for ``kvexport.json``."""
     import onnx
 
-    input_names, output_names = io_names(spec.layers)
+    input_names, output_names = io_names(spec.layers, spec.max_draft_tokens > 0)
     with _exact_no_op_rules():
         onnx_program = torch.onnx.export(
             program,
@@ -148,6 +158,8 @@ def lower(program: torch.export.ExportedProgram, spec: ProgramSpec, out_dir: Pat
     del onnx_program
     lengths_from_mask(path)
     fold_rotations_into_attention(path, spec.max_cache_len)
+    if spec.max_draft_tokens:
+        _last_position_by_default(path)
     _check(path)
     graph = onnx.load(str(path), load_external_data=False)
     facts = {"program": PROGRAM_FILE, "external_data": DATA_FILE}
@@ -157,6 +169,23 @@ def lower(program: torch.export.ExportedProgram, spec: ProgramSpec, out_dir: Pat
         (out_dir / GENAI_CONFIG).write_text(json.dumps(genai_config(spec), indent=2) + "\n")
         facts["genai_config"] = GENAI_CONFIG
     return {**facts, "opset": _opset(graph), "interface": interface(graph, spec)}
+
+
+def _last_position_by_default(path: Path) -> None:
+    """Give ``logits_indices`` a default, ``[-1]`` (an initializer of the input's name, which a caller
+    may override): a runtime that does not know the input (onnxruntime-genai) gets the last
+    position's logits, as from a graph without it. The logits are declared ``[1, 1, vocab]``, the
+    default's shape: onnxruntime-genai sizes them ``[1, T, vocab]`` where that dimension is not 1."""
+    import numpy as np
+    import onnx
+    from onnx import numpy_helper
+
+    model = onnx.load(str(path), load_external_data=False)
+    model.graph.initializer.append(numpy_helper.from_array(np.array([-1], np.int64), LOGITS_INDICES))
+    logits = next(v for v in model.graph.output if v.name == "logits")
+    logits.type.tensor_type.shape.dim[1].Clear()
+    logits.type.tensor_type.shape.dim[1].dim_value = 1
+    onnx.save(model, str(path))
 
 
 def genai_cannot_run(layers: list[dict]) -> str | None:
@@ -442,7 +471,10 @@ def _describe(value, layers_by_buffer: list) -> dict:
     elif value.name == "attention_mask":
         entry["meaning"] = "ones, one per position so far (P + T): its width tells the graph where the call starts"
     elif value.name == "logits":
-        entry["meaning"] = "logits of the call's last position"
+        entry["meaning"] = "logits of the call's last position (of logits_indices' positions, where the graph has it)"
+    elif value.name == LOGITS_INDICES:
+        entry["meaning"] = ("optional (default [-1]): the call's positions whose logits come out, indices into "
+                            "the call (negative from its end); 0 .. T-1 verifies drafted tokens")
     elif state := _STATE_NAME.fullmatch(value.name):
         kind, entry["layer"], what = state.group(1), int(state.group(2)), state.group(3)
         held = "its convolution's last inputs" if what == "conv" else "its recurrent state (float32)"
@@ -487,11 +519,19 @@ def interface(graph, spec: ProgramSpec) -> dict:
             "to the past's memory and it is written in place, reading rows 0 .. P+T-1 only; a runtime that does "
             "not alias them passes present as the next past",
             "ring": "the same binding; GroupQueryAttention with sliding_window_cache keeps the newest positions in "
-            "order from row 0 and evicts the oldest itself: the runtime never moves a row",
+            "order from row 0 and evicts the oldest itself: the runtime never moves a row"
+            + (RING_REWIND if spec.max_draft_tokens else ""),
             "new_sequence": "call with an attention_mask of width T (P = 0): nothing needs clearing",
             **({"states": STATES_RULE} if state_layers(spec.layers) else {}),
         },
     }
+
+
+RING_REWIND = (
+    "; after a verification whose last drafted tokens were rejected, the next call starts inside it: the runtime "
+    "then rebuilds the buffer as the kernel keeps it (the newest positions before the call in order from row 0) "
+    "from the buffer the verification left and a copy of its first T rows taken before it (kvexport's runner)"
+)
 
 
 STATES_RULE = (

@@ -143,7 +143,7 @@ def test_lowering_shares_the_programs_weights_rather_than_copying_them():
 
     program = torch.export.export(torch.nn.Linear(4, 3), (torch.ones(1, 4),))
     weight = program.state_dict["weight"]
-    with _weights_shared_on_deepcopy(program):
+    with _weights_shared_on_deepcopy([program]):
         assert copy.deepcopy(program).state_dict["weight"] is weight
     assert copy.deepcopy(program).state_dict["weight"] is not weight
     assert "__deepcopy__" not in weight.__dict__

@@ -168,7 +168,7 @@ def test_functionalized_already_answers_for_its_program_only():
 
     program = torch.export.export(Scale(), (torch.ones(2, 3),))
     decomposed = decomposed_once(program, xnnpack_partitioner())
-    with functionalized_already(decomposed):
+    with functionalized_already([decomposed]):
         assert decomposed.run_decompositions({}) is decomposed
         assert program.run_decompositions({}) is not program  # another program: torch's own
         assert decomposed.run_decompositions() is not decomposed  # another table: torch's own
