@@ -12,7 +12,7 @@ from ..artifact.manifest import program_mismatch
 from ..errors import ArtifactError, InvalidOptionError
 from ..logs import native_stderr_quiet
 from .cpu import runtime_threads
-from .generation import check_call
+from .generation import check_call, check_verification
 from .programs import max_tokens_per_call
 
 
@@ -43,8 +43,6 @@ class ExecuTorchProgram:
         self._verify = None
 
     def _verify_method(self):
-        if not self.manifest.get("max_draft_tokens"):
-            raise InvalidOptionError("this artifact does not verify drafted tokens; re-export it with --max-draft-tokens")
         if self._verify is None:
             try:
                 with native_stderr_quiet():
@@ -73,10 +71,9 @@ class ExecuTorchProgram:
         fewer are padded (the padding's rows are written and dropped, as rejected drafts' are); near
         the cache's end, where the padding would not fit, the positions are one-token calls."""
         torch = self._torch
+        check_verification(tokens, self.manifest.get("max_draft_tokens", 0))
         verify = self._verify_method()
         most = self.manifest["max_draft_tokens"] + 1
-        if len(tokens) > most:
-            raise InvalidOptionError(f"a verification takes at most {most} tokens, got {len(tokens)}")
         check_call(tokens, start, self._next_start, self.manifest["max_cache_len"], most - 1)
         if start + most > self.manifest["max_cache_len"]:
             return np.stack([self.forward([token], start + i) for i, token in enumerate(tokens)])

@@ -103,6 +103,14 @@ def check_call(tokens: list[int], start: int, next_start: int, max_cache_len: in
         )
 
 
+def check_verification(tokens: list[int], max_draft_tokens: int) -> None:
+    """A verification a program takes: the last chosen token and at most ``max_draft_tokens`` drafted ones."""
+    if not max_draft_tokens:
+        raise InvalidOptionError("this artifact does not verify drafted tokens; re-export it with --max-draft-tokens")
+    if len(tokens) > max_draft_tokens + 1:
+        raise InvalidOptionError(f"a verification takes at most {max_draft_tokens + 1} tokens, got {len(tokens)}")
+
+
 def generate(
     program,
     prompt_ids: list[int],

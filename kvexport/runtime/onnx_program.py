@@ -29,7 +29,7 @@ import numpy as np
 from ..artifact.manifest import MANIFEST, buffer_layers, program_mismatch, state_layers
 from ..errors import ArtifactError, InvalidOptionError
 from .cpu import runtime_threads
-from .generation import check_call
+from .generation import check_call, check_verification
 from .onnx_artifact import GPU_HINT, LOGITS_INDICES, check_against_genai_config, check_runs_on_cuda
 from .programs import max_tokens_per_call
 
@@ -163,8 +163,7 @@ class _Layer:
         positions from ``start - min(start, rows)`` (the kernel keeps exactly the window's rows, the
         newest in order from row 0), the only ones the call can evict."""
         if self.ring:
-            rows = self.buffers["key"].array.shape[2]
-            first = start - min(start, rows)
+            first = start - min(start, self.shape[2])
             self.evicted.append((first, {kv: buffer.array[:, :, :n].copy() for kv, buffer in self.buffers.items()}))
 
     def forget_before(self, position: int) -> None:
@@ -179,7 +178,7 @@ class _Layer:
         next call writes its rows from ``start`` on again, and reads no further."""
         if not self.ring:
             return
-        rows = self.buffers["key"].array.shape[2]
+        rows = self.shape[2]
         wanted = np.arange(start - min(start, rows), start)  # what rows 0 .. min(start, W)-1 must hold
         oldest_held = end - min(end, rows)
         for kv, buffer in self.buffers.items():
@@ -284,10 +283,7 @@ class OnnxProgram:
         """One call of ``tokens`` (the last chosen token, then drafted ones) from ``start``; the
         logits ``[T, vocab]`` (float32) of each of its positions: row i chooses the token after
         ``tokens[i]``."""
-        if not self.max_draft_tokens:
-            raise InvalidOptionError("this artifact does not verify drafted tokens; re-export it with --max-draft-tokens")
-        if len(tokens) > self.max_draft_tokens + 1:
-            raise InvalidOptionError(f"a verification takes at most {self.max_draft_tokens + 1} tokens, got {len(tokens)}")
+        check_verification(tokens, self.max_draft_tokens)
         self._start_at(tokens, start)
         n = len(tokens)
         rows = np.arange(n, dtype=np.int64)
@@ -308,6 +304,8 @@ class OnnxProgram:
         """Check a call's start; where it is before the sequence's end (rejected drafted tokens),
         rebuild the sliding layers' buffers as they were at ``start``."""
         check_call(tokens, start, self._next_start, self._max_cache_len, self.max_draft_tokens)
+        if not self.max_draft_tokens:
+            return
         for layer in self._layers:
             if 0 < start < self._next_start:
                 layer.rewind(self._next_start, start)

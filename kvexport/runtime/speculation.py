@@ -7,7 +7,7 @@ The verification is the program's ``verify`` (an artifact exported with ``--max-
 logits of every position of a call, and a next call that may start where the accepted tokens end,
 before the rejected ones.
 
-Drafters (``propose(context, k) -> tokens``):
+Drafters (``prefill(prompt_ids)`` once, then ``propose(context, k) -> tokens``):
 
 - ``PromptLookup``: the tokens that followed the last earlier occurrence of the context's final
   n-gram (prompt lookup decoding); no second model. Strong where the answer copies its prompt.
@@ -39,6 +39,9 @@ class PromptLookup:
 
     def __init__(self, max_ngram: int = 3):
         self.max_ngram = max_ngram
+
+    def prefill(self, prompt_ids: list[int]) -> None:
+        """Nothing to feed: the context is searched as each proposal is made."""
 
     def propose(self, context: list[int], k: int) -> list[int]:
         for n in range(min(self.max_ngram, len(context) - 1), 0, -1):
@@ -187,8 +190,7 @@ def generate_with_draft(
 
     t0 = time.perf_counter()
     logits = program.forward(list(prompt_ids), 0)
-    if isinstance(drafter, ModelDrafter):  # its prefill too, before the first token: it drafts the second
-        drafter.prefill(list(prompt_ids))
+    drafter.prefill(list(prompt_ids))  # a model drafter's prompt: before the first token, it drafts the second
     result.prefill_seconds = time.perf_counter() - t0
     t0 = time.perf_counter()
     going = choose(logits)

@@ -63,6 +63,9 @@ class RandomDrafter:
     def __init__(self, model: TableModel, p: float, seed: int):
         self.model, self.p, self.rng = model, p, np.random.default_rng(seed)
 
+    def prefill(self, prompt_ids):
+        pass
+
     def propose(self, context, k):
         drafts, ctx = [], list(context)
         for _ in range(int(self.rng.integers(0, k + 1))):
