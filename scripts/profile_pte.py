@@ -4,7 +4,7 @@
     python scripts/profile_pte.py ARTIFACT [--prompt-tokens 128] [--new-tokens 128] [--threads 2]
         [--top 25] [--json OUT.json]
 
-Runs the artifact through ``kvexport run``'s loop (one call with the prompt, then one call per greedy token)
+Runs the artifact through ``kvexport run``'s loop (the prompt in calls of at most the prefill chunk, then one call per greedy token)
 with ExecuTorch's event tracer on, reads the trace with ``executorch.devtools.Inspector`` and prints,
 per event, milliseconds per decode step, its share of ``Method::execute`` and calls per step:
 
@@ -16,7 +16,7 @@ per event, milliseconds per decode step, its share of ``Method::execute`` and ca
   delegate call, is dropped), marked ``delegated``.
 
 A second table lists the slowest single kernels (one operator of the program, e.g. the lm_head's
-matmul). The prompt call is left out of the figures. The tracer adds its own overhead: read the shares,
+matmul). The prompt's calls are left out of the figures. The tracer adds its own overhead: read the shares,
 and take speeds from kvexport bench.
 """
 
@@ -69,20 +69,22 @@ def trace_decode(folder: Path, prompt_tokens: int, new_tokens: int, threads: int
     program.write_event_trace(trace)
 
 
-def decode_events(trace: Path, calls: int) -> list[dict]:
-    """Every event that ran once per call, with its mean ms over the decode calls, from a trace of
-    ``calls`` calls whose first is the prompt's (loading, which ran once, is left out)."""
+def decode_events(trace: Path, decode_calls: int) -> list[dict]:
+    """Every event that ran once per call, with its mean ms over the last ``decode_calls`` calls (the
+    decode steps; the prompt's calls before them, one per prefill chunk, and loading, which ran
+    once, are left out)."""
     from executorch.devtools import Inspector
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "Output Buffer not found": no tensor dump was asked for
         inspector = Inspector(etdump_path=str(trace))
+    timed = [event for block in inspector.event_blocks for event in block.events if event.perf_data is not None]
+    calls = max(len(event.perf_data.raw) for event in timed)  # every call runs Method::execute
     events = []
-    for block in inspector.event_blocks:
-        for event in block.events:
-            raw = event.perf_data.raw if event.perf_data is not None else []
-            if len(raw) == calls:
-                events.append({"name": event.name, "ms_per_step": sum(raw[1:]) / (calls - 1),
+    for event in timed:
+        raw = event.perf_data.raw
+        if len(raw) == calls:
+            events.append({"name": event.name, "ms_per_step": sum(raw[-decode_calls:]) / decode_calls,
                                "delegated": bool(getattr(event, "is_delegated_op", False))})
     return events
 
@@ -132,7 +134,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="kvexport-profile-") as tmp:
         trace = Path(tmp) / "trace.etdp"
         trace_decode(args.artifact, args.prompt_tokens, args.new_tokens, args.threads, trace)
-        events = decode_events(trace, args.new_tokens + 1)
+        events = decode_events(trace, args.new_tokens)
     rows = per_kind(events)
     slowest = sorted((e for e in events if e["name"] not in CONTAINERS), key=lambda e: -e["ms_per_step"])
     total = next(r["ms_per_step"] for r in rows if r["name"] == TOTAL)
