@@ -195,14 +195,21 @@ def matrix(
     report: Annotated[Optional[Path], typer.Option("--report", help="write the markdown report here")] = None,
     json_report: Annotated[Optional[Path], typer.Option("--json", help="write the JSON report here (merge reads these)")] = None,
     work_dir: Annotated[
-        Optional[Path], typer.Option(help="keep each row's log here (default: a temporary folder, removed)")
+        Optional[str],
+        typer.Option(help="keep each row's log here (default: a temporary folder, removed); with --ray, a folder every "
+                          "node sees or an fsspec URL such as s3://bucket/runs"),
     ] = None,
     keep_artifacts: Annotated[bool, typer.Option("--keep-artifacts", help="keep each row's artifact folder")] = False,
+    ray: Annotated[
+        Optional[str],
+        typer.Option(metavar="ADDRESS", help="run the rows as tasks on a Ray cluster: local (one started for the run), "
+                                             "auto (the one this machine belongs to) or HOST:PORT; needs kvexport[ray]"),
+    ] = None,
 ):
     """Export and check each row of a matrix file in its own process, or merge shard reports; exit 0 only if all pass."""
     from .matrix.command import matrix_command
 
-    ok = matrix_command(paths, shard, report, json_report, work_dir, keep_artifacts)
+    ok = matrix_command(paths, shard, report, json_report, work_dir, keep_artifacts, ray)
     raise typer.Exit(0 if ok else 1)
 
 

@@ -306,7 +306,7 @@ def export_model(options: ExportOptions, progress: Progress | None = None) -> Ex
     plan = plan_export(options, progress)
     target = get_target(options.target)
     progress.info(plan.summary())
-    needs = _footprint(plan)
+    needs = plan_footprint(plan)
     if needs:
         progress.info(f"memory plan: {needs.summary()} (the artifact {memory_plan.size(needs.artifact_bytes)})")
         memory_plan.refuse_what_the_machine_cannot_hold(plan, needs)
@@ -369,7 +369,7 @@ def _release_weights(model) -> None:
         tensor.data = torch.empty(0, dtype=tensor.dtype)
 
 
-def _footprint(plan: ExportPlan) -> memory_plan.Footprint | None:
+def plan_footprint(plan: ExportPlan) -> memory_plan.Footprint | None:
     """The export's memory and disk, from the config (None for a model transformers cannot build
     on the meta device: it is exported without a plan)."""
     try:

@@ -1,4 +1,4 @@
-"""``kvexport matrix MATRIX.toml [--shard I/N]`` and ``kvexport matrix merge REPORT.json ...``."""
+"""``kvexport matrix MATRIX.toml [--shard I/N] [--ray ADDRESS]`` and ``kvexport matrix merge REPORT.json ...``."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from pathlib import Path
 from ..errors import InvalidOptionError
 from ..outputs import check_writable, write_text
 from . import report as reports
+from .cluster import run_rows_on_ray
 from .runner import run_rows
 from .spec import load_matrix, parse_shard, shard_rows
 
@@ -21,43 +22,61 @@ def matrix_command(
     shard: str | None,
     markdown: Path | None,
     json_path: Path | None,
-    work_dir: Path | None,
+    work_dir: str | None,
     keep_artifacts: bool,
+    ray: str | None = None,
 ) -> bool:
-    """Run (or merge) and write the reports; True when every row passed."""
+    """Run (or merge) and write the reports; True when every row passed. ``ray``: run the rows on
+    that Ray cluster (``cluster.py``) rather than one after another here."""
     if not paths:
         raise InvalidOptionError("give a matrix file (kvexport matrix MATRIX.toml) or `merge REPORT.json ...`")
     if paths[0] == MERGE:
-        if shard or work_dir or keep_artifacts:
+        if shard or work_dir or keep_artifacts or ray:
             raise InvalidOptionError("merge takes only report files, --report and --json")
         return _merge(paths[1:], markdown, json_path)
     if len(paths) > 1:
         raise InvalidOptionError(f"one matrix file at a time, got {len(paths)}: {' '.join(paths)}")
-    return _run(Path(paths[0]), shard, markdown, json_path, work_dir, keep_artifacts)
+    return _run(Path(paths[0]), shard, markdown, json_path, work_dir, keep_artifacts, ray)
 
 
-def _run(path: Path, shard, markdown, json_path, work_dir, keep_artifacts) -> bool:
+def _run(path: Path, shard, markdown, json_path, work_dir, keep_artifacts, ray) -> bool:
     matrix = load_matrix(path)
     index, count = parse_shard(shard) if shard else (1, 1)
     rows = shard_rows(matrix.rows, index, count)
     _check_writable(markdown, json_path)
-    if work_dir is not None:
-        check_writable(work_dir, "--work-dir", kind="in")
-    temporary = work_dir is None
-    work_dir = Path(tempfile.mkdtemp(prefix="kvexport-matrix-")) if temporary else Path(work_dir)
-    work_dir.mkdir(parents=True, exist_ok=True)
-    _say(f"{path}: {len(rows)} of {len(matrix.rows)} rows (shard {index}/{count}); row logs in {work_dir}")
-    done = []
+    url = work_dir is not None and "://" in str(work_dir)
+    if url and not ray:
+        raise InvalidOptionError(f"--work-dir {work_dir}: a URL is for --ray runs; a local run takes a folder")
+    if ray:
+        from .cluster import import_ray
 
-    def on_start(row):
-        _say(f"[{len(done) + 1}/{len(rows)}] {row.model} × {row.target} {row.dtype} {row.max_cache_len or 'default'} ...")
+        import_ray()  # refused in one line before any row, where Ray is not installed
+    if work_dir is not None and not url:
+        check_writable(Path(work_dir), "--work-dir", kind="in")
+    temporary = work_dir is None
+    work_dir = str(work_dir) if url else Path(tempfile.mkdtemp(prefix="kvexport-matrix-")) if temporary else Path(work_dir)
+    if not url:
+        work_dir.mkdir(parents=True, exist_ok=True)
+    where = f" on the Ray cluster at {ray}" if ray else ""
+    _say(f"{path}: {len(rows)} of {len(matrix.rows)} rows (shard {index}/{count}){where}; row logs in {work_dir}")
+    started, done = set(), []
+
+    def on_start(row, node=None):  # node: where a Ray run's row started (again, after its node died)
+        started.add(row.index)
+        on = f" on {reports.node_label(node)}" + (f" (attempt {node['attempts']})" if node["attempts"] > 1 else "") if node else ""
+        _say(f"[{len(started)}/{len(rows)}] {_row_name(row.to_dict())}{on} ...")
 
     def on_done(result):
         done.append(result)
-        _say(f"    {_row_line(result)}")
+        _say(f"    {_row_name(result) + ': ' if ray else ''}{_row_line(result)}")
+        if json_path:  # the report so far: a run that dies keeps its finished rows (merge lists the rest)
+            reports.write_json(reports.new_report(matrix, (index, count), sorted(done, key=lambda r: r["index"])), json_path)
 
     try:
-        results = run_rows(rows, work_dir, keep_artifacts, on_start, on_done)
+        if ray:
+            results = run_rows_on_ray(rows, str(work_dir), keep_artifacts, ray, on_start, on_done, _say)
+        else:
+            results = run_rows(rows, work_dir, keep_artifacts, on_start, on_done)
     finally:
         if temporary and not keep_artifacts:
             shutil.rmtree(work_dir, ignore_errors=True)
@@ -90,6 +109,10 @@ def _check_writable(markdown, json_path) -> None:
     for path, option in ((markdown, "--report"), (json_path, "--json")):
         if path is not None:
             check_writable(path, option)
+
+
+def _row_name(row: dict) -> str:
+    return f"#{row['index']} {row['model']} × {row['target']} {row['dtype']} {row['max_cache_len'] or 'default'}"
 
 
 def _row_line(result: dict) -> str:

@@ -155,7 +155,26 @@ def to_markdown(report: dict) -> str:
     missing = missing_rows(report)
     if missing:
         lines += ["", f"Missing rows (no shard reported them): {', '.join(str(i) for i in missing)}"]
+    lines += _where_rows_ran(report["rows"])
     return "\n".join(lines) + "\n"
+
+
+def _where_rows_ran(rows: list[dict]) -> list[str]:
+    """For rows run on a Ray cluster: each node's rows (a row that took several attempts says so)."""
+    nodes: dict[str, list[str]] = {}
+    for row in rows:
+        node = row.get("ran_on")
+        if node:
+            again = f" (attempt {node['attempts']})" if node["attempts"] > 1 else ""
+            nodes.setdefault(node_label(node), []).append(f"#{row['index']}{again}")
+    if not nodes:
+        return []
+    return ["", "## Where rows ran", "", *(f"- {node}: {', '.join(indices)}" for node, indices in sorted(nodes.items()))]
+
+
+def node_label(node: dict) -> str:
+    """A Ray node as people read it: its host and the start of its node id (nodes may share a host)."""
+    return f"{node['host']} ({node['node_id'][:8]})"
 
 
 def _agreement_or_divergence(row: dict) -> str:

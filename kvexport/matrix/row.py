@@ -24,6 +24,8 @@ ROW_FILE = "row.json"
 RESULT_FILE = "result.json"
 ARTIFACT_DIR = "artifact"
 RUN_PROMPT = "The capital of France is"
+PARENT_ENV = "KVEXPORT_MATRIX_PARENT"  # the id of the process that started the row
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 def run_row(row: Row, row_dir: Path) -> dict:
@@ -107,7 +109,7 @@ def _check(row: Row, folder: Path, runner: str = "kvexport") -> dict:
     if row.check_new_tokens:
         defaults = default_prompts(read_manifest(folder, verify=False), ArtifactTokenizer(folder))
         prompts = [(text, row.check_new_tokens) for text, _ in defaults]
-    return check_summary(run_check(folder, prompts, runner=runner))
+    return check_summary(run_check(folder, prompts, device=row.device, runner=runner))
 
 
 def _genai_check(row: Row, folder: Path) -> dict:
@@ -188,7 +190,7 @@ def _decode_speed(row: Row, folder: Path) -> dict:
     manifest = read_manifest(folder, verify=False)
     prompt_ids = ArtifactTokenizer(folder).encode(RUN_PROMPT)
     new_tokens = max(1, min(row.run_new_tokens, manifest["max_cache_len"] - len(prompt_ids) + 1))
-    result = generate(load_program(folder, manifest), prompt_ids, new_tokens)  # EOS does not stop it
+    result = generate(load_program(folder, manifest, row.device), prompt_ids, new_tokens)  # EOS does not stop it
     return {
         "run_new_tokens": len(result.new_ids),
         "prefill_tokens_per_s": round(result.prefill_tokens_per_s, 1),
@@ -196,9 +198,25 @@ def _decode_speed(row: Row, folder: Path) -> dict:
     }
 
 
+def die_with_parent() -> None:
+    """Have the kernel kill this process when the one that started it dies (Linux's
+    ``PR_SET_PDEATHSIG``), so that an interrupted matrix run, or a Ray worker whose node died, leaves
+    no row exporting on its own; and exit now if that process is already gone. A no-op elsewhere."""
+    parent = os.environ.get(PARENT_ENV)
+    if not sys.platform.startswith("linux") or not parent:
+        return
+    import ctypes
+    import signal
+
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != int(parent):  # it died before the line above
+        sys.exit(1)
+
+
 def main(argv: list[str] | None = None) -> int:
     from .. import logs
 
+    die_with_parent()
     argv = sys.argv[1:] if argv is None else argv
     row_dir = Path(argv[0])
     logs.quiet()

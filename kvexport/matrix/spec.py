@@ -22,7 +22,12 @@ export's ``--kv-cache``: ``int8``, executorch; checked by agreement too);
 ``prefill_chunk`` (one value: export's ``--prefill-chunk``; default: export's); ``timeout_s`` (the
 row's child process is killed after it); ``check_new_tokens`` (new tokens per check prompt;
 default: check's own, past the sliding window); ``run_new_tokens`` (tokens of the short run that
-measures decode speed).
+measures decode speed); ``device`` (``cpu``, or ``cuda`` for an ONNX row: its check and run on
+the GPU).
+
+Where a row runs on a Ray cluster (``kvexport matrix --ray``), it asks for ``cpus`` (default 1),
+``memory_gb`` (default: the export's memory plan), a GPU when its ``device`` is ``cuda``, and any
+custom Ray ``resources`` (a table, e.g. ``resources = {arm64 = 1}``); a local run ignores these.
 
 Rows are numbered in file order, each table expanding with ``model`` varying fastest, so that a
 round-robin split (row ``i`` to shard ``i % N + 1``) spreads models and targets over the shards.
@@ -47,7 +52,9 @@ _DEFAULTS = {"target": "executorch", "dtype": "float32", "max_cache_len": None}
 # this light module does not import (it would load torch for a matrix file's first check).
 QUANTIZATION = ("quantize", "quantize_embedding", "quantize_lm_head")
 SCHEMES = (*QUANTIZATION, "kv_cache")  # a row's one value each, None where export's default
-ROW_KEYS = (*AXES, *SCHEMES, *_OPTIONS)
+# Where a row runs: its device, and what it asks of a Ray cluster (``cluster.py``).
+_PLACEMENT = {"device": "cpu", "cpus": 1, "memory_gb": None, "resources": None}
+ROW_KEYS = (*AXES, *SCHEMES, *_OPTIONS, *_PLACEMENT)
 
 
 @dataclass(frozen=True)
@@ -67,6 +74,10 @@ class Row:
     quantize_lm_head: str | None = None
     kv_cache: str | None = None  # export's --kv-cache (None: float)
     prefill_chunk: int | None = None  # export's --prefill-chunk (None: its default)
+    device: str = "cpu"  # where the row's check and run go
+    cpus: int = 1  # what the row asks of a Ray cluster
+    memory_gb: float | None = None  # None: its export's memory plan
+    resources: dict | None = None  # custom Ray resources, e.g. {"arm64": 1}
 
     @property
     def id(self) -> str:
@@ -75,7 +86,8 @@ class Row:
         schemes = "".join(f"-{q}" for q in (self.quantize, self.quantize_embedding and f"emb{self.quantize_embedding}",
                                              self.quantize_lm_head and f"head{self.quantize_lm_head}",
                                              self.kv_cache and f"kv{self.kv_cache}",
-                                             self.prefill_chunk and f"chunk{self.prefill_chunk}") if q)
+                                             self.prefill_chunk and f"chunk{self.prefill_chunk}",
+                                             self.device != "cpu" and self.device) if q)
         return f"{self.index:03d}-{model}-{self.target}-{self.dtype}-{self.max_cache_len or 'default'}{schemes}"
 
     def to_dict(self) -> dict:
@@ -127,19 +139,23 @@ def _rows(data: dict) -> list[Row]:
     for number, table in enumerate(tables, 1):
         where = f"[[row]] #{number}"
         _known_keys(table, ROW_KEYS, f"key in {where}")
-        merged = {**_DEFAULTS, **_OPTIONS, **defaults, **table}
+        merged = {**_DEFAULTS, **_OPTIONS, **_PLACEMENT, **defaults, **table}
         if "model" not in merged:
             raise InvalidOptionError(f"{where} has no 'model'")
         axes = {axis: _values(merged[axis], axis, where) for axis in AXES}
         options = {key: _option(merged[key], key, where) for key in _OPTIONS}
         schemes = {key: _scheme(merged.get(key), key, where) for key in SCHEMES}
+        placement = _placement({key: merged[key] for key in _PLACEMENT}, where)
         for target, dtype, max_cache_len, model in itertools.product(*(axes[a] for a in AXES)):
             _check_row(model, target, dtype, max_cache_len, tiny, where, **schemes)
-            key = (model, target, dtype, max_cache_len, *schemes.values(), options["prefill_chunk"])
+            if placement["device"] == "cuda" and target != "onnx":
+                raise InvalidOptionError(f"{where} ({target}): device 'cuda' is for ONNX rows; ExecuTorch artifacts run on the CPU")
+            key = (model, target, dtype, max_cache_len, *schemes.values(), options["prefill_chunk"], placement["device"])
             if key in seen:
                 raise InvalidOptionError(f"{where} repeats row {seen[key]} ({', '.join(str(k) for k in key if k is not None)})")
             seen[key] = len(rows)
-            rows.append(Row(len(rows), model, target, dtype, max_cache_len, tiny_config=tiny.get(model), **options, **schemes))
+            rows.append(Row(len(rows), model, target, dtype, max_cache_len, tiny_config=tiny.get(model), **options, **schemes,
+                            **placement))
     return rows
 
 
@@ -174,6 +190,28 @@ def _scheme(value, key: str, where: str) -> str | None:
     if value is not None and (not isinstance(value, str) or not value):
         raise InvalidOptionError(f"{where}: '{key}' must be one string (a row's scheme), got {value!r}")
     return value
+
+
+def _placement(values: dict, where: str) -> dict:
+    """A row's device and what it asks of a Ray cluster, checked."""
+    from ..runtime.options import DEVICES
+
+    if values["device"] not in DEVICES:
+        raise InvalidOptionError(f"{where}: device must be one of {', '.join(DEVICES)}, got {values['device']!r}")
+    cpus = values["cpus"]
+    if not isinstance(cpus, int) or isinstance(cpus, bool) or cpus < 1:
+        raise InvalidOptionError(f"{where}: 'cpus' must be a positive integer, got {cpus!r}")
+    memory = values["memory_gb"]
+    if memory is not None and (not isinstance(memory, (int, float)) or isinstance(memory, bool) or memory <= 0):
+        raise InvalidOptionError(f"{where}: 'memory_gb' must be a positive number, got {memory!r}")
+    resources = values["resources"]
+    if resources is not None and (
+        not isinstance(resources, dict)
+        or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in resources.values())
+    ):
+        raise InvalidOptionError(f"{where}: 'resources' must be a table of Ray resource names to positive amounts, "
+                                 f"e.g. {{arm64 = 1}}; got {resources!r}")
+    return values
 
 
 def _check_row(model: str, target: str, dtype: str, max_cache_len, tiny: dict, where: str,

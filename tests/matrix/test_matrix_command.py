@@ -6,8 +6,16 @@ family to both), the other rows fail fast."""
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
+
+from kvexport.matrix.spec import load_matrix
 
 from tests.helpers import on_one_worker
 from tests.test_cli import run_cli
@@ -114,7 +122,6 @@ def test_a_row_killed_mid_export_leaves_no_staging_folder(tmp_path, monkeypatch,
     from types import SimpleNamespace
 
     from kvexport.matrix import row, runner
-    from kvexport.matrix.spec import load_matrix
 
     (tmp_path / "m.toml").write_text('[[row]]\nmodel = "tiny-llama"\ntimeout_s = 3\n')
     hanging = SimpleNamespace(__name__="tests.matrix.hanging_row", ROW_FILE=row.ROW_FILE, RESULT_FILE=row.RESULT_FILE,
@@ -124,3 +131,59 @@ def test_a_row_killed_mid_export_leaves_no_staging_folder(tmp_path, monkeypatch,
     assert result["failure"]["reason"].startswith("timed out after 3 s")
     (row_dir,) = (tmp_path / "work").iterdir()
     assert sorted(p.name for p in row_dir.iterdir()) == ["log.txt", "row.json"], (row_dir / "log.txt").read_text()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
+def test_a_row_s_process_dies_with_the_process_that_started_it(tmp_path):
+    """A matrix run killed (or, on a Ray cluster, a worker whose node died) leaves no row exporting
+    on its own: the row's process asks the kernel to kill it with its parent."""
+    (tmp_path / "m.toml").write_text('[[row]]\nmodel = "tiny-llama"\n')
+    (row,) = load_matrix(tmp_path / "m.toml").rows
+    (tmp_path / "row").mkdir()
+    (tmp_path / "parent.py").write_text(
+        "import sys\nfrom pathlib import Path\nfrom kvexport.matrix.runner import _run_child\n"
+        f"from kvexport.matrix.spec import Row\n_run_child(Row.from_dict({row.to_dict()!r}), Path(sys.argv[1]))\n"
+    )
+    parent = subprocess.Popen([sys.executable, str(tmp_path / "parent.py"), str(tmp_path / "row")])
+    deadline = time.monotonic() + 60
+    while not (children := _children(parent.pid)):
+        assert time.monotonic() < deadline and parent.poll() is None
+        time.sleep(0.1)
+    time.sleep(2)  # the row is importing and building its model
+    os.kill(parent.pid, signal.SIGKILL)
+    parent.wait()
+    deadline = time.monotonic() + 10
+    while any(_state(pid) not in ("gone", "Z") for pid in children):
+        assert time.monotonic() < deadline, f"row process {children} outlived its parent"
+        time.sleep(0.1)
+
+
+def _children(pid: int) -> list[int]:
+    path = Path(f"/proc/{pid}/task/{pid}/children")
+    return [int(p) for p in path.read_text().split()] if path.exists() else []
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"
+
+
+def test_the_json_report_holds_each_row_as_it_ends(tmp_path, monkeypatch):
+    """A run that dies after its first row (here, interrupted) has that row in its --json report."""
+    from kvexport.matrix import command
+
+    (tmp_path / "m.toml").write_text('[[row]]\nmodel = ["tiny-llama", "tiny-qwen3"]\n')
+
+    def first_row_then_interrupted(rows, work_dir, keep_artifacts, on_start, on_done):
+        on_start(rows[0])
+        on_done({**rows[0].to_dict(), "status": "pass", "failure": None, "family": "llama", "export_seconds": 1.0,
+                 "export_peak_rss_mb": 1.0, "artifact_mb": 1.0, "max_logit_diff": 0.0, "decode_tokens_per_s": 1.0})
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(command, "run_rows", first_row_then_interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        command.matrix_command([str(tmp_path / "m.toml")], None, None, tmp_path / "r.json", None, False)
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert [r["model"] for r in report["rows"]] == ["tiny-llama"] and report["matrix_rows"] == 2

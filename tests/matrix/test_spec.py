@@ -146,6 +146,30 @@ def test_mistakes_in_the_file_get_one_line(tmp_path, capsys, text, phrase):
     assert_one_line_error(code, err, phrase)
 
 
+@pytest.mark.parametrize(
+    ("text", "phrase"),
+    [
+        ("device = 'gpu'", "[[row]] #1: device must be one of cpu, cuda, got 'gpu'"),
+        ("device = 'cuda'", "[[row]] #1 (executorch): device 'cuda' is for ONNX rows"),
+        ("cpus = 0", "'cpus' must be a positive integer"),
+        ("memory_gb = -1", "'memory_gb' must be a positive number"),
+        ("resources = {arm64 = 'yes'}", "'resources' must be a table of Ray resource names"),
+    ],
+    ids=["device", "cuda-on-executorch", "cpus", "memory", "resources"],
+)
+def test_a_row_s_placement_mistakes_get_one_line(tmp_path, capsys, text, phrase):
+    path = write(tmp_path, f"[[row]]\nmodel = 'tiny-llama'\n{text}\n")
+    code, _, err = run_cli(capsys, "matrix", path)
+    assert_one_line_error(code, err, phrase, str(path))
+
+
+def test_a_cuda_row_is_a_row_of_its_own(tmp_path):
+    rows = load_matrix(write(tmp_path, "[[row]]\nmodel = 'tiny-llama'\ntarget = 'onnx'\n"
+                                       "[[row]]\nmodel = 'tiny-llama'\ntarget = 'onnx'\ndevice = 'cuda'\ncpus = 2\n")).rows
+    assert [(r.device, r.cpus) for r in rows] == [("cpu", 1), ("cuda", 2)]
+    assert rows[1].id.endswith("-cuda") and rows[0].id != rows[1].id
+
+
 @pytest.mark.parametrize("spec", ["0/2", "3/2", "1/0", "2", "a/b", "1/2/3", ""])
 def test_bad_shard_specs_are_refused(spec):
     with pytest.raises(InvalidOptionError, match="--shard takes I/N"):
