@@ -392,9 +392,7 @@ def run_check(
     reports = []
     with contextlib.ExitStack() as stack:
         drafter = load_drafter(draft, stack, device if manifest["target"] == "onnx" else "cpu") if draft else None
-        k = draft_tokens if draft_tokens is not None else manifest.get("max_draft_tokens", 0)
-        if drafter is not None:
-            check_drafter(program, drafter, k)
+        k = check_drafter(program, drafter, draft_tokens) if drafter is not None else None
         for text, ids, n in encoded:
             steps = program if drafter is None else SpeculativeSteps(program, drafter, k, ids, n)
             if half:

@@ -27,6 +27,8 @@ class ExecuTorchProgram:
         self.manifest = manifest
         self._chunk = max_tokens_per_call(manifest)
         self._next_start = 0
+        # Speculative decoding: a call may start up to this many positions before the sequence's end.
+        self.max_draft_tokens = manifest.get("max_draft_tokens", 0)
         self._torch = torch
         self._path = path
         check_program_file(path, manifest)  # before forward loads: its memory is planned for the program
@@ -55,7 +57,7 @@ class ExecuTorchProgram:
         torch = self._torch
         # A ring's slots are a function of the start: a call elsewhere than where the sequence is would
         # read the wrong rows (up to max_draft_tokens back: a ring's spare slots hold what it needs).
-        check_call(tokens, start, self._next_start, self.manifest["max_cache_len"], self.manifest.get("max_draft_tokens", 0))
+        check_call(tokens, start, self._next_start, self.manifest["max_cache_len"], self.max_draft_tokens)
         # Activation memory is planned for calls of at most `_chunk` tokens: a longer prompt takes several.
         for first in range(0, len(tokens), self._chunk):
             chunk = tokens[first : first + self._chunk]
@@ -71,10 +73,10 @@ class ExecuTorchProgram:
         fewer are padded (the padding's rows are written and dropped, as rejected drafts' are); near
         the cache's end, where the padding would not fit, the positions are one-token calls."""
         torch = self._torch
-        check_verification(tokens, self.manifest.get("max_draft_tokens", 0))
+        check_verification(tokens, self.max_draft_tokens)
         verify = self._verify_method()
-        most = self.manifest["max_draft_tokens"] + 1
-        check_call(tokens, start, self._next_start, self.manifest["max_cache_len"], most - 1)
+        most = self.max_draft_tokens + 1
+        check_call(tokens, start, self._next_start, self.manifest["max_cache_len"], self.max_draft_tokens)
         if start + most > self.manifest["max_cache_len"]:
             return np.stack([self.forward([token], start + i) for i, token in enumerate(tokens)])
         padded = tokens + tokens[-1:] * (most - len(tokens))

@@ -56,8 +56,7 @@ def generate_text(program, tokenizer: ArtifactTokenizer, prompt_ids: list[int], 
     if chat and not ignore_eos:  # a reply ends at the template's end of turn (Gemma: <end_of_turn>, not <eos>)
         eos |= set(tokenizer.turn_end_ids())
     if drafter is not None:
-        k = draft_tokens if draft_tokens is not None else program.manifest.get("max_draft_tokens", 0)
-        result = generate_with_draft(program, prompt_ids, max_new_tokens, drafter, k, eos, on_token=on_token)
+        result = generate_with_draft(program, prompt_ids, max_new_tokens, drafter, draft_tokens, eos, on_token=on_token)
     else:
         result = generate(program, prompt_ids, max_new_tokens, eos, sampling or Sampling(), on_token=on_token)
     result.text = tokenizer.decode(result.new_ids)

@@ -129,13 +129,15 @@ def load_drafter(draft: str, stack: contextlib.ExitStack, device: str = "cpu"):
     return ModelDrafter(load_program(folder, manifest, device))
 
 
-def check_drafter(program, drafter, draft_tokens: int) -> None:
-    """Refuse a speculative run the artifacts cannot do, before anything runs."""
+def check_drafter(program, drafter, draft_tokens: int | None) -> int:
+    """Refuse a speculative run the artifacts cannot do, before anything runs; the tokens drafted
+    per verification (``draft_tokens``, default: the artifact's most)."""
     most = program.manifest.get("max_draft_tokens", 0)
     if not most:
         raise InvalidOptionError(
             "--draft: this artifact does not verify drafted tokens; re-export it with --max-draft-tokens K"
         )
+    draft_tokens = most if draft_tokens is None else draft_tokens
     if not 1 <= draft_tokens <= most:
         raise InvalidOptionError(f"--draft-tokens must be from 1 to the artifact's max_draft_tokens ({most}), got {draft_tokens}")
     if isinstance(drafter, ModelDrafter):
@@ -149,6 +151,7 @@ def check_drafter(program, drafter, draft_tokens: int) -> None:
                 f"--draft: the drafting artifact goes back over {drafter.rewind} rejected drafts at most; export it "
                 f"with --max-draft-tokens {draft_tokens} or more"
             )
+    return draft_tokens
 
 
 def generate_with_draft(
@@ -156,17 +159,17 @@ def generate_with_draft(
     prompt_ids: list[int],
     max_new_tokens: int | None,
     drafter,
-    draft_tokens: int,
+    draft_tokens: int | None = None,
     eos_ids: set[int] = frozenset(),
     on_token: Callable[[int], None] | None = None,
     on_logits: Callable[[int, np.ndarray], bool] | None = None,
 ) -> SpeculativeGeneration:
-    """``generation.generate``, greedy, with drafted tokens verified ``draft_tokens`` at a time:
-    the same tokens, fewer calls. ``on_logits(step, logits)`` sees the logits each new token is
+    """``generation.generate``, greedy, with drafted tokens verified ``draft_tokens`` at a time
+    (default: the artifact's most): the same tokens, fewer calls. ``on_logits(step, logits)`` sees the logits each new token is
     chosen from, as there."""
     max_cache_len = program.manifest["max_cache_len"]
     check_fits(len(prompt_ids), max_new_tokens, max_cache_len)
-    check_drafter(program, drafter, draft_tokens)
+    draft_tokens = check_drafter(program, drafter, draft_tokens)
     result = SpeculativeGeneration(list(prompt_ids), speculation=Speculation(draft_tokens))
     stats = result.speculation
     limit = max_new_tokens if max_new_tokens is not None else max_cache_len - len(prompt_ids) + 1
