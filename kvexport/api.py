@@ -11,6 +11,7 @@ A user error is raised as ``kvexport.KvexportError`` with the CLI's one-line mes
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -42,6 +43,7 @@ def export(
     quantize: str | None = None,
     quantize_embedding: str | None = None,
     quantize_lm_head: str | None = None,
+    quantize_grid: str | None = None,
     kv_cache: str = "float",
     max_draft_tokens: int = 0,
     force: bool = False,
@@ -59,7 +61,8 @@ def export(
     child process that has it."""
     options = {
         "max_cache_len": max_cache_len, "prefill_chunk": prefill_chunk, "dtype": dtype, "quantize": quantize,
-        "quantize_embedding": quantize_embedding, "quantize_lm_head": quantize_lm_head, "kv_cache": kv_cache,
+        "quantize_embedding": quantize_embedding, "quantize_lm_head": quantize_lm_head, "quantize_grid": quantize_grid,
+        "kv_cache": kv_cache,
         "max_draft_tokens": max_draft_tokens, "force": force,
         "quiet": quiet, "revision": revision, "offline": offline, "gguf_file": gguf_file,
     }
@@ -100,12 +103,13 @@ def check(
     baseline: str | Path | None = None,
     draft: str | Path | None = None,
     draft_tokens: int | None = None,
+    min_agreement: float | None = None,
 ) -> CheckReport:
     """``kvexport check``: the artifact against eager transformers (``model``: another reference
     than the one the artifact came from; ``runner="genai"``: run it in onnxruntime-genai;
     ``baseline``: for an int8 KV cache, the same export with a float one, compared too; ``draft``:
     ``"ngram"`` or a drafting artifact's folder, the artifact generating speculatively,
-    ``draft_tokens`` at a time). ``.passed`` says whether it holds; ``.prompts`` has each prompt's
+    ``draft_tokens`` at a time; ``min_agreement``: a quantized artifact's bar, default 0.95). ``.passed`` says whether it holds; ``.prompts`` has each prompt's
     comparison."""
     from .artifact.manifest import read_manifest
     from .checker.check import choose_prompts, run_check
@@ -115,7 +119,7 @@ def check(
     manifest = read_manifest(folder)
     chosen = choose_prompts(manifest, ArtifactTokenizer(folder), prompts, max_new_tokens)
     return run_check(folder, chosen, device, model, runner=runner, baseline=None if baseline is None else Path(baseline),
-                     draft=None if draft is None else str(draft), draft_tokens=draft_tokens)
+                     draft=None if draft is None else str(draft), draft_tokens=draft_tokens, min_agreement=min_agreement)
 
 
 class Artifact:
@@ -194,15 +198,22 @@ class Artifact:
                                  on_token=on_token, drafter=drafter, draft_tokens=draft_tokens)
 
     def chat(self, system: str | None = None, max_new_tokens: int | None = None, *, temperature: float = 0.0,
-             top_p: float = 1.0, seed: int | None = None) -> Conversation:
+             top_p: float = 1.0, seed: int | None = None, draft: str | Path | None = None,
+             draft_tokens: int | None = None) -> Conversation:
         """A conversation (``kvexport chat``): ``.say(text)`` returns each reply (a ``Turn``: ``.text``,
         ``.reply_ids``, ``.prefilled_tokens``, ...), feeding only the tokens new since the last turn;
-        ``.reset()`` starts over."""
+        ``.reset()`` starts over. ``draft`` (``"ngram"`` or a drafting artifact's folder; greedy
+        only): the same replies, decoded speculatively, and each turn's ``.speculation`` says how."""
         from .runtime.chat import Conversation
         from .runtime.generation import Sampling
+        from .runtime.speculation import load_drafter
 
-        return Conversation(self.program, self.tokenizer, self.manifest, system, Sampling(temperature, top_p, seed),
-                            max_new_tokens)
+        stack = contextlib.ExitStack()
+        drafter = load_drafter(str(draft), stack, self.device) if draft is not None else None
+        conversation = Conversation(self.program, self.tokenizer, self.manifest, system, Sampling(temperature, top_p, seed),
+                                    max_new_tokens, drafter, draft_tokens)
+        weakref.finalize(conversation, stack.close)  # a drafting archive's folder, unpacked while the conversation lives
+        return conversation
 
     def check(self, prompts: list[str] | None = None, max_new_tokens: int | None = None, device: str = "cpu",
               model: str | None = None) -> CheckReport:

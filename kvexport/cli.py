@@ -29,6 +29,9 @@ app = typer.Typer(
 
 Target = Annotated[str, typer.Option("--target", "-t", help="executorch or onnx")]
 JsonFlag = Annotated[bool, typer.Option("--json", help="print one JSON object on stdout")]
+DraftTokens = Annotated[
+    Optional[int], typer.Option(metavar="K", help="with --draft: tokens drafted per verification [default: the artifact's max_draft_tokens]")
+]
 
 
 @app.command()
@@ -57,6 +60,10 @@ def export(
     quantize_lm_head: Annotated[
         Optional[str],
         typer.Option(help="with --quantize: int8 or int4 lm_head (int4: smaller and faster, less exact) [default: int8]"),
+    ] = None,
+    quantize_grid: Annotated[
+        Optional[str],
+        typer.Option(help="with --quantize: source (keep the grids the checkpoint's weights lie on: closest to float eager) or symmetric (every linear weight symmetric int4, as optimum-executorch and onnxruntime-genai's builder round them: faster, less exact) [default: source]"),
     ] = None,
     kv_cache: Annotated[
         str,
@@ -87,7 +94,8 @@ def export(
     with profiled(profile):
         result = export_in_this_process(
             model, target, out, quiet=quiet, max_cache_len=max_cache_len, dtype=dtype, force=force, quantize=quantize,
-            quantize_embedding=quantize_embedding, quantize_lm_head=quantize_lm_head, prefill_chunk=prefill_chunk,
+            quantize_embedding=quantize_embedding, quantize_lm_head=quantize_lm_head,
+            quantize_grid=quantize_grid, prefill_chunk=prefill_chunk,
             kv_cache=kv_cache, max_draft_tokens=max_draft_tokens, revision=revision, offline=offline, gguf_file=gguf_file,
         )
     if as_json:
@@ -127,6 +135,10 @@ def chat(
     seed: Annotated[Optional[int], typer.Option(metavar="S", help="sampling seed")] = None,
     device: Annotated[str, typer.Option(metavar="cpu|cuda", help="cpu or cuda (float16 ONNX artifacts)")] = "cpu",
     runner: Annotated[str, typer.Option(metavar="kvexport|genai", help=GENAI_RUNNER_HELP)] = "kvexport",
+    draft: Annotated[
+        Optional[str], typer.Option(metavar="ngram|ARTIFACT", help="speculative decoding (greedy, the same replies): draft with prompt lookup (ngram) or another artifact of the same tokenizer; the artifact must be exported with --max-draft-tokens")
+    ] = None,
+    draft_tokens: DraftTokens = None,
     as_json: Annotated[bool, typer.Option("--json", help="one JSON object per reply on stdout, no streamed text")] = False,
 ):
     """Chat with the artifact in its chat template, one user turn per line (/reset starts over, /exit ends);
@@ -134,7 +146,7 @@ def chat(
     from .runtime.chat import chat_command
 
     _check_runner(runner)
-    ok = chat_command(artifact, system, max_new_tokens, temperature, top_p, seed, device, as_json, runner)
+    ok = chat_command(artifact, system, max_new_tokens, temperature, top_p, seed, device, as_json, runner, draft, draft_tokens)
     raise typer.Exit(0 if ok else 2)
 
 
@@ -175,8 +187,9 @@ def check(
     draft: Annotated[
         Optional[str], typer.Option(metavar="ngram|ARTIFACT", help="generate speculatively, drafting with prompt lookup (ngram) or another artifact; the tokens must still be eager's (an artifact exported with --max-draft-tokens)")
     ] = None,
-    draft_tokens: Annotated[
-        Optional[int], typer.Option(metavar="K", help="with --draft: tokens drafted per verification [default: the artifact's max_draft_tokens]")
+    draft_tokens: DraftTokens = None,
+    min_agreement: Annotated[
+        Optional[float], typer.Option(metavar="FRACTION", help="a quantized artifact: the top-1 agreement with float eager it must reach at every prompt, e.g. 0.8 for --quantize-grid symmetric [default: 0.95]")
     ] = None,
     as_json: JsonFlag = False,
 ):
@@ -184,7 +197,8 @@ def check(
     from .checker.check import check_command
 
     _check_runner(runner)
-    ok = check_command(folder, prompt, max_new_tokens, device, model, as_json, runner, baseline, draft, draft_tokens)
+    ok = check_command(folder, prompt, max_new_tokens, device, model, as_json, runner, baseline, draft, draft_tokens,
+                       min_agreement)
     raise typer.Exit(0 if ok else 1)
 
 

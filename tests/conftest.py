@@ -98,17 +98,19 @@ def exported_once(tmp_path_factory, name: str, export) -> Path:
 @pytest.fixture(scope="session")
 def artifact(tmp_path_factory):
     """``artifact(name, target, quantize=None, quantize_embedding=None, quantize_lm_head=None,
-    dtype="float32", kv_cache="float", max_draft_tokens=0)`` -> folder, exported once per test run."""
+    dtype="float32", kv_cache="float", max_draft_tokens=0, quantize_grid=None)`` -> folder, exported
+    once per test run."""
     import kvexport
     from kvexport.exporter.pipeline import choose_prefill_chunk
 
     def get(name: str, target: str = "executorch", quantize: str | None = None, quantize_embedding: str | None = None,
-            quantize_lm_head: str | None = None, dtype: str = "float32", kv_cache: str = "float", max_draft_tokens: int = 0):
-        key = (name, target, quantize, quantize_embedding, quantize_lm_head, dtype, kv_cache)
+            quantize_lm_head: str | None = None, dtype: str = "float32", kv_cache: str = "float", max_draft_tokens: int = 0,
+            quantize_grid: str | None = None):
+        key = (name, target, quantize, quantize_embedding, quantize_lm_head, dtype, kv_cache, quantize_grid)
         suffix = "".join(f"-{q}" for q in key[2:] if q and q not in ("float32", "float"))
         suffix += f"-draft{max_draft_tokens}" if max_draft_tokens else ""
         options = dict(dtype=dtype, quantize=quantize, quantize_embedding=quantize_embedding, quantize_lm_head=quantize_lm_head,
-                       kv_cache=kv_cache, max_draft_tokens=max_draft_tokens)
+                       quantize_grid=quantize_grid, kv_cache=kv_cache, max_draft_tokens=max_draft_tokens)
         recorded = {"model": name, "target": target, "dtype": dtype, "max_cache_len": TEST_CACHE_LEN,
                     "prefill_chunk": choose_prefill_chunk(TEST_CACHE_LEN, None),
                     **{option: value for option, value in options.items() if option != "dtype" and value and value != "float"}}

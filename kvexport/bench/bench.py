@@ -386,6 +386,8 @@ def llama_available(python: str) -> str | None:
 def describe(manifest: dict) -> str:
     quant = manifest.get("quantization") or manifest.get("export_options", {}).get("quantize")
     kind = quant if isinstance(quant, str) else (quant.get("scheme") if isinstance(quant, dict) else None)
+    if isinstance(quant, dict) and quant.get("grid") == "symmetric":
+        kind += " symmetric"
     kv = f" {manifest['kv_cache']['dtype']}" if manifest.get("kv_cache") else ""
     return f"{manifest['target']} {kind or manifest['dtype']}, cache{kv} {manifest['max_cache_len']}"
 

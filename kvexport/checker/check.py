@@ -363,9 +363,11 @@ def run_check(
     baseline: Path | None = None,
     draft: str | None = None,
     draft_tokens: int | None = None,
+    min_agreement: float | None = None,
 ) -> CheckReport:
     """``draft`` (``--draft``): the artifact generates speculatively with that drafter,
-    ``draft_tokens`` at a time (default: its max_draft_tokens), and its tokens must still be eager's."""
+    ``draft_tokens`` at a time (default: its max_draft_tokens), and its tokens must still be eager's.
+    ``min_agreement`` (``--min-agreement``): a quantized artifact's bar [default: MIN_QUANTIZED_AGREEMENT]."""
     import contextlib
 
     from ..artifact.manifest import read_manifest
@@ -376,6 +378,7 @@ def run_check(
         raise InvalidOptionError("--draft checks an exact (unquantized) artifact with kvexport's runner, without --baseline")
     if baseline is not None:
         check_baseline(manifest, read_manifest(baseline), baseline)
+    min_agreement = check_min_agreement(manifest, min_agreement)
     tokenizer = ArtifactTokenizer(folder)
     quantized = approximate(manifest)
     prompts = prompts or default_prompts(manifest, tokenizer, QUANTIZED_STEPS if quantized else None)
@@ -405,9 +408,22 @@ def run_check(
             reports.append(report)
             if on_prompt:
                 on_prompt(report)
-    mode, min_agreement = ("agreement", MIN_QUANTIZED_AGREEMENT) if quantized else ("exact", 1.0)
+    mode, min_agreement = ("agreement", min_agreement) if quantized else ("exact", 1.0)
     return CheckReport(str(folder), manifest["target"], manifest["dtype"], device, tolerance, reports, mode, min_agreement,
                        runner)
+
+
+def check_min_agreement(manifest: dict, min_agreement: float | None) -> float:
+    """The top-1 agreement a quantized artifact must reach: ``--min-agreement`` (a fraction in (0, 1])
+    or the default; refused for an artifact held to identical tokens."""
+    if min_agreement is None:
+        return MIN_QUANTIZED_AGREEMENT
+    if not approximate(manifest):
+        raise InvalidOptionError("--min-agreement is for a quantized artifact (quantized weights or KV cache); "
+                                 "this one is held to identical tokens, leave it out")
+    if not 0 < min_agreement <= 1:
+        raise InvalidOptionError(f"--min-agreement is a fraction of the steps, above 0 and at most 1 (0.9 for 90%); got {min_agreement}")
+    return min_agreement
 
 
 def computes_float16_in_float16(manifest: dict) -> bool:
@@ -446,6 +462,8 @@ def _scheme(manifest: dict) -> str:
     if quantization := manifest.get("quantization"):
         embedding = quantization.get("embedding", {}).get("weights")
         scheme = quantization.get("scheme") or "float linear layers"
+        if quantization.get("grid") == "symmetric":
+            scheme += ", symmetric int4"
         if quantization.get("lm_head", {}).get("weights") == "int4":
             scheme += ", int4 lm_head"
         parts.append(f"{scheme}, {embedding} embedding" if embedding and quantization.get("scheme") != "int4" else scheme)
@@ -528,22 +546,23 @@ def choose_prompts(manifest: dict, tokenizer: ArtifactTokenizer, prompts: list[s
 
 
 def check_command(folder, prompts, max_new_tokens, device, model_name, as_json, runner: str = "kvexport",
-                  baseline: Path | None = None, draft: str | None = None, draft_tokens: int | None = None) -> bool:
+                  baseline: Path | None = None, draft: str | None = None, draft_tokens: int | None = None,
+                  min_agreement: float | None = None) -> bool:
     from ..artifact.manifest import read_manifest
 
     folder = Path(folder)
     manifest = read_manifest(folder)
     if baseline is not None:  # before anything loads
         check_baseline(manifest, read_manifest(baseline), baseline)
+    bar = check_min_agreement(manifest, min_agreement)
     tokenizer = ArtifactTokenizer(folder)
     quantized = approximate(manifest)
     chosen = choose_prompts(manifest, tokenizer, prompts, max_new_tokens)
     tolerance = logit_tolerance(manifest)
-    min_agreement = MIN_QUANTIZED_AGREEMENT if quantized else None
     if not as_json:
         rule = (
             f"quantized ({_scheme(manifest)}, not token-exact): eager's tokens fed to both, "
-            f"top-1 agreement with float eager must be >= {MIN_QUANTIZED_AGREEMENT:.0%} (EOS never fed)"
+            f"top-1 agreement with float eager must be >= {bar:.0%} (EOS never fed)"
             if quantized
             else f"tokens must be identical, logits within {tolerance} ("
             + ("bfloat16's tolerance: XNNPACK computes float16 in float16 on this CPU" if computes_float16_in_float16(manifest)
@@ -562,11 +581,12 @@ def check_command(folder, prompts, max_new_tokens, device, model_name, as_json, 
         chosen,
         device,
         model_name,
-        on_prompt=None if as_json else lambda r: print(_summary_line(r, tolerance, min_agreement)),
+        on_prompt=None if as_json else lambda r: print(_summary_line(r, tolerance, bar if quantized else None)),
         runner=runner,
         baseline=baseline,
         draft=draft,
         draft_tokens=draft_tokens,
+        min_agreement=min_agreement,
     )
     if as_json:
         print(json.dumps(report.to_dict()))

@@ -40,6 +40,7 @@ class ExportOptions:
     quantize: str | None = None  # "8da4w" (executorch) or "int4" (onnx)
     quantize_embedding: str | None = None  # "int8" or "int4" (executorch)
     quantize_lm_head: str | None = None  # "int8" (the default) or "int4", with quantize
+    quantize_grid: str | None = None  # "source" (the default) or "symmetric", with quantize
     prefill_chunk: int | None = None  # most tokens per forward call [default: DEFAULT_PREFILL_CHUNK]
     kv_cache: str = "float"  # "float" (the dtype's) or "int8" (quantization.KV_CACHES)
     # Most drafted tokens one call verifies (speculative decoding); 0: none, the program as before.
@@ -51,7 +52,7 @@ class ExportOptions:
 
     @property
     def quantization(self) -> quantize.Quantization:
-        return quantize.Quantization(self.quantize, self.quantize_embedding, self.quantize_lm_head)
+        return quantize.Quantization(self.quantize, self.quantize_embedding, self.quantize_lm_head, self.quantize_grid)
 
 
 @dataclass

@@ -136,6 +136,7 @@ def planned_memory_bytes(row: Row) -> int:
             options = ExportOptions(
                 model=row.model, target=row.target, out=Path(tmp) / "plan", max_cache_len=row.max_cache_len, dtype=row.dtype,
                 quantize=row.quantize, quantize_embedding=row.quantize_embedding, quantize_lm_head=row.quantize_lm_head,
+                quantize_grid=row.quantize_grid,
                 prefill_chunk=row.prefill_chunk, kv_cache=row.kv_cache or "float",
             )
             try:

@@ -132,6 +132,7 @@ def to_markdown(report: dict) -> str:
             row["target"],
             " · ".join(q for q in (row["dtype"], row.get("quantize"), row.get("quantize_embedding") and f"embedding {row['quantize_embedding']}",
                                    row.get("quantize_lm_head") and f"lm_head {row['quantize_lm_head']}",
+                                   row.get("quantize_grid") and f"{row['quantize_grid']} grid",
                                    row.get("kv_cache") and f"KV {row['kv_cache']}") if q),
             row.get("max_cache_len") or "default",
             STATUS_MARK[row["status"]],

@@ -86,6 +86,7 @@ def _export(row: Row, model: str, folder: Path) -> dict:
     options = ExportOptions(
         model=model, target=row.target, out=folder, max_cache_len=row.max_cache_len, dtype=row.dtype, force=True,
         quantize=row.quantize, quantize_embedding=row.quantize_embedding, quantize_lm_head=row.quantize_lm_head,
+        quantize_grid=row.quantize_grid,
         prefill_chunk=row.prefill_chunk, kv_cache=row.kv_cache or "float",
     )
     exported = export_model(options, Progress())

@@ -14,10 +14,11 @@ model_type = "olmo2"            # other keys override kvexport's tiny defaults (
 ```
 
 Row keys: ``model``, ``target``, ``dtype``, ``max_cache_len`` (one value or a list; a missing
-``max_cache_len`` is export's default); ``quantize``, ``quantize_embedding`` and
-``quantize_lm_head`` (one value each, as ``kvexport export`` takes them: ``quantize`` ``int4`` for
-onnx, ``8da4w`` for executorch, with ``quantize_embedding`` (executorch) and ``quantize_lm_head``
-``int8`` / ``int4``; the row's check then measures top-1 agreement); ``kv_cache`` (one value,
+``max_cache_len`` is export's default); ``quantize``, ``quantize_embedding``, ``quantize_lm_head``
+and ``quantize_grid`` (one value each, as ``kvexport export`` takes them: ``quantize`` ``int4`` for
+onnx, ``8da4w`` for executorch, with ``quantize_embedding`` (executorch), ``quantize_lm_head``
+``int8`` / ``int4`` and ``quantize_grid`` ``source`` / ``symmetric``; the row's check then measures
+top-1 agreement); ``kv_cache`` (one value,
 export's ``--kv-cache``: ``int8``, executorch; checked by agreement too);
 ``prefill_chunk`` (one value: export's ``--prefill-chunk``; default: export's); ``timeout_s`` (the
 row's child process is killed after it); ``check_new_tokens`` (new tokens per check prompt;
@@ -50,7 +51,7 @@ _OPTIONS = {"timeout_s": 1800, "check_new_tokens": None, "run_new_tokens": 32, "
 _DEFAULTS = {"target": "executorch", "dtype": "float32", "max_cache_len": None}
 # One value per [[row]] (TOML has no null for "float"); exporter.quantization.OPTIONS, which
 # this light module does not import (it would load torch for a matrix file's first check).
-QUANTIZATION = ("quantize", "quantize_embedding", "quantize_lm_head")
+QUANTIZATION = ("quantize", "quantize_embedding", "quantize_lm_head", "quantize_grid")
 SCHEMES = (*QUANTIZATION, "kv_cache")  # a row's one value each, None where export's default
 # Where a row runs: its device, and what it asks of a Ray cluster (``cluster.py``).
 _PLACEMENT = {"device": "cpu", "cpus": 1, "memory_gb": None, "resources": None}
@@ -72,6 +73,7 @@ class Row:
     quantize: str | None = None
     quantize_embedding: str | None = None
     quantize_lm_head: str | None = None
+    quantize_grid: str | None = None
     kv_cache: str | None = None  # export's --kv-cache (None: float)
     prefill_chunk: int | None = None  # export's --prefill-chunk (None: its default)
     device: str = "cpu"  # where the row's check and run go
@@ -85,6 +87,7 @@ class Row:
         model = re.sub(r"[^A-Za-z0-9._-]+", "_", Path(self.model).name)
         schemes = "".join(f"-{q}" for q in (self.quantize, self.quantize_embedding and f"emb{self.quantize_embedding}",
                                              self.quantize_lm_head and f"head{self.quantize_lm_head}",
+                                             self.quantize_grid and f"grid{self.quantize_grid}",
                                              self.kv_cache and f"kv{self.kv_cache}",
                                              self.prefill_chunk and f"chunk{self.prefill_chunk}",
                                              self.device != "cpu" and self.device) if q)
@@ -216,7 +219,7 @@ def _placement(values: dict, where: str) -> dict:
 
 def _check_row(model: str, target: str, dtype: str, max_cache_len, tiny: dict, where: str,
                quantize: str | None = None, quantize_embedding: str | None = None,
-               quantize_lm_head: str | None = None, kv_cache: str | None = None) -> None:
+               quantize_lm_head: str | None = None, quantize_grid: str | None = None, kv_cache: str | None = None) -> None:
     from ..artifact.manifest import TARGETS
     from ..exporter.quantization import Quantization, check_kv_cache
     from ..models import sources
@@ -226,7 +229,7 @@ def _check_row(model: str, target: str, dtype: str, max_cache_len, tiny: dict, w
     if dtype not in sources.DTYPES:
         raise InvalidOptionError(f"{where}: unknown dtype '{dtype}'; choose one of: {', '.join(sources.DTYPES)}")
     try:  # the same one-line refusal `kvexport export` gives, per expanded row
-        Quantization(quantize, quantize_embedding, quantize_lm_head).check(target, dtype)
+        Quantization(quantize, quantize_embedding, quantize_lm_head, quantize_grid).check(target, dtype)
         check_kv_cache(kv_cache or "float", target)
     except KvexportError as e:
         raise InvalidOptionError(f"{where} ({target}): {e}")

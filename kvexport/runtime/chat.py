@@ -9,6 +9,11 @@ over at position 0 with all of them: calls are never rewound to a middle positio
 sliding-window ring caches could not follow. A conversation that no longer fits in the cache starts
 over with the system prompt and the new turn, and says so.
 
+With a drafter (``--draft``) each reply is decoded speculatively (``speculation``), greedy, the
+same tokens; the drafter sees the whole conversation. A verification leaves rejected drafts in the
+cache past the reply; the next turn starts where the reply's tokens end, which the artifact's
+``max_draft_tokens`` allows.
+
 numpy and tokenizers only (no torch), like the rest of the runtime.
 """
 
@@ -23,6 +28,7 @@ from pathlib import Path
 
 from ..errors import ArtifactError, InvalidOptionError, KvexportError, PromptTooLongError
 from .generation import Sampling, generate
+from .speculation import check_drafter, generate_with_draft
 from .tokenizer import ArtifactTokenizer, check_utf8
 
 
@@ -43,10 +49,12 @@ class Turn:
     prefill_tokens_per_s: float
     decode_tokens_per_s: float
     notices: list[str] = field(default_factory=list)
+    speculation: dict | None = None  # with a drafter: verifications, tokens drafted and accepted
 
     def summary(self) -> dict:
         """``kvexport chat --json``'s object for the turn."""
         return {
+            **({"speculation": self.speculation} if self.speculation else {}),
             "reply_ids": self.reply_ids,
             "text": self.text,
             "prefilled_tokens": self.prefilled_tokens,
@@ -67,11 +75,23 @@ class _Cache:
         self.ids: list[int] = []
 
     def forward(self, tokens: list[int], start: int):
+        return self._call(self.program.forward, tokens, start)
+
+    def verify(self, tokens: list[int], start: int):
+        return self._call(self.program.verify, tokens, start)
+
+    def _call(self, method, tokens: list[int], start: int):
         kept = self.ids[:start]
         self.ids = []  # unknown while the call runs: if it fails, the next turn starts over
-        logits = self.program.forward(tokens, start)
+        logits = method(tokens, start)
         self.ids = kept + list(tokens)
         return logits
+
+    def keep_prefix_of(self, ids: list[int]) -> None:
+        """Forget what the cache holds past its common prefix with ``ids`` (a verification's
+        rejected drafts), so that the next turn's ids match what it holds."""
+        common = next((i for i, (a, b) in enumerate(zip(self.ids, ids)) if a != b), min(len(self.ids), len(ids)))
+        del self.ids[common:]
 
     def clear(self) -> None:
         self.ids = []
@@ -88,14 +108,21 @@ class Conversation:
 
     ``sampling``: one for the whole conversation (its seeded generator runs on across turns);
     ``max_new_tokens``: the most tokens a reply takes (``None``: until EOS, the template's end of
-    turn, or the cache is full).
+    turn, or the cache is full); ``drafter`` (``speculation``; greedy only): replies decoded
+    speculatively, ``draft_tokens`` at a time (default: the artifact's ``max_draft_tokens``).
     """
 
     def __init__(self, program, tokenizer: ArtifactTokenizer, manifest: dict | None = None, system: str | None = None,
-                 sampling: Sampling | None = None, max_new_tokens: int | None = None):
+                 sampling: Sampling | None = None, max_new_tokens: int | None = None, drafter=None,
+                 draft_tokens: int | None = None):
         if max_new_tokens is not None and max_new_tokens < 1:
             raise InvalidOptionError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
         require_chat_template(tokenizer)
+        if drafter is not None:
+            if sampling is not None and sampling.temperature:
+                raise InvalidOptionError("--draft decodes greedily: leave out --temperature")
+            draft_tokens = check_drafter(program, drafter, draft_tokens)
+        self.drafter, self.draft_tokens = drafter, draft_tokens
         self.manifest = manifest or program.manifest
         self.tokenizer = tokenizer
         self.system = system
@@ -185,19 +212,22 @@ class Conversation:
             if piece:
                 on_text(piece)
 
+        on_logits = (lambda step, logits: not stop()) if stop is not None else None
         try:
-            result = generate(
-                self._cache, ids[start:], self.max_new_tokens, self.stop_ids, self.sampling,
-                on_token=on_token if stream is not None else None,
-                on_logits=(lambda step, logits: not stop()) if stop is not None else None,
-                start=start,
-            )
+            if self.drafter is None:
+                result = generate(self._cache, ids[start:], self.max_new_tokens, self.stop_ids, self.sampling,
+                                  on_token=on_token if stream is not None else None, on_logits=on_logits, start=start)
+            else:
+                result = generate_with_draft(self._cache, ids[start:], self.max_new_tokens, self.drafter, self.draft_tokens,
+                                             self.stop_ids, on_token=on_token if stream is not None else None,
+                                             on_logits=on_logits, cached_ids=ids[:start])
         except BaseException:
             # What the cache holds is not known (an interrupted call): the next turn starts over.
             self._unfed = []
             self._cache.clear()
             raise
         reply = result.new_ids
+        self._cache.keep_prefix_of(ids + reply)
         self._unfed = reply[len(self._cache.ids) - len(ids):]
         reply_text = self.tokenizer.decode(reply)
         self.messages = [*messages, {"role": "assistant", "content": reply_text}]
@@ -214,6 +244,7 @@ class Conversation:
             prefill_tokens_per_s=result.prefill_tokens_per_s,
             decode_tokens_per_s=result.decode_tokens_per_s,
             notices=notices,
+            speculation=result.speculation.summary() if self.drafter is not None else None,
         )
 
 
@@ -268,23 +299,31 @@ def _read_line(stdin, interactive: bool) -> str | None:
 
 
 def chat_command(artifact: Path, system: str | None, max_new_tokens: int | None, temperature: float, top_p: float,
-                 seed: int | None, device: str, as_json: bool, runner: str = "kvexport") -> bool:
+                 seed: int | None, device: str, as_json: bool, runner: str = "kvexport", draft: str | None = None,
+                 draft_tokens: int | None = None) -> bool:
     """``kvexport chat``: one user turn per line of stdin. True if every turn got its reply."""
+    import contextlib
+
     from ..artifact.archive import open_artifact
     from .programs import load_program
+    from .speculation import load_drafter
 
     sampling = Sampling(temperature, top_p, seed)
     if max_new_tokens is not None and max_new_tokens < 1:
         raise InvalidOptionError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
+    if draft is not None and (temperature or runner != "kvexport"):
+        raise InvalidOptionError("--draft decodes greedily with kvexport's runner: leave out --temperature and --runner")
     stdin = sys.stdin
     if hasattr(stdin, "reconfigure"):  # bytes that are not UTF-8 reach the turn, which refuses it in one line
         stdin.reconfigure(errors="surrogateescape")
     interactive = stdin.isatty()
-    with open_artifact(artifact) as (folder, manifest):
+    with contextlib.ExitStack() as stack:
+        folder, manifest = stack.enter_context(open_artifact(artifact))
         tokenizer = ArtifactTokenizer(folder)
         require_chat_template(tokenizer)  # before the program loads
+        drafter = load_drafter(draft, stack, device) if draft is not None else None
         conversation = Conversation(load_program(folder, manifest, device, runner), tokenizer, manifest, system, sampling,
-                                    max_new_tokens)
+                                    max_new_tokens, drafter, draft_tokens)
         if interactive:
             import readline  # noqa: F401  line editing and history for input()
 

@@ -7,7 +7,8 @@ The verification is the program's ``verify`` (an artifact exported with ``--max-
 logits of every position of a call, and a next call that may start where the accepted tokens end,
 before the rejected ones.
 
-Drafters (``prefill(prompt_ids)`` once, then ``propose(context, k) -> tokens``):
+Drafters (``prefill(context)`` once a generation, then ``propose(context, k) -> tokens``; the
+context is everything before the next token, a chat's earlier turns included):
 
 - ``PromptLookup``: the tokens that followed the last earlier occurrence of the context's final
   n-gram (prompt lookup decoding); no second model. Strong where the answer copies its prompt.
@@ -40,7 +41,7 @@ class PromptLookup:
     def __init__(self, max_ngram: int = 3):
         self.max_ngram = max_ngram
 
-    def prefill(self, prompt_ids: list[int]) -> None:
+    def prefill(self, context: list[int]) -> None:
         """Nothing to feed: the context is searched as each proposal is made."""
 
     def propose(self, context: list[int], k: int) -> list[int]:
@@ -54,9 +55,10 @@ class PromptLookup:
 
 class ModelDrafter:
     """Greedy drafts from another artifact's program. Its cache holds the tokens it was fed
-    (``fed``, from position 0); a new proposal feeds what the conversation has beyond their common
-    prefix, going back over drafts that were rejected (the program's ``max_draft_tokens``), or
-    from position 0 where it would have to go back further."""
+    (``fed``, from position 0); a prefill or proposal feeds what the context has beyond their
+    common prefix, going back over drafts that were rejected (the program's ``max_draft_tokens``),
+    or from position 0 where it would have to go back further (a chat turn whose template renders
+    the earlier ones differently)."""
 
     def __init__(self, program):
         self.program = program
@@ -64,24 +66,30 @@ class ModelDrafter:
         self.rewind = program.manifest.get("max_draft_tokens", 0)
         self.max_cache_len = program.manifest["max_cache_len"]
 
-    def prefill(self, prompt_ids: list[int]) -> None:
+    def prefill(self, context: list[int]) -> None:
         """Feed the prompt, before the first proposal (which then feeds the tokens after it only)."""
-        if len(prompt_ids) < self.max_cache_len:
-            self.program.forward(prompt_ids, 0)
-            self.fed = list(prompt_ids)
+        if len(context) < self.max_cache_len:
+            self._feed(context)
 
-    def propose(self, context: list[int], k: int) -> list[int]:
-        k = min(k, self.max_cache_len - len(context))
-        if k <= 0:
-            return []
+    def _feed(self, context: list[int]) -> np.ndarray:
+        """Feed ``context`` beyond what the cache already holds of it (its last token always: its
+        logits, returned, draft the next); ``fed`` is then ``context``."""
         common = 0
-        for a, b in zip(self.fed, context[:-1]):  # the last token is always fed: its logits draft the first
+        for a, b in zip(self.fed, context[:-1]):
             if a != b:
                 break
             common += 1
         if common < len(self.fed) - self.rewind:
             common = 0
         logits = self.program.forward(context[common:], common)
+        self.fed = list(context)
+        return logits
+
+    def propose(self, context: list[int], k: int) -> list[int]:
+        k = min(k, self.max_cache_len - len(context))
+        if k <= 0:
+            return []
+        logits = self._feed(context)
         drafts = [int(np.argmax(logits))]
         while len(drafts) < k:
             logits = self.program.forward([drafts[-1]], len(context) + len(drafts) - 1)
@@ -163,16 +171,21 @@ def generate_with_draft(
     eos_ids: set[int] = frozenset(),
     on_token: Callable[[int], None] | None = None,
     on_logits: Callable[[int, np.ndarray], bool] | None = None,
+    cached_ids: list[int] = (),
 ) -> SpeculativeGeneration:
     """``generation.generate``, greedy, with drafted tokens verified ``draft_tokens`` at a time
     (default: the artifact's most): the same tokens, fewer calls. ``on_logits(step, logits)`` sees the logits each new token is
-    chosen from, as there."""
+    chosen from, as there. ``cached_ids``: what the program's cache already holds at positions 0..
+    (a chat's earlier turns; ``generate``'s ``start`` is their length), before ``prompt_ids``; the
+    drafter sees them too."""
     max_cache_len = program.manifest["max_cache_len"]
-    check_fits(len(prompt_ids), max_new_tokens, max_cache_len)
+    start = len(cached_ids)
+    check_fits(start + len(prompt_ids), max_new_tokens, max_cache_len)
     draft_tokens = check_drafter(program, drafter, draft_tokens)
     result = SpeculativeGeneration(list(prompt_ids), speculation=Speculation(draft_tokens))
     stats = result.speculation
-    limit = max_new_tokens if max_new_tokens is not None else max_cache_len - len(prompt_ids) + 1
+    limit = max_new_tokens if max_new_tokens is not None else max_cache_len - start - len(prompt_ids) + 1
+    context = [*cached_ids, *prompt_ids]
 
     def choose(logits: np.ndarray) -> bool:
         """Append the model's token for ``logits``; False where the generation ends with it."""
@@ -192,16 +205,16 @@ def generate_with_draft(
         return True
 
     t0 = time.perf_counter()
-    logits = program.forward(list(prompt_ids), 0)
-    drafter.prefill(list(prompt_ids))  # a model drafter's prompt: before the first token, it drafts the second
+    logits = program.forward(list(prompt_ids), start)
+    drafter.prefill(context)  # a model drafter's prompt: before the first token, it drafts the second
     result.prefill_seconds = time.perf_counter() - t0
     t0 = time.perf_counter()
     going = choose(logits)
-    pos = len(prompt_ids)  # where the last chosen token goes
+    pos = len(context)  # where the last chosen token goes
     while going:
         # Every drafted token kept adds one, and the call's last row one more: no more than the limit.
         room = min(draft_tokens, limit - len(result.new_ids) - 1)
-        drafts = drafter.propose(result.prompt_ids + result.new_ids, room) if room > 0 else []
+        drafts = drafter.propose(context + result.new_ids, room) if room > 0 else []
         if not drafts:
             stats.plain_calls += 1
             going = choose(program.forward([result.new_ids[-1]], pos))

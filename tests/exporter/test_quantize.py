@@ -76,17 +76,20 @@ def artifact_bytes(folder, manifest) -> int:
 
 
 @pytest.mark.parametrize(
-    "name, embedding, kernel, lm_head",
-    # Each 8da4w .pte is minutes of lowering: the options meet in two exports. The tied table with an
+    "name, embedding, kernel, lm_head, grid",
+    # Each 8da4w .pte is minutes of lowering: the options meet in three exports. The tied table with an
     # int4 lm_head but an int8 lookup: test_an_int4_lm_head_is_rounded_like_a_float_weight_and_its_tied_table_stays_8_bit.
-    [pytest.param("tiny-gemma3", "int8", "embedding_byte", None, marks=TINY_8DA4W),
-     ("tiny-smollm3", "int4", "embedding_4bit", "int4")],
-    ids=["gemma3-int8-embedding", "smollm3-tied-int4-embedding-int4-lm-head"],
+    [pytest.param("tiny-gemma3", "int8", "embedding_byte", None, None, marks=TINY_8DA4W),
+     ("tiny-smollm3", "int4", "embedding_4bit", "int4", None),
+     ("tiny-llama", "int8", "embedding_byte", "int4", "symmetric")],
+    ids=["gemma3-int8-embedding", "smollm3-tied-int4-embedding-int4-lm-head", "llama-peers-recipe-symmetric-grid"],
 )
-def test_8da4w_pte_runs_the_quantized_model(artifact, capsys, name, embedding, kernel, lm_head):
-    folder = artifact(name, "executorch", "8da4w", embedding, lm_head)
+def test_8da4w_pte_runs_the_quantized_model(artifact, capsys, name, embedding, kernel, lm_head, grid):
+    folder = artifact(name, "executorch", "8da4w", embedding, lm_head, quantize_grid=grid)
     manifest = read_manifest(folder)
     assert manifest["quantization"]["scheme"] == "8da4w"
+    assert manifest["quantization"].get("grid") == grid
+    assert manifest["export_options"].get("quantize_grid") == grid
     assert manifest["quantization"]["embedding"]["weights"] == embedding
     assert manifest["quantization"]["lm_head"]["weights"] == (lm_head or "int8")
     assert manifest["export_options"]["quantize"] == "8da4w"
@@ -98,14 +101,15 @@ def test_8da4w_pte_runs_the_quantized_model(artifact, capsys, name, embedding, k
 
     model, ids, prompt_len = sequence(name)
     quantized = copy.deepcopy(model)
-    assert quantize_model(quantized, Quantization("8da4w", embedding, lm_head)) == []  # every tiny width is a multiple of 32
+    assert quantize_model(quantized, Quantization("8da4w", embedding, lm_head, grid)) == []  # every tiny width is a multiple of 32
     got = teacher_forced(load_program(folder).forward, ids, prompt_len)
     reference = torch_logits(quantized, ids, prompt_len)
     as_float = torch_logits(model, ids, prompt_len)
     assert_closer_to(got, reference, as_float)
     if lm_head:  # check names the scheme it holds the artifact to
         _, _, err = run_cli(capsys, "check", folder, "--max-new-tokens", "4")
-        assert f"8da4w, {lm_head} lm_head, {embedding} embedding" in err
+        scheme = "8da4w, symmetric int4" if grid else "8da4w"
+        assert f"{scheme}, {lm_head} lm_head, {embedding} embedding" in err
 
 
 @TINY_8DA4W
@@ -450,6 +454,25 @@ def test_check_reports_agreement_on_a_quantized_artifact(artifact, capsys):
     assert "quantized" in err and "95%" in err
 
 
+def test_min_agreement_sets_a_quantized_artifacts_bar(artifact, capsys):
+    """``check --min-agreement``: the artifact passes at the bar its lowest prompt reaches, fails just
+    above it; refused for an artifact held to identical tokens, and outside (0, 1]."""
+    folder = artifact("tiny-gemma3", "onnx", "int4")
+    prompts = ["--prompt", "The capital of France is", "--max-new-tokens", "32"]
+    code, out, _ = run_cli(capsys, "check", folder, *prompts, "--json")
+    lowest = min(p["top1_agreement"] for p in json.loads(out)["prompts"])
+    assert 0 < lowest < 1  # a random 4-bit tiny model: some steps agree, some do not
+    code, out, err = run_cli(capsys, "check", folder, *prompts, "--min-agreement", str(lowest))
+    assert code == 0 and out.rstrip().endswith("PASS"), out + err
+    assert f"must be >= {lowest:.0%}" in err
+    code, out, _ = run_cli(capsys, "check", folder, *prompts, "--min-agreement", str(lowest + 0.01), "--json")
+    assert code == 1 and json.loads(out)["min_agreement"] == pytest.approx(lowest + 0.01)
+    code, _, err = run_cli(capsys, "check", artifact("tiny-gemma3", "onnx"), "--min-agreement", "0.9")
+    assert_one_line_error(code, err, "--min-agreement is for a quantized artifact")
+    code, _, err = run_cli(capsys, "check", folder, "--min-agreement", "90")
+    assert_one_line_error(code, err, "--min-agreement is a fraction of the steps", "got 90")
+
+
 def test_teacher_forcing_on_a_float_artifact_agrees_fully(artifact):
     from kvexport.checker.check import check_prompt
 
@@ -752,13 +775,145 @@ def save_graph(tmp_path, nodes, weights: dict, output_shape, input_name="ids", i
     return path
 
 
-def quantize_and_run(path, feeds: dict):
+def quantize_and_run(path, feeds: dict, **options):
+    """``quantize_onnx``'s rewrite of the graph at ``path`` (``options``: its keywords), run."""
     import onnx
     import onnxruntime as ort
 
     from kvexport.exporter.onnx.quantize import quantize_onnx
 
-    ops = quantize_onnx(path, "model.onnx.data")
+    ops = quantize_onnx(path, "model.onnx.data", **options)
     onnx.checker.check_model(str(path), full_check=True)
     got = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
     return got, ops
+
+
+# --- --quantize-grid symmetric: the peers' rounding ---------------------------------------------
+
+def test_symmetric_grid_on_executorch_is_executorchs_own_8da4w_recipe():
+    """Every linear weight comes out as ExecuTorch's ``quantize_model_(qlinear_config="8da4w")`` (what
+    export_llm and optimum-executorch apply) makes it, the weights kvexport would keep on their grid
+    included; the lm_head is int8 unless ``--quantize-lm-head int4`` asks for the recipe's int4."""
+    from executorch.extension.llm.export.quantize import quantize_model_
+    from torchao.quantization import IntxUnpackedToInt8Tensor
+
+    model, _ = build_preset("tiny-gemma3")
+    with torch.no_grad():  # one projection on a 4-bit GGUF grid, which the source grid keeps exactly
+        proj = model.model.layers[0].self_attn.q_proj
+        proj.weight.copy_(torch.from_numpy(q4_1_weight(np.random.default_rng(3), *proj.weight.shape)))
+    recipe = copy.deepcopy(model)
+    quantize_model_(recipe, qlinear_config="8da4w")
+    for lm_head in ("int4", "int8"):
+        ours = copy.deepcopy(model)
+        assert quantize_model(ours, Quantization("8da4w", None, lm_head, "symmetric")) == []
+        theirs = dict(recipe.named_modules())
+        head = ours.get_output_embeddings()
+        linears = [(name, m) for name, m in ours.named_modules() if isinstance(m, torch.nn.Linear)]
+        assert len(linears) == 2 * 7 + 1
+        for name, module in linears:
+            mine, reference = module.weight, theirs[name].weight
+            assert isinstance(mine, IntxUnpackedToInt8Tensor), name
+            if module is head and lm_head == "int8":
+                assert mine.target_dtype == torch.int8 and tuple(mine.block_size) == (1, mine.shape[1])
+                continue
+            assert mine.target_dtype == torch.int4 and tuple(mine.block_size) == (1, GROUP_SIZE), name
+            assert not mine.zero_point.any(), name  # symmetric
+            assert torch.equal(mine.qdata, reference.qdata) and torch.equal(mine.scale, reference.scale), name
+    q = dict(ours.named_modules())["model.layers.0.self_attn.q_proj"].weight
+    assert not torch.equal(q.dequantize(), proj.weight)  # rounded a second time: the source grid is not kept
+
+
+def test_symmetric_grid_on_onnx_is_onnxruntimes_own_quantizer(tmp_path):
+    """q/k/v stacked as one MatMulNBits (no offsets, no zero points) and an int4 lm_head compute
+    what ONNX Runtime's ``MatMulNBitsQuantizer`` (symmetric, blocks of 32, accuracy level 4: what
+    onnxruntime-genai's builder runs) makes of the same float graph, a weight on a 4-bit GGUF grid
+    rounded again like any other."""
+    import onnx
+    from onnx import helper
+    from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, MatMulNBitsQuantizer
+
+    rng = np.random.default_rng(4)
+    k, sizes = 128, (64, 32, 32)
+    weights = [q4_1_weight(rng, n, k) for n in sizes]
+    head = rng.standard_normal((128, 96)).astype(np.float32) * 0.05
+    x = rng.standard_normal((1, 5, k)).astype(np.float32)
+    nodes = [*[helper.make_node("MatMul", ["x", f"w{i}"], [f"y{i}"]) for i in range(3)],
+             helper.make_node("Concat", ["y0", "y1", "y2"], ["hidden"], axis=-1),
+             helper.make_node("MatMul", ["hidden", "head"], ["logits"])]
+    initializers = {**{f"w{i}": np.ascontiguousarray(w.T) for i, w in enumerate(weights)}, "head": head}
+    (tmp_path / "ours").mkdir()
+    (tmp_path / "theirs").mkdir()
+    ours = save_graph(tmp_path / "ours", nodes, initializers, [1, 5, 96], input_name="x", input_shape=[1, 5, k])
+    got, ops = quantize_and_run(ours, {"x": x}, lm_head="int4", symmetric=True)
+    assert ops == {"MatMulNBits": 2}
+    graph = onnx.load(str(ours), load_external_data=False).graph
+    assert [len(n.input) for n in graph.node if n.op_type == "MatMulNBits"] == [3, 3]  # no zero points
+    assert not any(n.op_type in ("ReduceSum", "Add") for n in graph.node)  # no block offsets
+
+    theirs = save_graph(tmp_path / "theirs", nodes, initializers, [1, 5, 96], input_name="x", input_shape=[1, 5, k])
+    config = DefaultWeightOnlyQuantConfig(block_size=GROUP_SIZE, is_symmetric=True, accuracy_level=4)
+    quantizer = MatMulNBitsQuantizer(onnx.load(str(theirs)), algo_config=config)
+    quantizer.process()
+    import onnxruntime as ort
+
+    reference = ort.InferenceSession(quantizer.model.model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    np.testing.assert_allclose(got, reference, rtol=0, atol=1e-5)
+    exact = x @ np.concatenate(weights).T @ head
+    assert np.abs(got - exact).max() > 1e-3  # the GGUF's grid was not kept
+
+
+def ort_symmetric_int4(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` [out, in] as ONNX Runtime's own symmetric int4 quantizer rounds it, dequantized."""
+    from onnxruntime.capi._pybind_state import quantize_matmul_4bits
+
+    n, k = weight.shape
+    packed = np.zeros((n, k // GROUP_SIZE, GROUP_SIZE // 2), np.uint8)
+    scales = np.zeros((n, k // GROUP_SIZE), np.float32)
+    quantize_matmul_4bits(packed, np.ascontiguousarray(weight.detach().numpy().T), scales,
+                          np.zeros((n, k // GROUP_SIZE), np.uint8), GROUP_SIZE, n, k, True)
+    levels = np.stack([packed & 15, packed >> 4], -1).reshape(n, k // GROUP_SIZE, GROUP_SIZE).astype(np.float32)
+    return torch.from_numpy(((levels - 8) * scales[..., None]).reshape(n, k))
+
+
+def test_symmetric_int4_onnx_export_runs_the_symmetric_model(tmp_path, capsys):
+    import onnx
+
+    folder = tmp_path / "q"
+    code, _, err = run_cli(capsys, "export", "tiny-gemma3", "--target", "onnx", "--max-cache-len", "64", "--quantize", "int4",
+                           "--quantize-grid", "symmetric", "-o", folder)
+    assert code == 0, err
+    assert "int4 linear weights, symmetric" in err
+    manifest = read_manifest(folder)
+    assert manifest["quantization"]["grid"] == "symmetric" and manifest["quantization"]["linear"]["symmetric"] is True
+    assert manifest["export_options"]["quantize_grid"] == "symmetric"
+    assert manifest["quantized_ops"] == {"MatMulNBits": 9, "GatherBlockQuantized": 1}
+    assert sorted(bits for bits, _ in nbits_ops(folder / "model.onnx")) == [4] * 8 + [8]
+    graph = onnx.load(str(folder / "model.onnx"), load_external_data=False).graph
+    assert not [i.name for i in graph.initializer if i.name.endswith("_offsets")]  # no block offsets
+
+    model, ids, prompt_len = sequence("tiny-gemma3")
+    rounded = copy.deepcopy(model)
+    head = rounded.get_output_embeddings()
+    with torch.no_grad():
+        for module in rounded.modules():
+            if isinstance(module, torch.nn.Embedding) or module is head:
+                module.weight.copy_(symmetric_int8(module.weight))
+            elif isinstance(module, torch.nn.Linear):
+                module.weight.copy_(ort_symmetric_int4(module.weight))
+    got = teacher_forced(load_program(folder).forward, ids, prompt_len)
+    assert_closer_to(got, torch_logits(rounded, ids, prompt_len), torch_logits(model, ids, prompt_len))
+    _, _, err = run_cli(capsys, "check", folder, "--max-new-tokens", "4")
+    assert "(int4, symmetric int4," in err
+
+
+def test_symmetric_grid_refused_without_quantize_or_unknown(tmp_path, capsys, monkeypatch):
+    from kvexport.exporter import pipeline
+
+    monkeypatch.setattr(pipeline.sources, "load_model", lambda *a, **k: pytest.fail("loaded the model"))
+    for args, phrases in [
+        (["--quantize-grid", "symmetric"], ["--quantize-grid goes with --quantize 8da4w (--target executorch)"]),
+        (["--target", "onnx", "--quantize", "int4", "--quantize-grid", "sym"], ["unknown --quantize-grid 'sym'", "source, symmetric"]),
+    ]:
+        code, _, err = run_cli(capsys, "export", "tiny-llama", *args, "-o", tmp_path / "x")
+        assert_one_line_error(code, err, *phrases)
+        assert not (tmp_path / "x").exists()

@@ -67,8 +67,9 @@ quantize_embedding = "int8"
     ]
 
 
-def test_a_row_sets_the_lm_head_scheme_and_prefill_chunk(tmp_path):
-    """Rows that differ only in ``quantize_lm_head`` or ``prefill_chunk`` are rows of their own."""
+def test_a_row_sets_the_lm_head_scheme_grid_and_prefill_chunk(tmp_path):
+    """Rows that differ only in ``quantize_lm_head``, ``quantize_grid`` or ``prefill_chunk`` are rows
+    of their own."""
     matrix = load_matrix(write(tmp_path, """
 [defaults]
 model = "tiny-gemma3"
@@ -78,11 +79,14 @@ quantize = "8da4w"
 quantize_lm_head = "int4"
 [[row]]
 prefill_chunk = 16
+[[row]]
+quantize_grid = "symmetric"
 """))
-    assert [(r.quantize_lm_head, r.prefill_chunk) for r in matrix.rows] == [(None, None), ("int4", None), (None, 16)]
+    assert [(r.quantize_lm_head, r.prefill_chunk, r.quantize_grid) for r in matrix.rows] == [
+        (None, None, None), ("int4", None, None), (None, 16, None), (None, None, "symmetric")]
     assert [r.id.split("-", 1)[1] for r in matrix.rows] == [
         "tiny-gemma3-executorch-float32-default-8da4w", "tiny-gemma3-executorch-float32-default-8da4w-headint4",
-        "tiny-gemma3-executorch-float32-default-8da4w-chunk16",
+        "tiny-gemma3-executorch-float32-default-8da4w-chunk16", "tiny-gemma3-executorch-float32-default-8da4w-gridsymmetric",
     ]
 
 
@@ -132,6 +136,7 @@ def test_shards_cover_every_row_exactly_once(count):
         ("[[row]]\nmodel = 'tiny-llama'\ntarget = 'onnx'\nquantize = ['int4']", "'quantize' must be one string"),
         ("[[row]]\nmodel = 'tiny-llama'\ntarget = 'onnx'\nquantize = 'int4'\ndtype = 'float16'", "--quantize takes --dtype float32"),
         ("[[row]]\nmodel = 'tiny-llama'\nquantize_lm_head = 'int4'", "--quantize-lm-head goes with --quantize 8da4w"),
+        ("[[row]]\nmodel = 'tiny-llama'\ntarget = 'onnx'\nquantize_grid = 'symmetric'", "--quantize-grid goes with --quantize int4"),
         ("[[row]]\nmodel = 'tiny-llama'\nprefill_chunk = 0", "'prefill_chunk' must be a positive integer"),
         ("[[row]]\nmodel = 'tiny-llama'\ntarget = ['executorch', 'onnx']\nkv_cache = 'int4'",
          "[[row]] #1 (executorch): unknown --kv-cache 'int4'"),

@@ -131,6 +131,63 @@ def test_each_turn_feeds_only_its_new_tokens_and_replies_as_a_fresh_generation(
     assert conversation.messages == messages
 
 
+@pytest.mark.parametrize("target", ["executorch", "onnx"])
+def test_a_speculative_chat_replies_as_a_plain_one_and_keeps_its_cache_across_turns(artifact, tmp_path, target):
+    """``chat --draft``: each reply is the plain conversation's, drafts accepted or rejected, a reply
+    stopped by the caller included; the next turn still feeds only its new tokens, and a conversation
+    that outgrows the cache starts over as the plain one does."""
+    from kvexport.runtime.speculation import PromptLookup
+
+    folder = with_template(artifact("tiny-gemma3", target, max_draft_tokens=4), tmp_path, GEMMA_LIKE)
+    manifest = read_manifest(folder)
+    tokenizer = ArtifactTokenizer(folder)
+    plain = Conversation(load_program(folder, manifest), tokenizer, manifest, system="S", max_new_tokens=8)
+    fast = Conversation(load_program(folder, manifest), tokenizer, manifest, system="S", max_new_tokens=8,
+                        drafter=PromptLookup())
+
+    def stop_the_second_reply_after_4_tokens(text: str):
+        asked = []
+
+        def stop() -> bool:
+            asked.append(1)
+            return text == "B" and len(asked) > 4
+
+        return stop
+
+    drafted = accepted = 0
+    for text in ["A", "B", "C"]:
+        want = plain.say(text, stop=stop_the_second_reply_after_4_tokens(text))
+        got = fast.say(text, stop=stop_the_second_reply_after_4_tokens(text))
+        assert (got.reply_ids, got.text, got.stopped_by) == (want.reply_ids, want.text, want.stopped_by)
+        assert got.reset == want.reset and got.prefilled_tokens <= want.prefilled_tokens
+        assert fast.ids == plain.ids
+        drafted, accepted = drafted + got.speculation["drafted"], accepted + got.speculation["accepted"]
+        if text == "B":
+            assert got.stopped_by == "caller" and not got.reset  # the second turn fed only its own tokens
+    assert 0 < accepted < drafted  # drafts were verified, and some rejected
+
+
+def test_rejected_drafts_left_in_the_cache_past_a_reply_are_forgotten():
+    """What the cache holds past the conversation (a verification's rejected drafts) is dropped from
+    its ids, so the next turn's ids still start with them."""
+    from kvexport.runtime.chat import _Cache
+
+    class Program:
+        def forward(self, tokens, start):
+            return np.zeros(3)
+
+        verify = forward
+
+    cache = _Cache(Program(), {})
+    cache.forward([1, 2, 3], 0)
+    cache.verify([4, 5, 6], 3)  # 4 kept, 5 rejected (the model chose 9), 6 unread
+    assert cache.ids == [1, 2, 3, 4, 5, 6]
+    cache.keep_prefix_of([1, 2, 3, 4, 9])
+    assert cache.ids == [1, 2, 3, 4]
+    cache.keep_prefix_of([1, 2, 3, 4, 9, 10])
+    assert cache.ids == [1, 2, 3, 4]
+
+
 def test_a_conversation_that_outgrows_the_cache_starts_over_keeping_the_system_prompt(artifact, tmp_path):
     folder = with_template(artifact("tiny-gemma3", "onnx"), tmp_path, CHATML_LIKE)
     manifest = read_manifest(folder)
@@ -358,6 +415,18 @@ def test_chat_json_prints_one_object_per_turn_with_the_system_prompt_and_reset(a
     assert err == ""
 
 
+def test_chat_draft_reports_each_turns_speculation_and_the_plain_replies(artifact, capsys, monkeypatch):
+    folder = artifact("tiny-gemma3", "executorch", max_draft_tokens=4)
+    turns = {}
+    for args in ([], ["--draft", "ngram", "--draft-tokens", "2"]):
+        code, out, err = chat_cli(capsys, monkeypatch, "Hi\nYo\n", folder, "--json", "--max-new-tokens", "6", *args)
+        assert code == 0, err
+        turns[bool(args)] = [json.loads(line) for line in out.splitlines()]
+    assert [t["reply_ids"] for t in turns[True]] == [t["reply_ids"] for t in turns[False]]
+    assert all(t["speculation"]["draft_tokens"] == 2 for t in turns[True])
+    assert not any("speculation" in t for t in turns[False])
+
+
 def test_chat_streams_text_and_says_in_one_line_when_it_starts_over(artifact, capsys, monkeypatch):
     folder = artifact("tiny-gemma3", "onnx")
     code, out, err = chat_cli(capsys, monkeypatch, "".join(f"Turn {i}\n" for i in range(4)), folder,
@@ -394,8 +463,10 @@ def test_chat_needs_a_chat_template(artifact, tmp_path, capsys, monkeypatch):
 @pytest.mark.parametrize(
     "args, phrases",
     [(["--max-new-tokens", "0"], ["--max-new-tokens must be at least 1, got 0"]),
-     (["--temperature", "-1"], ["temperature must be"])],
-    ids=["max-new-tokens-zero", "negative-temperature"],
+     (["--temperature", "-1"], ["temperature must be"]),
+     (["--draft", "ngram", "--temperature", "0.7"], ["--draft decodes greedily", "leave out --temperature"]),
+     (["--draft", "ngram"], ["this artifact does not verify drafted tokens", "--max-draft-tokens"])],
+    ids=["max-new-tokens-zero", "negative-temperature", "draft-sampling", "draft-without-verification"],
 )
 def test_chat_option_mistakes_get_one_line(artifact, capsys, monkeypatch, args, phrases):
     code, _, err = chat_cli(capsys, monkeypatch, "Hi\n", artifact("tiny-gemma3", "onnx"), *args)

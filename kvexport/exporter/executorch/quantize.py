@@ -3,7 +3,8 @@
 (``quantize_linears``): int8 activations per token and int4 weights in groups of 32 that keep the
 grid a quantized source put them on (``weight_grids``), int8 per channel where the source is finer
 than 4 bits and for the lm_head (int4 on request); torchao's tensors, which XNNPACK runs as fused
-kernels.
+kernels. With ``--quantize-grid symmetric``, ExecuTorch's own 8da4w config instead
+(``symmetric_int4_linears``).
 Embeddings: ExecuTorch's own torchao recipe (``executorch.extension.llm.export.quantize``), a
 table at a time in pieces of rows (``quantize_embeddings``).
 
@@ -37,7 +38,9 @@ def quantize_model(model: torch.nn.Module, quantization: Quantization) -> list[s
     skipped: list[str] = []
     if quantization.embedding:
         skipped += quantize_embeddings(model, quantization.embedding)
-    if quantization.scheme:
+    if quantization.scheme and quantization.symmetric:
+        skipped += symmetric_int4_linears(model, quantization.lm_head or "int8")
+    elif quantization.scheme:
         skipped += quantize_linears(model, quantization.lm_head or "int8")
     return skipped
 
@@ -95,13 +98,8 @@ def quantize_linears(model: torch.nn.Module, lm_head: str = "int8") -> list[str]
     from ..weight_grids import finer_than_4_bits, grid_steps, int4_blocks
 
     head = model.get_output_embeddings()
-    skipped = []
-    for name, module in list(model.named_modules()):
-        if not isinstance(module, torch.nn.Linear):
-            continue
-        if module.in_features % GROUP_SIZE:
-            skipped.append(name)
-            continue
+    skipped: list[str] = []
+    for name, module in _grouped_linears(model, skipped):
         weight = module.weight.detach().float().numpy()
         is_head = module is head
         steps = None if is_head else grid_steps(weight, GROUP_SIZE)
@@ -114,6 +112,40 @@ def quantize_linears(model: torch.nn.Module, lm_head: str = "int8") -> list[str]
         setattr(model.get_submodule(parent_name), child, Int4GridLinear.from_blocks(q, scale, offset, module.bias))
         return_freed_memory()  # the replaced weight's, and the blocks' working copies
     return skipped
+
+
+def symmetric_int4_linears(model: torch.nn.Module, lm_head: str = "int8") -> list[str]:
+    """``--quantize-grid symmetric``: every linear layer rounded by ExecuTorch's own 8da4w config
+    (``quantize_model_``'s, as ``export_llm`` and optimum-executorch apply it: symmetric int4 in
+    groups of 32, HQQ scales, int8 activations per token), whatever grid its weight lies on; the
+    lm_head int8 per channel as ``quantize_linears`` makes it, or the same int4 with ``lm_head="int4"``.
+    A layer at a time, so only one float32 weight is widened at once; return the names left in float."""
+    from executorch.extension.llm.export.quantize import _make_linear_config
+    from torchao.quantization import quantize_
+
+    config = _make_linear_config("8da4w", GROUP_SIZE)
+    head = model.get_output_embeddings()
+    skipped: list[str] = []
+    for _, module in _grouped_linears(model, skipped):
+        if module is head and lm_head == "int8":
+            module.weight = torch.nn.Parameter(_int8_per_channel(module.weight.detach()), requires_grad=False)
+            continue
+        module.weight = torch.nn.Parameter(module.weight.detach().float(), requires_grad=False)
+        quantize_(module, config)
+        return_freed_memory()
+    return skipped
+
+
+def _grouped_linears(model: torch.nn.Module, skipped: list[str]):
+    """The model's linear layers whose input width is a multiple of the group, with their names;
+    the others' names go to ``skipped`` (they stay float)."""
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, torch.nn.Linear):
+            continue
+        if module.in_features % GROUP_SIZE:
+            skipped.append(name)
+            continue
+        yield name, module
 
 
 def _activations_per_token():

@@ -110,8 +110,14 @@ def describe_quantization(quantization: Quantization, hidden_size: int) -> dict 
         return None
     scheme, embedding, lm_head = quantization.scheme, quantization.embedding, quantization.lm_head
     described: dict = {"scheme": scheme, "by": "kvexport.exporter.executorch.quantize (torchao tensors)"}
-    if scheme:
-        activations = "int8, dynamic per token"
+    activations = "int8, dynamic per token"
+    if scheme and quantization.symmetric:
+        described["grid"] = "symmetric"
+        described["linear"] = {"weights": "int4", "group_size": GROUP_SIZE, "activations": activations, "symmetric": True,
+                               "scales": "HQQ (ExecuTorch's 8da4w config)", "op": "XNNPACK int8 x int4"}
+        described["lm_head"] = (described["linear"] if lm_head == "int4"
+                                else {"weights": "int8", "group_size": "row", "activations": activations})
+    elif scheme:
         described["linear"] = {"weights": "int4", "group_size": GROUP_SIZE, "activations": activations,
                                "op": "XNNPACK int8 x int4 + per-block offsets (int8, one scale per row)"}
         # A weight the source stores finer than 4 bits (GGUF Q5_0, Q6_K, Q8_0) is not rounded to 4.
@@ -132,7 +138,8 @@ def describe_quantization(quantization: Quantization, hidden_size: int) -> dict 
 
 def quantization_detail(quantization: Quantization) -> str:
     head = quantization.lm_head or "int8"
-    parts = [f"8da4w linear weights ({head} lm_head)" if quantization.scheme else "",
+    grid = ", symmetric int4" if quantization.symmetric else ""
+    parts = [f"8da4w linear weights{grid} ({head} lm_head)" if quantization.scheme else "",
              f"embedding {quantization.embedding}" if quantization.embedding else ""]
     return ", ".join(p for p in parts if p) + " (torchao tensors for XNNPACK)"
 

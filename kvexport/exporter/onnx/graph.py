@@ -3,6 +3,13 @@
 from __future__ import annotations
 
 
+def attribute(node, name: str, default):
+    """The value of the node's attribute ``name``, or ``default`` where it has none."""
+    from onnx import helper
+
+    return next((helper.get_attribute_value(a) for a in node.attribute if a.name == name), default)
+
+
 def prune(graph) -> None:
     """Drop the nodes and initializers nothing reads any more (the graph is in topological order)."""
     live = {v.name for v in graph.output}

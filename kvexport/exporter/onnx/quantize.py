@@ -6,6 +6,9 @@
   per-block offsets are added back exactly as ``blocksum(x) @ offsets``. A weight stored finer
   than 4 bits (``finer_than_4_bits``) goes 8-bit on its own grid instead.
 - Projections that read one input (q/k/v; gate/up) are one MatMulNBits and a Split: fewer kernels.
+- ``symmetric``: every MatMul's weight rounded to symmetric int4 by ONNX Runtime's own quantizer
+  (``quantize_matmul_4bits``, as its ``MatMulNBitsQuantizer`` and onnxruntime-genai's builder
+  round them), whatever grid it lies on; no offsets.
 - The lm_head and embedding lookup stay 8-bit by default (their error lands on the logits; a tied
   table is stored once); ``accuracy_level`` 4, as onnxruntime-genai's builder uses on the CPU.
 Accuracy and speed figures: docs/quantization.md.
@@ -30,15 +33,16 @@ from ..weight_grids import (
     on_levels,
 )
 from .external_data import DataFileWriter, Weights
-from .graph import prune
+from .graph import attribute, prune
 
 ACCURACY_LEVEL = 4
 MS_DOMAIN = "com.microsoft"
 
 
-def quantize_onnx(path, data_file: str, lm_head: str = "int8") -> dict:
+def quantize_onnx(path, data_file: str, lm_head: str = "int8", symmetric: bool = False) -> dict:
     """Rewrite the ONNX model at ``path`` in place (``data_file`` beside it), the lm_head ``int8``
-    or ``int4``; return op counts for ``kvexport.json``."""
+    or ``int4``, every int4 weight ``symmetric`` (ONNX Runtime's rounding) or on its source's grid;
+    return op counts for ``kvexport.json``."""
     import onnx
     from onnx import helper
     from onnx.external_data_helper import uses_external_data
@@ -86,9 +90,12 @@ def quantize_onnx(path, data_file: str, lm_head: str = "int8") -> dict:
     for node in graph.node:
         weight = initializers.get(node.input[1]) if len(node.input) > 1 else None
         if node.op_type == "MatMul" and node.output[0] != head and _quantizable(weight, axis=0):
-            weight_nk = to_array(weight).T
-            grid = grids[node.output[0]] = {size: grid_steps(weight_nk, size) for size in (FINE_BLOCK, BLOCK)}
-            bits = 8 if finer_than_4_bits(weight_nk, grid[FINE_BLOCK], grid[BLOCK]) else 4
+            if symmetric:
+                bits = 4
+            else:
+                weight_nk = to_array(weight).T
+                grid = grids[node.output[0]] = {size: grid_steps(weight_nk, size) for size in (FINE_BLOCK, BLOCK)}
+                bits = 8 if finer_than_4_bits(weight_nk, grid[FINE_BLOCK], grid[BLOCK]) else 4
             group_of[node.output[0]] = (node.input[0], bits)
             groups[group_of[node.output[0]]].append(node)
     ranks = {v.name: len(v.type.tensor_type.shape.dim) for v in [*graph.input, *graph.value_info] if v.type.tensor_type.HasField("shape")}
@@ -133,6 +140,10 @@ def quantize_onnx(path, data_file: str, lm_head: str = "int8") -> dict:
             added.extend([from_array(q8.reshape(n, k // block, block), f"{base}_q8"),
                           from_array(scale, f"{base}_scales")])
             nodes.append(_matmul_nbits(helper, x, f"{base}_q8", f"{base}_scales", out, k, n, 8, block))
+        elif symmetric:
+            packed, scale = symmetric_int4(stacked.T)
+            added.extend([from_array(packed, f"{base}_q4"), from_array(scale, f"{base}_scales")])
+            nodes.append(_matmul_nbits(helper, x, f"{base}_q4", f"{base}_scales", out, k, n, 4))
         else:
             steps = np.concatenate([grids[m.output[0]][BLOCK] for m in members])
             q, scale, offset = int4_blocks(stacked, steps)
@@ -158,9 +169,13 @@ def quantize_onnx(path, data_file: str, lm_head: str = "int8") -> dict:
         weight = initializers.get(node.input[1]) if len(node.input) > 1 else None
         if node.op_type == "MatMul" and node.output[0] == head and _quantizable(weight, axis=0):
             k, n = weight.dims  # [K, N]
-            if lm_head == "int4":  # a copy of its own: a tied lookup keeps the 8-bit table
+            base = node.name or node.output[0]
+            if lm_head == "int4" and symmetric:
+                data, scales = symmetric_int4(to_array(weight))
+                added.extend([from_array(data, f"{base}_q4"), from_array(scales, f"{base}_scales")])
+                nodes.append(_matmul_nbits(helper, node.input[0], f"{base}_q4", f"{base}_scales", node.output[0], k, n, 4))
+            elif lm_head == "int4":  # a copy of its own: a tied lookup keeps the 8-bit table
                 data, scales, zero_points = _int4_with_zero_points(to_array(weight))
-                base = node.name or node.output[0]
                 added.extend([from_array(data, f"{base}_q4"), from_array(scales, f"{base}_scales"),
                               from_array(zero_points, f"{base}_zero_points")])
                 nodes.append(_matmul_nbits(helper, node.input[0], f"{base}_q4", f"{base}_scales", node.output[0], k, n, 4,
@@ -173,7 +188,7 @@ def quantize_onnx(path, data_file: str, lm_head: str = "int8") -> dict:
             members = groups[group_of[node.output[0]]]
             if node is members[0]:  # the group is emitted where its first member was
                 projection_group(members, bits=group_of[node.output[0]][1])
-        elif node.op_type == "Gather" and _quantizable(initializers.get(node.input[0]), axis=1) and _attribute(node, "axis", 0) == 0:
+        elif node.op_type == "Gather" and _quantizable(initializers.get(node.input[0]), axis=1) and attribute(node, "axis", 0) == 0:
             table = initializers[node.input[0]]
             n, k = table.dims
             base = node.name or node.output[0]
@@ -266,6 +281,20 @@ def _matmul_nbits(helper, x: str, q: str, scales: str, out: str, k: int, n: int,
     )
 
 
+def symmetric_int4(weight_kn: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A [K, N] weight rounded by ONNX Runtime's own symmetric int4 quantizer (what its
+    ``MatMulNBitsQuantizer`` and onnxruntime-genai's builder call): MatMulNBits' data
+    ``[N, K/32, 16]`` and scales ``[N, K/32]``; no zero points (the kernel's default, 8)."""
+    from onnxruntime.capi._pybind_state import quantize_matmul_4bits
+
+    k, n = weight_kn.shape
+    packed = np.zeros((n, k // BLOCK, BLOCK // 2), np.uint8)
+    scales = np.zeros((n, k // BLOCK), np.float32)
+    zero_points = np.zeros((n, (k // BLOCK + 1) // 2), np.uint8)  # written, unused when symmetric
+    quantize_matmul_4bits(packed, np.ascontiguousarray(weight_kn, dtype=np.float32), scales, zero_points, BLOCK, n, k, True)
+    return packed, scales
+
+
 def _int4_with_zero_points(weight_kn: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """MatMulNBits' int4 arrays for a [K, N] weight, ``int4_zero_point_blocks``' rounding: data
     ``[N, K/32, 16]``, scales ``[N, K/32]``, zero points ``[N, K/64]`` (two levels a byte).
@@ -285,12 +314,6 @@ def _two_per_byte(levels: np.ndarray) -> np.ndarray:
     if levels.shape[-1] % 2:
         levels = np.pad(levels, [(0, 0)] * (levels.ndim - 1) + [(0, 1)])
     return levels[..., 0::2] | (levels[..., 1::2] << 4)
-
-
-def _attribute(node, name: str, default):
-    from onnx import helper
-
-    return next((helper.get_attribute_value(a) for a in node.attribute if a.name == name), default)
 
 
 def _fold_weight_transposes(graph, initializers: dict) -> dict[str, str]:

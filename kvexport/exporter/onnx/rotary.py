@@ -20,7 +20,7 @@ import sys
 
 import torch
 
-from .graph import prune
+from .graph import attribute, prune
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -204,15 +204,27 @@ _FLAT_SHAPE = "rotary_flat_shape"
 def _sequence_first(heads_first: str, producers, ranks, added: list) -> str:
     """The unrotated ``[1, heads, T, D]`` tensor as the kernel's ``[1, T, heads * D]``: the
     projection's own output where it was only reshaped and transposed (the usual case), else a
-    Transpose and a Reshape (Gemma 3 normalizes each head after the transpose)."""
+    Transpose and a Reshape. Gemma 3 normalizes each head after the transpose: the norm (over the
+    last axis, which the transpose keeps) is then applied before it instead, and neither transpose
+    is left; every step pays each node's dispatch."""
     from onnx import helper
 
     transpose = producers.get(heads_first)
+    norm = transpose if transpose is not None and transpose.op_type == "SimplifiedLayerNormalization" else None
+    if norm is not None and attribute(norm, "axis", -1) in (-1, 3):
+        transpose = producers.get(norm.input[0])
     if transpose is not None and transpose.op_type == "Transpose" and _perm(transpose) == [0, 2, 1, 3]:
         reshape = producers.get(transpose.input[0])
-        if reshape is not None and reshape.op_type == "Reshape" and ranks.get(reshape.input[0]) == 3:
+        if norm is not None:
+            sequence_first = f"{heads_first}_sequence_first"
+            moved = helper.make_node(norm.op_type, [transpose.input[0], *norm.input[1:]], [sequence_first],
+                                     name=sequence_first, domain=norm.domain)
+            moved.attribute.extend(norm.attribute)
+            added.append(moved)
+        elif reshape is not None and reshape.op_type == "Reshape" and ranks.get(reshape.input[0]) == 3:
             return reshape.input[0]
-        sequence_first = transpose.input[0]
+        else:
+            sequence_first = transpose.input[0]
     else:
         sequence_first = f"{heads_first}_sequence_first"
         added.append(helper.make_node("Transpose", [heads_first], [sequence_first], name=sequence_first, perm=[0, 2, 1, 3]))

@@ -287,7 +287,7 @@ def quantize_files(out_dir: Path, spec: ProgramSpec, quantization: Quantization)
     from .quantize import quantize_onnx
 
     path = out_dir / PROGRAM_FILE
-    ops = quantize_onnx(path, DATA_FILE, quantization.lm_head or "int8")
+    ops = quantize_onnx(path, DATA_FILE, quantization.lm_head or "int8", symmetric=quantization.symmetric)
     _check(path)
     return {"opset": _opset(onnx.load(str(path), load_external_data=False)), "quantized_ops": ops}
 
@@ -297,6 +297,17 @@ def describe_quantization(quantization: Quantization, hidden_size: int) -> dict 
     if not quantization:
         return None
     lm_head = quantization.lm_head
+    embedding = {"weights": "int8", "symmetric": True, "block_size": table_block(hidden_size),
+                 "op": "com.microsoft::GatherBlockQuantized"}
+    if quantization.symmetric:
+        linear = {"weights": "int4", "symmetric": True, "block_size": BLOCK, "accuracy_level": ACCURACY_LEVEL,
+                  "op": "com.microsoft::MatMulNBits", "rounding": "onnxruntime's quantize_matmul_4bits, symmetric"}
+        return {
+            "scheme": "int4", "grid": "symmetric", "by": "kvexport.exporter.onnx.quantize", "linear": linear,
+            "lm_head": linear if lm_head == "int4" else {"weights": "int8", "symmetric": True, "block_size": table_block(hidden_size),
+                                                        "op": "com.microsoft::MatMulNBits"},
+            "embedding": embedding,
+        }
     return {
         "scheme": "int4",
         "by": "kvexport.exporter.onnx.quantize",
@@ -314,13 +325,13 @@ def describe_quantization(quantization: Quantization, hidden_size: int) -> dict 
             else {"weights": "int8", "symmetric": True, "block_size": table_block(hidden_size),
                   "op": "com.microsoft::MatMulNBits"}
         ),
-        "embedding": {"weights": "int8", "symmetric": True, "block_size": table_block(hidden_size),
-                      "op": "com.microsoft::GatherBlockQuantized"},
+        "embedding": embedding,
     }
 
 
 def quantization_detail(quantization: Quantization) -> str:
-    return (f"int4 linear weights ({quantization.lm_head or 'int8'} lm_head), MatMul -> MatMulNBits, "
+    grid = ", symmetric" if quantization.symmetric else ""
+    return (f"int4 linear weights{grid} ({quantization.lm_head or 'int8'} lm_head), MatMul -> MatMulNBits, "
             "Gather -> GatherBlockQuantized int8 (ONNX Runtime)")
 
 
