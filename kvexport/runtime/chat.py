@@ -28,7 +28,7 @@ from pathlib import Path
 
 from ..errors import ArtifactError, InvalidOptionError, KvexportError, PromptTooLongError
 from .generation import Sampling, generate
-from .speculation import check_drafter, generate_with_draft
+from .speculation import check_drafter, common_prefix_length, generate_with_draft
 from .tokenizer import ArtifactTokenizer, check_utf8
 
 
@@ -90,8 +90,7 @@ class _Cache:
     def keep_prefix_of(self, ids: list[int]) -> None:
         """Forget what the cache holds past its common prefix with ``ids`` (a verification's
         rejected drafts), so that the next turn's ids match what it holds."""
-        common = next((i for i, (a, b) in enumerate(zip(self.ids, ids)) if a != b), min(len(self.ids), len(ids)))
-        del self.ids[common:]
+        del self.ids[common_prefix_length(self.ids, ids):]
 
     def clear(self) -> None:
         self.ids = []

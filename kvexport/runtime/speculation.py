@@ -53,6 +53,11 @@ class PromptLookup:
         return []
 
 
+def common_prefix_length(a: list[int], b: list[int]) -> int:
+    """How many ids ``a`` and ``b`` share from their start."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 class ModelDrafter:
     """Greedy drafts from another artifact's program. Its cache holds the tokens it was fed
     (``fed``, from position 0); a prefill or proposal feeds what the context has beyond their
@@ -74,11 +79,7 @@ class ModelDrafter:
     def _feed(self, context: list[int]) -> np.ndarray:
         """Feed ``context`` beyond what the cache already holds of it (its last token always: its
         logits, returned, draft the next); ``fed`` is then ``context``."""
-        common = 0
-        for a, b in zip(self.fed, context[:-1]):
-            if a != b:
-                break
-            common += 1
+        common = common_prefix_length(self.fed, context[:-1])
         if common < len(self.fed) - self.rewind:
             common = 0
         logits = self.program.forward(context[common:], common)
