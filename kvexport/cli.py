@@ -48,7 +48,7 @@ def export(
         Optional[int],
         typer.Option(help="most tokens one forward call takes; longer prompts are prefilled in chunks (ExecuTorch plans activation memory for it) [default: min(max_cache_len, 512); 64 with gated-delta linear attention]"),
     ] = None,
-    dtype: Annotated[str, typer.Option(help="float32 or float16")] = "float32",
+    dtype: Annotated[str, typer.Option(help="float32, float16 or bfloat16 (executorch)")] = "float32",
     force: Annotated[bool, typer.Option("--force", help="replace an existing output folder")] = False,
     quantize: Annotated[
         Optional[str],

@@ -5,6 +5,7 @@ tokenizer (its ids are within every vocabulary).
 
     .venv/bin/python scripts/real_shape_model.py qwen3.5-0.8b build/qwen3.5-0.8b-random
     .venv/bin/python scripts/real_shape_model.py llama3.1-8b build/llama3.1-8b-config --config-only
+    .venv/bin/python scripts/real_shape_model.py llama3.1-8b build/llama3.1-8b-random --streamed
 """
 
 from __future__ import annotations
@@ -92,6 +93,8 @@ def main() -> None:
     parser.add_argument("out", type=Path)
     parser.add_argument("--config-only", action="store_true",
                         help="write the config and tokenizer, no weights: enough for an export's memory plan")
+    parser.add_argument("--streamed", action="store_true",
+                        help="write the weights a tensor at a time (for models whose bfloat16 weights the machine cannot hold)")
     args = parser.parse_args()
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -107,11 +110,70 @@ def main() -> None:
         print(f"wrote {args.out}: {model_type}, config and tokenizer only")
         return
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)  # checkpoints ship in bfloat16
-    model.save_pretrained(args.out)
+    if args.streamed:
+        params = _write_streamed(config, args.out)
+    else:
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)  # checkpoints ship in bfloat16
+        model.save_pretrained(args.out)
+        params = sum(p.numel() for p in model.parameters())
     char_tokenizer().save_pretrained(args.out)
-    params = sum(p.numel() for p in model.parameters())
     print(f"wrote {args.out}: {model_type}, {params / 1e9:.2f}B parameters (random, bfloat16)")
+
+
+# A shard of the streamed checkpoint holds about this many bytes.
+SHARD_BYTES = 2 * 2**30
+
+
+def _write_streamed(config, out: Path) -> int:
+    """The checkpoint written a tensor at a time, in shards, never the whole model in memory (an 8B
+    model's bfloat16 weights are 16 GB): the model is built on the meta device for its names and
+    shapes; matrices are normal(0, initializer_range), vectors ones (norm scales) or zeros (biases).
+    Not transformers' own initialization, which needs the whole model built."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    config.dtype = torch.bfloat16
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    std = getattr(config, "initializer_range", 0.02)
+    out.mkdir(parents=True, exist_ok=True)
+    seen, shard, shard_bytes, shards, total = set(), {}, 0, [], 0
+
+    def flush():
+        nonlocal shard, shard_bytes
+        if shard:
+            name = f"model-{len(shards) + 1:05d}.safetensors"
+            save_file(shard, str(out / name), metadata={"format": "pt"})
+            shards.append((name, list(shard)))
+            shard, shard_bytes = {}, 0
+
+    for name, param in model.named_parameters(remove_duplicate=True):
+        if id(param) in seen:
+            continue
+        seen.add(id(param))
+        if param.dim() >= 2:
+            value = torch.empty(param.shape, dtype=torch.float32).normal_(0.0, std).to(torch.bfloat16)
+        else:
+            value = (torch.ones if "norm" in name else torch.zeros)(param.shape, dtype=torch.bfloat16)
+        shard[name] = value
+        shard_bytes += value.numel() * 2
+        total += value.numel()
+        if shard_bytes >= SHARD_BYTES:
+            flush()
+    flush()
+    count = len(shards)
+    weight_map = {}
+    for n, (name, keys) in enumerate(shards, 1):
+        final = f"model-{n:05d}-of-{count:05d}.safetensors"
+        (out / name).rename(out / final)
+        weight_map.update(dict.fromkeys(keys, final))
+    index = {"metadata": {"total_size": total * 2}, "weight_map": weight_map}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    config.save_pretrained(out)
+    return total
 
 
 if __name__ == "__main__":

@@ -95,7 +95,8 @@ def test_default_max_cache_len_is_said(tmp_path, capsys, monkeypatch):
         (["tiny-llama", "--target", "onnx", "--max-cache-len", "2"], ["--max-cache-len 2 is too short for --target onnx"]),
         (["some-org/not-cached-model", "--offline"], ["not (completely) in the local Hugging Face cache", "--offline forbids"]),
         (["./no/such/model"], ["'./no/such/model' not found"]),
-        (["tiny-llama", "--dtype", "bfloat16"], ["target executorch does not take --dtype bfloat16", "float32, float16"]),
+        (["tiny-llama", "--target", "onnx", "--dtype", "bfloat16"],
+         ["target onnx does not take --dtype bfloat16 (ONNX Runtime's CPU provider has no bfloat16 MatMul); it takes float32, float16"]),
     ],
     ids=[
         "unknown-name",

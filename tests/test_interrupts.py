@@ -99,7 +99,7 @@ def test_a_signal_during_lowering_leaves_the_previous_artifact(tmp_path, signum,
 def test_a_failure_in_lowering_leaves_the_previous_artifact(tmp_path, monkeypatch, capsys):
     from kvexport.exporter.executorch import target as executorch
 
-    def failing_lower(program, info, folder):
+    def failing_lower(program, info, folder, deferred=None):
         (folder / "model.pte").write_bytes(b"half a program")
         raise RuntimeError("lowering failed")
 
@@ -122,7 +122,7 @@ def test_a_full_disk_while_lowering_gets_one_line(tmp_path, monkeypatch, capsys)
 
     from kvexport.exporter.executorch import target as executorch
 
-    def lower_on_a_full_disk(program, info, folder):
+    def lower_on_a_full_disk(program, info, folder, deferred=None):
         (folder / "model.pte").write_bytes(b"half a program")
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(folder / "model.pte"))
 
@@ -140,7 +140,7 @@ def test_a_full_disk_while_lowering_gets_one_line(tmp_path, monkeypatch, capsys)
     assert tree(tmp_path) == before
 
 
-def _onnx_lower_on_a_full_disk(program, spec, folder):
+def _onnx_lower_on_a_full_disk(program, spec, folder, deferred=None):
     """What onnx_program.save does on a full disk: numpy's tofile, which writes the external data
     (onnx_ir), raises an OSError without an errno."""
     (folder / "model.onnx.data").write_bytes(b"half the weights")
@@ -212,7 +212,7 @@ def test_an_export_that_finished_first_at_the_same_output_is_not_replaced(tmp_pa
 
     out = tmp_path / "out"
 
-    def lower_while_another_export_finishes(program, spec, folder):
+    def lower_while_another_export_finishes(program, spec, folder, deferred=None):
         (folder / "model.pte").write_bytes(b"this export's program")
         previous_artifact(out)  # the other export, started at the same time, publishes first
         return {"program": "model.pte"}

@@ -7,8 +7,9 @@ the export holds them, plus the KV cache. How much of the weights it holds at on
 target and per scheme (docs/performance.md#export-memory): a float export holds the model in its
 dtype, and lowering a copy of about a quarter of it on ExecuTorch; ``--quantize 8da4w`` loads a
 bfloat16 checkpoint's linear weights (and its embedding tables, with ``--quantize-embedding``) in
-bfloat16 and quantizes them before export; ONNX's int4
-rewrites the float graph's weights one at a time after the float model is gone.
+bfloat16 and quantizes them before export; an ONNX export from a checkpoint leaves the large
+weights in it and writes them one at a time (``models/deferred_weights``), and int4 rewrites the
+written graph's weights one at a time.
 """
 
 from __future__ import annotations
@@ -96,7 +97,16 @@ def footprint(plan, parameters: Parameters, checkpoint_bytes_per_value: int = 2)
         embedding = 1
     artifact = int(parameters.linear * linear + parameters.embedding * embedding + parameters.other * dtype_bytes)
     held = int(floats * WEIGHT_FACTOR[target])  # the weights at the peak
-    if quantization.scheme and target == "executorch":  # quantized before export, from compact weights
+    if plan.defers_weights:
+        # The large weights stay in the checkpoint, each read as it is written: a table in its
+        # stored dtype, then converted; a linear weight converted, then transposed (the graph
+        # stores it so). The other weights load.
+        table = parameters.largest["embedding"] * (checkpoint_bytes_per_value + dtype_bytes)
+        held = int(parameters.other * dtype_bytes + max(table, parameters.largest["linear"] * 2 * dtype_bytes))
+        if quantization.scheme:  # int4's rewrite: a float weight read, its 8-bit values and their working copy
+            largest = max(parameters.largest["linear"], parameters.largest["embedding"])
+            held = max(held, int(parameters.other * dtype_bytes + largest * (dtype_bytes + 2)))
+    elif quantization.scheme and target == "executorch":  # quantized before export, from compact weights
         # Loaded with the linear weights (and the embedding tables, when they are quantized too) in
         # the checkpoint's dtype, read as stored; the largest of the other weights read, then
         # converted. Then each weight quantized (torchao holds 4-bit values a byte each) while the
@@ -172,6 +182,10 @@ def _holds_less(plan) -> str:
     o = plan.options
     if o.target == "executorch" and not o.quantization.scheme:
         return "quantize (--quantize 8da4w loads a bfloat16 checkpoint's linear weights as they are, then 4 bits)"
+    if plan.defers_weights:
+        return "a smaller --max-cache-len (the KV cache's share)"
+    if o.target == "onnx" and plan.source.kind != "preset":
+        return "export in float32 with a float KV cache (each weight is then read from the checkpoint as it is written)"
     if o.dtype == "float32":
         return "export in --dtype float16 (half the weights' bytes)"
     return "a smaller --max-cache-len (the KV cache's share)"

@@ -133,6 +133,15 @@ class ExportPlan:
     dtype_bytes: int
     prefill_chunk: int
 
+    @property
+    def defers_weights(self) -> bool:
+        """Whether the model loads with its large weights left in the checkpoint
+        (``models/deferred_weights``): where the target writes each weight on its own and nothing
+        runs the model before that (int8 KV's calibration and the float16 probe do)."""
+        o = self.options
+        deferrable = o.dtype == "float32" and o.kv_cache == "float" and self.source.kind != "preset"
+        return get_target(o.target).DEFERS_WEIGHTS and deferrable
+
     def slots(self, spec) -> int:
         """A layer's cache slots: a ring's window, and its spare slots where the target keeps them
         (``--max-draft-tokens``)."""
@@ -249,8 +258,9 @@ def plan_export(options: ExportOptions, progress: Progress | None = None) -> Exp
     sources.check_conversion_cache(source)
     target = get_target(options.target)
     if options.dtype not in target.SUPPORTED_DTYPES:
+        why = f" ({target.DTYPES_REFUSED[options.dtype]})" if options.dtype in target.DTYPES_REFUSED else ""
         raise InvalidOptionError(
-            f"target {options.target} does not take --dtype {options.dtype}; it takes {', '.join(target.SUPPORTED_DTYPES)}"
+            f"target {options.target} does not take --dtype {options.dtype}{why}; it takes {', '.join(target.SUPPORTED_DTYPES)}"
         )
     config = sources.load_config(source)
     specs = architecture.layer_specs(config)
@@ -317,8 +327,12 @@ def export_model(options: ExportOptions, progress: Progress | None = None) -> Ex
     compact = ()
     if target.QUANTIZES_MODULE:
         compact = ("linear",) * bool(quantization.scheme) + ("embedding",) * bool(quantization.embedding)
+    deferred = None  # the weights left in the checkpoint until they are written
     with progress.step("load", plan.source.name):
-        model, tokenizer = sources.load_model(plan.source, options.dtype, compact=compact)
+        if plan.defers_weights:
+            model, tokenizer, deferred = sources.load_model_deferred(plan.source, options.dtype)
+        else:
+            model, tokenizer = sources.load_model(plan.source, options.dtype, compact=compact)
     if options.dtype != "float32":
         with progress.step("probe", f"eager {options.dtype} on {_PROBE_PROMPT!r}"):
             _refuse_if_it_overflows(model, tokenizer, options.dtype)
@@ -339,7 +353,7 @@ def export_model(options: ExportOptions, progress: Progress | None = None) -> Ex
                 model, plan.max_cache_len, plan.prefill_chunk, options.kv_cache, calibration, options.max_draft_tokens
             )
         with progress.step("lower", options.target):
-            lowered = target.lower(program, spec, folder)
+            lowered = target.lower(program, spec, folder, deferred)
             del program
         if quantization and not target.QUANTIZES_MODULE:
             _release_weights(model)

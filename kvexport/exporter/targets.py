@@ -15,6 +15,7 @@ from ..errors import InvalidOptionError
 if TYPE_CHECKING:
     import torch
 
+    from ..models.deferred_weights import DeferredWeights
     from .quantization import Quantization
 
 
@@ -36,11 +37,14 @@ class ProgramSpec:
 
 class Target(Protocol):
     SUPPORTED_DTYPES: tuple[str, ...]  # the --dtype values it takes
+    DTYPES_REFUSED: dict[str, str]  # --dtype values it refuses, and why
     RUNTIME_PACKAGES: tuple[str, ...]  # the packages whose versions kvexport.json records
     INT8_KV_ROW_EXTRA_BYTES: int  # --kv-cache int8: what a row of head_dim int8 values takes besides them
     # Where --quantize applies: to the module before export (quantize_model), or to the written
     # program's weights after lowering (quantize_files); the other hook does nothing.
     QUANTIZES_MODULE: bool
+    # Whether the model may load with its large weights left in the checkpoint (``lower``'s ``deferred``).
+    DEFERS_WEIGHTS: bool
     MIN_MAX_CACHE_LEN: int  # the shortest cache it exports exactly
     RING_SPARE_SLOTS: bool  # whether its rings keep --max-draft-tokens spare slots for a call inside a verification
     CALL_BOUNDS_REFUSED: tuple[int, ...]  # --prefill-chunk values it cannot export as one program
@@ -58,9 +62,12 @@ class Target(Protocol):
         returns the logits of every position a verification asks for, and rings keep that many
         spare slots."""  # fmt: skip
 
-    def lower(self, program: torch.export.ExportedProgram, spec: ProgramSpec, out_dir: Path) -> dict:
+    def lower(
+        self, program: torch.export.ExportedProgram, spec: ProgramSpec, out_dir: Path, deferred: DeferredWeights | None
+    ) -> dict:
         """Write the program file(s) into ``out_dir``; return facts for ``kvexport.json`` (at least
-        ``program``, the main file's name)."""
+        ``program``, the main file's name). ``deferred``: for a target that ``DEFERS_WEIGHTS``, the
+        weights of a model loaded with them left in the checkpoint (None otherwise)."""
 
     def quantize_files(self, out_dir: Path, spec: ProgramSpec, quantization: Quantization) -> dict:
         """Quantize the written program's weights in place; return facts for ``kvexport.json``."""

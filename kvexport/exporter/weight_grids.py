@@ -131,10 +131,11 @@ def _spans(weight_nk: np.ndarray, size: int) -> np.ndarray:
 def grid_steps(weight_nk: np.ndarray, size: int) -> np.ndarray:
     """Per run of ``size`` weights along K (row-major): the step of the uniform grid the run's
     values lie on, 0 for a constant run, nan for a run on no grid; all nan for a float weight (its
-    first runs lie on no grid: not worth scanning the rest)."""
+    first runs lie on no grid: not worth scanning the rest), one nan read for every run (a
+    read-only view that takes no memory: a quantizer keeps every weight's steps at once)."""
     runs = weight_nk.reshape(-1, size)
     if np.isnan(_run_grid_steps(runs[:4096])).any():
-        return np.full(len(runs), np.nan, dtype=np.float32)
+        return np.broadcast_to(np.float32(np.nan), (len(runs),))
     return _run_grid_steps(runs)
 
 

@@ -31,6 +31,7 @@ from ..logs import transformers_progress_quiet
 from ..outputs import check_writable
 from . import presets
 from .chat_templates import fallback_chat_template
+from .deferred_weights import weights_deferred
 
 if TYPE_CHECKING:
     from ..progress import Progress
@@ -432,14 +433,22 @@ def load_model(source: ModelSource, dtype: str = "float32", cache_dir: Path | No
     if source.kind == "preset":
         return presets.build_preset(source.name, dtype)
     folder = _plain_folder(source, cache_dir) if source.kind in ("alias", "gguf") else source.path
-    model, tokenizer = _load_folder(folder, dtype, source.name, compact if dtype == "float32" else ())
-    if tokenizer.chat_template is None:  # e.g. Gemma 3 270M's GGUF has no tokenizer.chat_template key
-        model_type = model.config.get_text_config().model_type
-        tokenizer.chat_template = fallback_chat_template(model_type, tokenizer.get_vocab())
-    return model, tokenizer
+    with _weights_kept_in_bfloat16(compact) if compact and dtype == "float32" else contextlib.nullcontext():
+        return _load_folder(folder, dtype, source.name)
 
 
-def _load_folder(folder: Path, dtype: str, name: str, compact: tuple[str, ...] = ()):
+def load_model_deferred(source: ModelSource, dtype: str = "float32", cache_dir: Path | None = None):
+    """``load_model``'s model and tokenizer, with its large weights left in the checkpoint
+    (``deferred_weights``), and the ``DeferredWeights`` that reads them. A source with a
+    checkpoint: a folder, a hub id or a GGUF file (converted once), not a preset."""
+    folder = _plain_folder(source, cache_dir) if source.kind in ("alias", "gguf") else source.path
+    with weights_deferred(folder, torch_dtype(dtype)) as weights:
+        model, tokenizer = _load_folder(folder, dtype, source.name)
+    weights.check_loaded(model)
+    return model, tokenizer, weights
+
+
+def _load_folder(folder: Path, dtype: str, name: str):
     from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -452,10 +461,9 @@ def _load_folder(folder: Path, dtype: str, name: str, compact: tuple[str, ...] =
             "the folder needs the model's tokenizer files (tokenizer.json or tokenizer.model)"
         )
     try:
-        with _weights_kept_in_bfloat16(compact) if compact else contextlib.nullcontext():
-            model, report = _with_loading_report(
-                lambda **report: AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype(dtype), **report)
-            )
+        model, report = _with_loading_report(
+            lambda **report: AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype(dtype), **report)
+        )
     except ValueError as e:  # transformers says "Unrecognized configuration class ..." for non-causal-LM models
         raise UnsupportedModelError(f"'{name}' cannot be loaded as a causal LM: {_first_line(e)}")
     except (OSError, RuntimeError, EOFError, SafetensorError) as e:  # missing, truncated or corrupt weight files
@@ -464,6 +472,8 @@ def _load_folder(folder: Path, dtype: str, name: str, compact: tuple[str, ...] =
             "corrupt: fetch the model again"
         )
     _refuse_a_partial_load(report, name)
+    if tokenizer.chat_template is None:  # e.g. Gemma 3 270M's GGUF has no tokenizer.chat_template key
+        tokenizer.chat_template = fallback_chat_template(model.config.get_text_config().model_type, tokenizer.get_vocab())
     return model.eval(), tokenizer
 
 

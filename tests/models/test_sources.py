@@ -141,3 +141,39 @@ def test_compact_weights_quantize_to_the_float32_loads_model(tmp_path, name, emb
     ids = torch.tensor([[1, 5, 9, 2, 7, 3]])
     with torch.no_grad():
         assert torch.equal(plain(input_ids=ids).logits, compact(input_ids=ids).logits)
+
+
+@pytest.mark.parametrize("name", sorted(presets.PRESETS))
+def test_a_deferred_load_leaves_the_large_weights_in_the_checkpoint(tmp_path, name):
+    """Each family, from a bfloat16 checkpoint: every Linear and Embedding weight the checkpoint
+    stores under its own name loads as a placeholder whose values are read back as the plain load
+    has them, bit for bit; the other weights (Nemotron-H's, whose checkpoint names differ) load as
+    they always do."""
+    from kvexport.models.deferred_weights import checkpoint_index
+
+    model, tokenizer = presets.build_preset(name)
+    model.to(torch.bfloat16).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    source = sources.resolve(str(tmp_path))
+    plain, _ = sources.load_model(source)
+    deferred, _, weights = sources.load_model_deferred(source)
+    stored = checkpoint_index(tmp_path)
+    large = {f"{n}.weight" for n, m in deferred.named_modules() if isinstance(m, (torch.nn.Linear, torch.nn.Embedding))}
+    assert large & stored.keys() or name == "tiny-nemotron-h"
+    expected = plain.state_dict()
+    for key, tensor in deferred.state_dict().items():  # a tied lm_head: its embedding's placeholder
+        entry = weights.source_of(tensor)
+        if key in large and key in stored:
+            assert entry is not None, key
+        assert torch.equal(weights.read(entry) if entry else tensor, expected[key]), key
+
+
+def test_a_placeholder_loading_converted_is_refused(tmp_path):
+    from kvexport.errors import KvexportError
+    from kvexport.models.deferred_weights import CheckpointTensor, DeferredWeights
+
+    model, _ = presets.build_preset("tiny-llama")
+    weights = DeferredWeights(torch.float32)
+    weights.by_address[1] = CheckpointTensor(tmp_path / "model.safetensors", "model.layers.0.mlp.up_proj.weight", (64, 32))
+    with pytest.raises(KvexportError, match=r"loading converted the checkpoint's model.layers.0.mlp.up_proj.weight \(and 0 more\)"):
+        weights.check_loaded(model)

@@ -24,10 +24,14 @@ WEIGHTS_TAG = "model"
 WEIGHTS_FILE = f"{WEIGHTS_TAG}.ptd"
 # Serialized weights at least this large wait on disk, not in memory, until model.ptd is written.
 SPILL_MIN_BYTES = 1 << 20
-SUPPORTED_DTYPES = ("float32", "float16")
+SUPPORTED_DTYPES = ("float32", "float16", "bfloat16")
+# --dtype values refused, and why.
+DTYPES_REFUSED: dict[str, str] = {}
 RUNTIME_PACKAGES = ("executorch",)
 # --quantize applies to the module before export.
 QUANTIZES_MODULE = True
+# ExecuTorch's lowering reads the weights (XNNPACK packs them): the model loads them all.
+DEFERS_WEIGHTS = False
 # --kv-cache int8: each row has a float32 scale and an int8 zero point.
 INT8_KV_ROW_EXTRA_BYTES = 4 + 1
 # A cache of one position is a decode-only program (T static at 1).
@@ -163,9 +167,10 @@ def _constant_methods(spec: ProgramSpec) -> dict:
 
 
 def lower(program: torch.export.ExportedProgram | dict[str, torch.export.ExportedProgram], spec: ProgramSpec,
-          out_dir: Path) -> dict:
+          out_dir: Path, deferred: None = None) -> dict:
     """Lower to XNNPACK and write ``model.pte`` (one method, ``forward``, or each of a dict's, their
-    mutable buffers shared by name); return facts for ``kvexport.json``."""
+    mutable buffers shared by name); return facts for ``kvexport.json``. ``deferred``: always None
+    (``DEFERS_WEIGHTS``)."""
     from executorch.exir import EdgeCompileConfig, ExecutorchBackendConfig, to_edge_transform_and_lower
     from executorch.exir.passes import MemoryPlanningPass
     from executorch.exir.passes.sym_shape_eval_pass import ConstraintBasedSymShapeEvalPass
@@ -175,7 +180,7 @@ def lower(program: torch.export.ExportedProgram | dict[str, torch.export.Exporte
     from .xnnpack_passes import only_the_passes_that_apply
     from .xnnpack_rewrites import XnnpackFriendlyShapes
 
-    partitioner = xnnpack_partitioner()
+    partitioner = xnnpack_partitioner(bfloat16=spec.dtype == "bfloat16")
     methods = program if isinstance(program, dict) else {"forward": program}
     methods = {name: decomposed_once(p, partitioner) for name, p in methods.items()}
     programs = list(methods.values())

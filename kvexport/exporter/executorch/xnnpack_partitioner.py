@@ -55,8 +55,16 @@ class DecidedXnnpackPartitioner(XnnpackPartitioner):
         return [op for op, verdict in verdicts.items() if verdict != {False}], None
 
 
-def xnnpack_partitioner() -> DecidedXnnpackPartitioner:
-    return DecidedXnnpackPartitioner(configs=partitioner_configs())
+def xnnpack_partitioner(bfloat16: bool = False) -> DecidedXnnpackPartitioner:
+    """``bfloat16``: XNNPACK takes bfloat16 linear layers too (ExecuTorch's opt-in ``enable_bf16``,
+    for its fully-connected kernel); the other bfloat16 ops stay with ExecuTorch's portable kernels:
+    XNNPACK 1.5.1 fails to build a bfloat16 batch matmul when the program loads."""
+    from executorch.backends.xnnpack.partition.config.gemm_configs import LinearConfig
+
+    partitioner = DecidedXnnpackPartitioner(configs=partitioner_configs(), enable_bf16=bfloat16)
+    for config in partitioner.target_partitioner_configs.values():
+        config.enable_bf16 = bfloat16 and isinstance(config, LinearConfig)
+    return partitioner
 
 
 def decomposed_once(program: torch.export.ExportedProgram, partitioner: XnnpackPartitioner) -> torch.export.ExportedProgram:

@@ -45,15 +45,20 @@ class DataFileWriter:
         self.file = open(path, "wb")
 
     def add(self, array: np.ndarray, name: str):
-        from onnx import numpy_helper
+        """The initializer ``name`` of ``array``: its bytes written to the file, or inline where few.
+        A written tensor's initializer never holds its bytes: protobuf keeps a message's bytes in
+        its arena until the message goes, even after ``ClearField``, so the new graph's initializers
+        would hold every weight written (the whole artifact) until it is saved."""
+        from onnx import TensorProto, helper, numpy_helper
         from onnx.external_data_helper import set_external_data
 
-        tensor = numpy_helper.from_array(np.ascontiguousarray(array), name)
-        if len(tensor.raw_data) < INLINE_MAX_BYTES:
-            return tensor
+        array = np.ascontiguousarray(array)
+        if array.nbytes < INLINE_MAX_BYTES:
+            return numpy_helper.from_array(array, name)
         offset = self.file.tell()
-        self.file.write(tensor.raw_data)
-        set_external_data(tensor, self.location, offset, len(tensor.raw_data))
+        self.file.write(memoryview(array).cast("B"))
+        tensor = TensorProto(name=name, data_type=helper.np_dtype_to_tensor_dtype(array.dtype), dims=array.shape, raw_data=b"")
+        set_external_data(tensor, self.location, offset, array.nbytes)
         tensor.ClearField("raw_data")
         return tensor
 

@@ -21,11 +21,13 @@ import torch
 from ...artifact.manifest import buffer_layers, state_layers
 from ...errors import UnsupportedModelError
 from ...models.architecture import layer_specs
+from ...models.deferred_weights import DeferredWeights
 from ..quantization import Quantization
 from ..targets import ProgramSpec
 from .attention import ONNX_TRANSLATIONS as ATTENTION_TRANSLATIONS
 from .attention import lengths_from_mask
 from .decoder import ExternalCacheDecoder, export_external_cache_decoder
+from .lazy_weights import check_no_placeholder_left, lazy_transposes, read_weights_when_written
 from .quantize import ACCURACY_LEVEL, BLOCK, FINE_BLOCK, table_block
 from .quantized_kv_cache import WINDOW_HEAD_DIM_MULTIPLE, calibrate, use_int8_buffers
 from .rotary import ONNX_TRANSLATIONS as ROTARY_TRANSLATIONS
@@ -36,9 +38,14 @@ PROGRAM_FILE = "model.onnx"
 # cannot hold more than 2 GB.
 DATA_FILE = "model.onnx.data"
 SUPPORTED_DTYPES = ("float32", "float16")
+# --dtype values refused, and why.
+DTYPES_REFUSED = {"bfloat16": "ONNX Runtime's CPU provider has no bfloat16 MatMul"}
 RUNTIME_PACKAGES = ("onnx", "onnxruntime", "onnxscript", "onnxruntime_genai")
 # --quantize applies to the written graph.
 QUANTIZES_MODULE = False
+# Each weight is written on its own (external data): a model may load with its large weights left in
+# the checkpoint, each read as it is written (lower's ``deferred``).
+DEFERS_WEIGHTS = True
 # --kv-cache int8: rows are int8 values only; the scales are fixed, one per KV head and channel.
 INT8_KV_ROW_EXTRA_BYTES = 0
 GENAI_CONFIG = "genai_config.json"
@@ -129,8 +136,12 @@ def quantize_model(model: torch.nn.Module, quantization: Quantization) -> list[s
     return []
 
 
-def lower(program: torch.export.ExportedProgram, spec: ProgramSpec, out_dir: Path) -> dict:
-    """Convert to ONNX, check it, write ``model.onnx`` + ``model.onnx.data``; return facts for ``kvexport.json``."""
+def lower(
+    program: torch.export.ExportedProgram, spec: ProgramSpec, out_dir: Path, deferred: DeferredWeights | None = None
+) -> dict:
+    """Convert to ONNX, check it, write ``model.onnx`` + ``model.onnx.data``; return facts for
+    ``kvexport.json``. ``deferred``: the program's weights that are placeholders, each read from the
+    checkpoint as the data file is written (``lazy_weights``)."""
     import onnx
 
     input_names, output_names = io_names(spec.layers, spec.max_draft_tokens > 0)
@@ -143,7 +154,14 @@ def lower(program: torch.export.ExportedProgram, spec: ProgramSpec, out_dir: Pat
             output_names=output_names,
             custom_translation_table={**ATTENTION_TRANSLATIONS, **ROTARY_TRANSLATIONS},
             verbose=False,
+            # With deferred weights the lazy reads go in before the optimizer folds any weight.
+            optimize=deferred is None,
         )
+        if deferred is not None:
+            read_weights_when_written(onnx_program.model, deferred)
+            with lazy_transposes():
+                onnx_program.optimize()
+            check_no_placeholder_left(onnx_program.model, deferred)
     if spec.dtype == "float32":
         _fuse_norms(onnx_program.model)
     _tidy(onnx_program.model, spec.layers)

@@ -179,6 +179,17 @@ def test_weights_serialized_while_lowering_wait_on_disk(artifact, tmp_path, monk
     assert sorted(p.name for p in spilled.iterdir()) == sorted(p.name for p in in_memory.iterdir())
 
 
+@pytest.mark.parametrize("name", ["tiny-gemma3", "tiny-mistral"])
+def test_bfloat16_pte_passes_check(artifact, name):
+    """bfloat16, float32's range in half its bytes (Gemma 3, which overflows float16): rings and a full
+    layer through the custom ops (Gemma 3), a ring through ``custom_sdpa`` with a mask (Mistral)."""
+    from kvexport.checker.check import run_check
+
+    report = run_check(artifact(name, dtype="bfloat16"))
+    assert report.ok and report.dtype == "bfloat16", report
+    assert all(p.compared_steps == p.new_tokens for p in report.prompts)
+
+
 def test_float16_pte_passes_check_where_the_ring_goes_through_custom_sdpa(artifact):
     """tiny-mistral's sliding layers have several KV heads, so their ring is attended by
     ``llama::custom_sdpa`` with a mask, which the kernel takes in float32 only: a float16 mask made

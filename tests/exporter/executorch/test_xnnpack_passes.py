@@ -84,7 +84,7 @@ def test_kvexport_s_lowering_shortcuts_give_executorch_s_own_program(artifact, t
 
     shortcuts = artifact("tiny-mistral")
     monkeypatch.setattr(only_applying, "PASS_NEEDS", {})
-    monkeypatch.setattr(xnnpack_partitioner, "xnnpack_partitioner", lambda: XnnpackPartitioner(configs=partitioner_configs()))
+    monkeypatch.setattr(xnnpack_partitioner, "xnnpack_partitioner", lambda bfloat16: XnnpackPartitioner(configs=partitioner_configs()))
     monkeypatch.setattr(xnnpack_partitioner, "decomposed_once", lambda program, partitioner: program)
     monkeypatch.setattr(xnnpack_partitioner, "functionalized_already", lambda program: contextlib.nullcontext())
     monkeypatch.setattr(xnnpack_partitioner, "_can_merge_partitions", GroupBasedPartitioner._can_merge_partitions)

@@ -284,11 +284,6 @@ def test_a_model_failing_onnx_checker_leaves_no_folder(tmp_path, capsys, monkeyp
     assert list(tmp_path.iterdir()) == []  # neither the folder nor its staging copy
 
 
-def test_bfloat16_is_refused(tmp_path, capsys):
-    code, _, err = run_cli(capsys, "tiny-llama", "--target", "onnx", "--dtype", "bfloat16", "-o", tmp_path / "out")
-    assert_one_line_error(code, err, "target onnx does not take --dtype bfloat16")
-
-
 def test_a_quiet_export_prints_nothing(tmp_path):
     """``--quiet`` in a fresh process (where import-time chatter appears): not even torch.onnx's
     notice that torchvision's ops are missing."""

@@ -1,0 +1,129 @@
+"""A model whose large weights stay in the checkpoint until the artifact is written.
+
+An export traces the model's operations, not its weights' values; a target that writes each
+weight on its own (the ONNX target's external data) can read each one from the checkpoint when it
+writes it, and never hold the model in its export dtype: an 8B model's float32 weights are 32 GB.
+While transformers loads, every ``Linear`` and ``Embedding`` weight that the checkpoint stores
+under the parameter's own name and shape loads as a placeholder: memory allocated and never
+written (the OS maps no page of it until one is), which tracing reads as shapes only. The
+``DeferredWeights`` this returns says where each placeholder's values are in the checkpoint, and
+reads them, converted as transformers would have (``tensor.to(dtype)``), one weight at a time.
+
+A placeholder that transformers converts while loading (concatenating or splitting weights) would
+not be read back as the parameter it became: such a load is refused in one line
+(``check_loaded``) rather than exported with made-up values. No family the tests cover does it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import KvexportError
+
+# Module kinds whose weights are deferred: the large matrices, nearly all of a model's bytes.
+DEFERRED_KINDS = ("Linear", "Embedding")
+
+
+@dataclass(frozen=True)
+class CheckpointTensor:
+    file: Path
+    key: str
+    shape: tuple[int, ...]
+
+
+@dataclass
+class DeferredWeights:
+    """Placeholders by their memory's address, and where each one's values are."""
+
+    dtype: object  # the torch dtype the model loads in
+    by_address: dict[int, CheckpointTensor] = field(default_factory=dict)
+
+    def source_of(self, tensor) -> CheckpointTensor | None:
+        """Where ``tensor``'s values are, if it is a placeholder (the whole of one)."""
+        entry = self.by_address.get(tensor.data_ptr())
+        if entry is None or tuple(tensor.shape) != entry.shape or tensor.storage_offset() != 0:
+            return None
+        return entry
+
+    def read(self, entry: CheckpointTensor):
+        """The weight's values in the model's dtype, read from the checkpoint now."""
+        from safetensors import safe_open
+
+        with safe_open(str(entry.file), framework="pt", device="cpu", backend="pread") as f:
+            return f.get_tensor(entry.key).to(self.dtype)
+
+    def check_loaded(self, model) -> None:
+        """Every placeholder must be a parameter of ``model`` as it was made: one that transformers
+        converted while loading would be exported with values nobody wrote."""
+        held = {p.data_ptr() for p in model.parameters() if self.source_of(p) is not None}
+        lost = [entry.key for address, entry in self.by_address.items() if address not in held]
+        if lost:
+            raise KvexportError(
+                f"loading converted the checkpoint's {lost[0]} (and {len(lost) - 1} more) into another weight, "
+                "which an export that reads weights from the checkpoint as it writes them cannot follow; "
+                "please report it (the model's family needs its weights loaded first)"
+            )
+
+
+def checkpoint_index(folder: Path) -> dict[str, Path]:
+    """Each tensor's safetensors file in a model folder (read from the files' headers)."""
+    from safetensors import safe_open
+
+    index = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            index.update(dict.fromkeys(f.keys(), file))
+    return index
+
+
+class _Placeholder:
+    """Stands for a checkpoint tensor in the state dict transformers loads from: what transformers
+    reads from it (``tensor[...]``, then ``.to(dtype)``) is memory of the model's dtype that nobody
+    has written, recorded in ``weights``."""
+
+    def __init__(self, entry: CheckpointTensor, original, weights: DeferredWeights):
+        self.entry, self.original, self.weights = entry, original, weights
+
+    def get_shape(self):
+        return list(self.entry.shape)
+
+    def get_dtype(self):
+        return self.original.get_dtype()
+
+    def __getitem__(self, index):
+        import torch
+
+        placeholder = torch.empty(self.entry.shape, dtype=self.weights.dtype)
+        self.weights.by_address[placeholder.data_ptr()] = self.entry
+        return placeholder
+
+
+@contextlib.contextmanager
+def weights_deferred(folder: Path, dtype):
+    """While transformers loads from ``folder`` in ``dtype``: the large weights it would read are
+    placeholders (module docstring). Yields the ``DeferredWeights`` that reads them back."""
+    import torch
+    import transformers.modeling_utils as modeling_utils
+
+    weights = DeferredWeights(dtype)
+    files = checkpoint_index(folder)
+    classes = tuple(getattr(torch.nn, kind) for kind in DEFERRED_KINDS)
+    convert = modeling_utils.convert_and_load_state_dict_in_model
+
+    def convert_deferred(model, state_dict, *args, **kwargs):
+        for name, module in model.named_modules():
+            key = f"{name}.weight"
+            weight, stored = getattr(module, "weight", None), state_dict.get(key)
+            if not isinstance(module, classes) or weight is None or key not in files or not hasattr(stored, "get_shape"):
+                continue
+            if tuple(stored.get_shape()) == tuple(weight.shape):
+                state_dict[key] = _Placeholder(CheckpointTensor(files[key], key, tuple(weight.shape)), stored, weights)
+        return convert(model, state_dict, *args, **kwargs)
+
+    modeling_utils.convert_and_load_state_dict_in_model = convert_deferred
+    try:
+        yield weights
+    finally:
+        modeling_utils.convert_and_load_state_dict_in_model = convert
