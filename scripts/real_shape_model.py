@@ -122,6 +122,8 @@ def main() -> None:
 
 # A shard of the streamed checkpoint holds about this many bytes.
 SHARD_BYTES = 2 * 2**30
+# Rows of a matrix drawn at once.
+DRAW_ROWS = 16384
 
 
 def _write_streamed(config, out: Path) -> int:
@@ -154,8 +156,10 @@ def _write_streamed(config, out: Path) -> int:
         if id(param) in seen:
             continue
         seen.add(id(param))
-        if param.dim() >= 2:
-            value = torch.empty(param.shape, dtype=torch.float32).normal_(0.0, std).to(torch.bfloat16)
+        if param.dim() >= 2:  # drawn a piece of rows at a time: a float32 copy of a 2.35B-value table is 9.4 GB
+            value = torch.empty(param.shape, dtype=torch.bfloat16)
+            for rows in value.split(DRAW_ROWS):
+                rows.copy_(torch.empty(rows.shape, dtype=torch.float32).normal_(0.0, std))
         else:
             value = (torch.ones if "norm" in name else torch.zeros)(param.shape, dtype=torch.bfloat16)
         shard[name] = value
