@@ -129,8 +129,9 @@ DRAW_ROWS = 16384
 def _write_streamed(config, out: Path) -> int:
     """The checkpoint written a tensor at a time, in shards, never the whole model in memory (an 8B
     model's bfloat16 weights are 16 GB): the model is built on the meta device for its names and
-    shapes; matrices are normal(0, initializer_range), vectors ones (norm scales) or zeros (biases).
-    Not transformers' own initialization, which needs the whole model built."""
+    shapes; matrices are normal(0, initializer_range), vectors ones (norm scales) or zeros (biases),
+    saved buffers (Gemma 4's layer scalars) ones. Not transformers' own initialization, which needs
+    the whole model built. Returns the parameters' count."""
     import json
 
     import torch
@@ -142,42 +143,46 @@ def _write_streamed(config, out: Path) -> int:
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     std = getattr(config, "initializer_range", 0.02)
     out.mkdir(parents=True, exist_ok=True)
-    seen, shard, shard_bytes, shards, total = set(), {}, 0, [], 0
+    shards: list[tuple[str, list[str]]] = []
+    shard: dict = {}
+    written = {"bytes": 0, "parameters": 0}
 
-    def flush():
-        nonlocal shard, shard_bytes
+    def add(name: str, value) -> None:
+        shard[name] = value
+        written["bytes"] += value.numel() * value.element_size()
+        if sum(v.numel() * v.element_size() for v in shard.values()) >= SHARD_BYTES:
+            flush()
+
+    def flush() -> None:
         if shard:
             name = f"model-{len(shards) + 1:05d}.safetensors"
             save_file(shard, str(out / name), metadata={"format": "pt"})
             shards.append((name, list(shard)))
-            shard, shard_bytes = {}, 0
+            shard.clear()
 
-    for name, param in model.named_parameters(remove_duplicate=True):
-        if id(param) in seen:
-            continue
-        seen.add(id(param))
+    for name, param in model.named_parameters():  # a tied weight once
         if param.dim() >= 2:  # drawn a piece of rows at a time: a float32 copy of a 2.35B-value table is 9.4 GB
             value = torch.empty(param.shape, dtype=torch.bfloat16)
             for rows in value.split(DRAW_ROWS):
                 rows.copy_(torch.empty(rows.shape, dtype=torch.float32).normal_(0.0, std))
         else:
             value = (torch.ones if "norm" in name else torch.zeros)(param.shape, dtype=torch.bfloat16)
-        shard[name] = value
-        shard_bytes += value.numel() * 2
-        total += value.numel()
-        if shard_bytes >= SHARD_BYTES:
-            flush()
+        written["parameters"] += value.numel()
+        add(name, value)
+    saved = set(model.state_dict())
+    for name, buffer in model.named_buffers():
+        if name in saved:
+            add(name, torch.ones(buffer.shape, dtype=buffer.dtype))
     flush()
-    count = len(shards)
     weight_map = {}
     for n, (name, keys) in enumerate(shards, 1):
-        final = f"model-{n:05d}-of-{count:05d}.safetensors"
+        final = f"model-{n:05d}-of-{len(shards):05d}.safetensors"
         (out / name).rename(out / final)
         weight_map.update(dict.fromkeys(keys, final))
-    index = {"metadata": {"total_size": total * 2}, "weight_map": weight_map}
+    index = {"metadata": {"total_size": written["bytes"]}, "weight_map": weight_map}
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     config.save_pretrained(out)
-    return total
+    return written["parameters"]
 
 
 if __name__ == "__main__":
