@@ -44,9 +44,7 @@ def read_weights_when_written(model, weights: DeferredWeights) -> int:
 
     lazy = 0
     for value in model.graph.initializers.values():
-        raw = getattr(value.const_value, "raw", None)
-        entry = weights.source_of(raw) if hasattr(raw, "data_ptr") else None
-        if entry is None:
+        if (entry := _placeholder_of(value, weights)) is None:
             continue
         tensor = value.const_value
         value.const_value = ir.LazyTensor(_Read(weights, entry), tensor.dtype, tensor.shape, name=tensor.name)
@@ -58,12 +56,17 @@ def check_no_placeholder_left(model, weights: DeferredWeights) -> None:
     """Refuse a graph that would write a placeholder's memory: an initializer computed from one
     before it was made lazy."""
     for value in model.graph.initializers.values():
-        raw = getattr(value.const_value, "raw", None)
-        if hasattr(raw, "data_ptr") and weights.source_of(raw) is not None:
+        if _placeholder_of(value, weights) is not None:
             raise KvexportError(
                 f"the ONNX graph's initializer {value.name} still holds a weight that was never read from the "
                 "checkpoint; please report it"
             )
+
+
+def _placeholder_of(value, weights: DeferredWeights) -> CheckpointTensor | None:
+    """Where an initializer's values are, if it holds a placeholder (a torch tensor torch.onnx wrapped)."""
+    raw = getattr(value.const_value, "raw", None)
+    return weights.source_of(raw) if hasattr(raw, "data_ptr") else None
 
 
 @contextlib.contextmanager
