@@ -214,6 +214,9 @@ def matrix(
                           "node sees or an fsspec URL such as s3://bucket/runs"),
     ] = None,
     keep_artifacts: Annotated[bool, typer.Option("--keep-artifacts", help="keep each row's artifact folder")] = False,
+    model: Annotated[
+        Optional[list[str]], typer.Option("--model", help="run only this model's rows (repeat for several)")
+    ] = None,
     ray: Annotated[
         Optional[str],
         typer.Option(metavar="ADDRESS", help="run the rows as tasks on a Ray cluster: local (one started for the run), "
@@ -223,7 +226,7 @@ def matrix(
     """Export and check each row of a matrix file in its own process, or merge shard reports; exit 0 only if all pass."""
     from .matrix.command import matrix_command
 
-    ok = matrix_command(paths, shard, report, json_report, work_dir, keep_artifacts, ray)
+    ok = matrix_command(paths, shard, report, json_report, work_dir, keep_artifacts, ray, model)
     raise typer.Exit(0 if ok else 1)
 
 

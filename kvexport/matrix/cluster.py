@@ -125,16 +125,22 @@ def resource_request(row: Row) -> dict:
 
 def planned_memory_bytes(row: Row) -> int:
     """The peak of the row's export as its memory plan says (``exporter.memory_plan``), from the
-    model's config and the row's options; for a model built from a ``[models.NAME]`` config in the
-    row (tiny), or one the export will refuse (the row then fails on its own), the libraries' own
-    share alone."""
+    model's config and the row's options (a real-shape model's config written on its own); for a
+    tiny model built from a ``[models.NAME]`` config in the row, or one the export will refuse (the
+    row then fails on its own), the libraries' own share alone."""
     from ..exporter import memory_plan
     from ..exporter.pipeline import ExportOptions, plan_export, plan_footprint
+    from ..models import real_shapes
 
     if row.tiny_config is None:
         with tempfile.TemporaryDirectory(prefix="kvexport-plan-") as tmp:
+            model = row.model
+            if row.shape_config:
+                model = str(Path(tmp) / "config")
+                config = real_shapes.shape_config(row.shape_config["shape"], row.shape_config["overrides"])
+                real_shapes.write_model(config, Path(model), config_only=True)
             options = ExportOptions(
-                model=row.model, target=row.target, out=Path(tmp) / "plan", max_cache_len=row.max_cache_len, dtype=row.dtype,
+                model=model, target=row.target, out=Path(tmp) / "plan", max_cache_len=row.max_cache_len, dtype=row.dtype,
                 quantize=row.quantize, quantize_embedding=row.quantize_embedding, quantize_lm_head=row.quantize_lm_head,
                 quantize_grid=row.quantize_grid,
                 prefill_chunk=row.prefill_chunk, kv_cache=row.kv_cache or "float",

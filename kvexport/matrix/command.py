@@ -25,24 +25,32 @@ def matrix_command(
     work_dir: str | None,
     keep_artifacts: bool,
     ray: str | None = None,
+    models: list[str] | None = None,
 ) -> bool:
     """Run (or merge) and write the reports; True when every row passed. ``ray``: run the rows on
-    that Ray cluster (``cluster.py``) rather than one after another here."""
+    that Ray cluster (``cluster.py``) rather than one after another here; ``models``: only these
+    models' rows."""
     if not paths:
         raise InvalidOptionError("give a matrix file (kvexport matrix MATRIX.toml) or `merge REPORT.json ...`")
     if paths[0] == MERGE:
-        if shard or work_dir or keep_artifacts or ray:
+        if shard or work_dir or keep_artifacts or ray or models:
             raise InvalidOptionError("merge takes only report files, --report and --json")
         return _merge(paths[1:], markdown, json_path)
     if len(paths) > 1:
         raise InvalidOptionError(f"one matrix file at a time, got {len(paths)}: {' '.join(paths)}")
-    return _run(Path(paths[0]), shard, markdown, json_path, work_dir, keep_artifacts, ray)
+    return _run(Path(paths[0]), shard, markdown, json_path, work_dir, keep_artifacts, ray, models)
 
 
-def _run(path: Path, shard, markdown, json_path, work_dir, keep_artifacts, ray) -> bool:
+def _run(path: Path, shard, markdown, json_path, work_dir, keep_artifacts, ray, models) -> bool:
     matrix = load_matrix(path)
     index, count = parse_shard(shard) if shard else (1, 1)
     rows = shard_rows(matrix.rows, index, count)
+    if models:
+        unknown = [m for m in models if m not in {row.model for row in matrix.rows}]
+        if unknown:
+            raise InvalidOptionError(f"--model {unknown[0]}: {path} has no row of that model; its models: "
+                                     f"{', '.join(dict.fromkeys(row.model for row in matrix.rows))}")
+        rows = [row for row in rows if row.model in models]
     _check_writable(markdown, json_path)
     url = work_dir is not None and "://" in str(work_dir)
     if url and not ray:
@@ -58,7 +66,8 @@ def _run(path: Path, shard, markdown, json_path, work_dir, keep_artifacts, ray) 
     if not url:
         work_dir.mkdir(parents=True, exist_ok=True)
     where = f" on the Ray cluster at {ray}" if ray else ""
-    _say(f"{path}: {len(rows)} of {len(matrix.rows)} rows (shard {index}/{count}){where}; row logs in {work_dir}")
+    only = f", models {', '.join(models)}" if models else ""
+    _say(f"{path}: {len(rows)} of {len(matrix.rows)} rows (shard {index}/{count}{only}){where}; row logs in {work_dir}")
     started, done = set(), []
 
     def on_start(row, node=None):  # node: where a Ray run's row started (again, after its node died)
@@ -117,10 +126,10 @@ def _row_name(row: dict) -> str:
 
 def _row_line(result: dict) -> str:
     if result["status"] == "pass":
+        checked = f"max |logit diff| {result['max_logit_diff']:.1e}" if result.get("check", True) else "not checked"
         return (
             f"✓ pass: export {result['export_seconds']:.1f}s (peak RSS {result['export_peak_rss_mb']:.0f} MB, "
-            f"{result['artifact_mb']:.2f} MB), max |logit diff| {result['max_logit_diff']:.1e}, "
-            f"decode {result['decode_tokens_per_s']:.1f} tok/s"
+            f"{result['artifact_mb']:.2f} MB), {checked}, decode {result['decode_tokens_per_s']:.1f} tok/s"
         )
     failure = result["failure"] or {}
     return f"✗ {result['status']} ({failure.get('stage')}): {failure.get('reason')}"

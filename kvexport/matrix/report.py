@@ -137,7 +137,7 @@ def to_markdown(report: dict) -> str:
             row.get("max_cache_len") or "default",
             STATUS_MARK[row["status"]],
             # Blank where the check never ran (the row failed before it); a quantized row's agreement.
-            _agreement_or_divergence(row) if "max_logit_diff" in row else "",
+            "– not checked" if row.get("check") is False else _agreement_or_divergence(row) if "max_logit_diff" in row else "",
             _number(row.get("max_logit_diff"), ".1e") if "max_logit_diff" in row else "",
             GENAI_MARK[row["genai"]["status"]] if "genai" in row else "",
             _number(row.get("export_seconds"), ".1f"),

@@ -11,6 +11,9 @@ dtype = "float32"
 
 [models.tiny-olmo2]             # optional: a tiny random model of any transformers family
 model_type = "olmo2"            # other keys override kvexport's tiny defaults (see presets.py)
+
+[models."llama3.2-1b-random"]   # optional: a published configuration's shapes, random weights
+shape = "llama3.2-1b"           # models/real_shapes.py's SHAPES; other keys override its config
 ```
 
 Row keys: ``model``, ``target``, ``dtype``, ``max_cache_len`` (one value or a list; a missing
@@ -20,7 +23,8 @@ onnx, ``8da4w`` for executorch, with ``quantize_embedding`` (executorch), ``quan
 ``int8`` / ``int4`` and ``quantize_grid`` ``source`` / ``symmetric``; the row's check then measures
 top-1 agreement); ``kv_cache`` (one value,
 export's ``--kv-cache``: ``int8``, executorch; checked by agreement too);
-``prefill_chunk`` (one value: export's ``--prefill-chunk``; default: export's); ``timeout_s`` (the
+``prefill_chunk`` (one value: export's ``--prefill-chunk``; default: export's); ``check`` (``false``:
+export and run only, for a model whose eager reference the machine cannot hold); ``timeout_s`` (the
 row's child process is killed after it); ``check_new_tokens`` (new tokens per check prompt;
 default: check's own, past the sliding window); ``run_new_tokens`` (tokens of the short run that
 measures decode speed); ``device`` (``cpu``, or ``cuda`` for an ONNX row: its check and run on
@@ -55,7 +59,7 @@ QUANTIZATION = ("quantize", "quantize_embedding", "quantize_lm_head", "quantize_
 SCHEMES = (*QUANTIZATION, "kv_cache")  # a row's one value each, None where export's default
 # Where a row runs: its device, and what it asks of a Ray cluster (``cluster.py``).
 _PLACEMENT = {"device": "cpu", "cpus": 1, "memory_gb": None, "resources": None}
-ROW_KEYS = (*AXES, *SCHEMES, *_OPTIONS, *_PLACEMENT)
+ROW_KEYS = (*AXES, *SCHEMES, *_OPTIONS, *_PLACEMENT, "check")
 
 
 @dataclass(frozen=True)
@@ -70,6 +74,9 @@ class Row:
     run_new_tokens: int
     # For a [models.NAME] model: its model_type and config overrides, built in the row's process.
     tiny_config: dict | None = None
+    # For a [models.NAME] model with a shape: the shape's name and config overrides (random weights).
+    shape_config: dict | None = None
+    check: bool = True  # False: export and run only, no check against eager
     quantize: str | None = None
     quantize_embedding: str | None = None
     quantize_lm_head: str | None = None
@@ -131,7 +138,7 @@ def _rows(data: dict) -> list[Row]:
     if not isinstance(defaults, dict):
         raise InvalidOptionError("[defaults] must be a table")
     _known_keys(defaults, ROW_KEYS, "key in [defaults]")
-    tiny = _tiny_models(data.get("models", {}))
+    tiny, shaped = _built_models(data.get("models", {}))
     tables = data.get("row", [])
     if not isinstance(tables, list) or not all(isinstance(t, dict) for t in tables):
         raise InvalidOptionError("rows are [[row]] tables (an array of tables)")
@@ -149,16 +156,19 @@ def _rows(data: dict) -> list[Row]:
         options = {key: _option(merged[key], key, where) for key in _OPTIONS}
         schemes = {key: _scheme(merged.get(key), key, where) for key in SCHEMES}
         placement = _placement({key: merged[key] for key in _PLACEMENT}, where)
+        check = merged.get("check", True)
+        if not isinstance(check, bool):
+            raise InvalidOptionError(f"{where}: 'check' must be true or false, got {check!r}")
         for target, dtype, max_cache_len, model in itertools.product(*(axes[a] for a in AXES)):
-            _check_row(model, target, dtype, max_cache_len, tiny, where, **schemes)
+            _check_row(model, target, dtype, max_cache_len, {**tiny, **shaped}, where, **schemes)
             if placement["device"] == "cuda" and target != "onnx":
                 raise InvalidOptionError(f"{where} ({target}): device 'cuda' is for ONNX rows; ExecuTorch artifacts run on the CPU")
             key = (model, target, dtype, max_cache_len, *schemes.values(), options["prefill_chunk"], placement["device"])
             if key in seen:
                 raise InvalidOptionError(f"{where} repeats row {seen[key]} ({', '.join(str(k) for k in key if k is not None)})")
             seen[key] = len(rows)
-            rows.append(Row(len(rows), model, target, dtype, max_cache_len, tiny_config=tiny.get(model), **options, **schemes,
-                            **placement))
+            rows.append(Row(len(rows), model, target, dtype, max_cache_len, tiny_config=tiny.get(model),
+                            shape_config=shaped.get(model), check=check, **options, **schemes, **placement))
     return rows
 
 
@@ -217,7 +227,7 @@ def _placement(values: dict, where: str) -> dict:
     return values
 
 
-def _check_row(model: str, target: str, dtype: str, max_cache_len, tiny: dict, where: str,
+def _check_row(model: str, target: str, dtype: str, max_cache_len, built: dict, where: str,
                quantize: str | None = None, quantize_embedding: str | None = None,
                quantize_lm_head: str | None = None, quantize_grid: str | None = None, kv_cache: str | None = None) -> None:
     from ..artifact.manifest import TARGETS
@@ -233,34 +243,46 @@ def _check_row(model: str, target: str, dtype: str, max_cache_len, tiny: dict, w
         check_kv_cache(kv_cache or "float", target)
     except KvexportError as e:
         raise InvalidOptionError(f"{where} ({target}): {e}")
-    if model not in tiny:
+    if model not in built:
         try:
             sources.resolve(model)
         except KvexportError as e:
             raise InvalidOptionError(f"{where}: {e}")
 
 
-def _tiny_models(models) -> dict[str, dict]:
-    """``[models.NAME]`` tables: ``model_type`` and config overrides, checked against transformers."""
+def _built_models(models) -> tuple[dict[str, dict], dict[str, dict]]:
+    """``[models.NAME]`` tables, checked: the tiny ones (``model_type`` and config overrides, as
+    transformers knows it) and the real-shape ones (``shape`` and config overrides)."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
-    from ..models import sources
+    from ..models import real_shapes, sources
 
     if not isinstance(models, dict):
         raise InvalidOptionError("[models] must be a table of [models.NAME] tables")
-    tiny = {}
+    tiny, shaped = {}, {}
     for name, table in models.items():
         if not isinstance(table, dict):
             raise InvalidOptionError(f"[models.{name}] must be a table")
         if name in sources.known_names():
             raise InvalidOptionError(f"[models.{name}]: '{name}' is already a built-in model name; choose another")
+        if "shape" in table:
+            if "model_type" in table:
+                raise InvalidOptionError(f"[models.{name}] takes model_type (a tiny model) or shape (a real one), not both")
+            overrides = {k: v for k, v in table.items() if k != "shape"}
+            try:
+                real_shapes.shape_config(table["shape"], overrides)
+            except (KvexportError, TypeError, ValueError) as e:
+                raise InvalidOptionError(f"[models.{name}]: {e}")
+            shaped[name] = {"shape": table["shape"], "overrides": overrides}
+            continue
         model_type = table.get("model_type")
         if not isinstance(model_type, str):
-            raise InvalidOptionError(f"[models.{name}] needs model_type, a transformers model type such as \"olmo2\"")
+            raise InvalidOptionError(f"[models.{name}] needs model_type, a transformers model type such as \"olmo2\" "
+                                     "(or shape, a published configuration such as \"llama3.2-1b\")")
         if model_type not in CONFIG_MAPPING_NAMES:
             raise InvalidOptionError(f"[models.{name}]: transformers has no model type '{model_type}'")
         tiny[name] = {"model_type": model_type, "overrides": {k: v for k, v in table.items() if k != "model_type"}}
-    return tiny
+    return tiny, shaped
 
 
 def parse_shard(spec: str) -> tuple[int, int]:

@@ -36,7 +36,7 @@ def render(report: dict) -> str:
             cells.setdefault((row["model"], (*_column(row, by_dtype), "in genai")), []).append(row["genai"])
     columns = list(dict.fromkeys(column for _, column in cells))
     families = {row["model"]: row.get("family") for row in report["rows"] if row.get("family")}
-    configured = {row["model"] for row in report["rows"] if row.get("tiny_config")}  # [models.NAME] in the file
+    configured = {row["model"] for row in report["rows"] if row.get("tiny_config") or row.get("shape_config")}  # [models.NAME]
     models = sorted((families.get(m, "?"), m, m in configured) for m in {row["model"] for row in report["rows"]})
     # Only what reruns elsewhere reproduce: the matrix path from the repository root, versions
     # without local tags (a CPU-only torch's "+cpu", which another install may lack).

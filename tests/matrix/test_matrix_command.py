@@ -18,7 +18,7 @@ import pytest
 from kvexport.matrix.spec import load_matrix
 
 from tests.helpers import on_one_worker
-from tests.test_cli import run_cli
+from tests.test_cli import assert_one_line_error, run_cli
 
 # The module fixture (the matrix run) is made once: all of it on one pytest-xdist worker.
 pytestmark = on_one_worker("matrix-command")
@@ -187,3 +187,22 @@ def test_the_json_report_holds_each_row_as_it_ends(tmp_path, monkeypatch):
         command.matrix_command([str(tmp_path / "m.toml")], None, None, tmp_path / "r.json", None, False)
     report = json.loads((tmp_path / "r.json").read_text())
     assert [r["model"] for r in report["rows"]] == ["tiny-llama"] and report["matrix_rows"] == 2
+
+
+def test_model_runs_only_that_model_s_rows_and_an_unknown_one_is_refused(tmp_path, monkeypatch, capsys):
+    from kvexport.matrix import command
+
+    (tmp_path / "m.toml").write_text('[[row]]\nmodel = ["tiny-llama", "tiny-qwen3"]\ntarget = ["executorch", "onnx"]\n')
+    ran = []
+
+    def record(rows, work_dir, keep_artifacts, on_start, on_done):
+        ran.extend((row.model, row.target) for row in rows)
+        return [{**row.to_dict(), "status": "pass", "failure": None, "family": "qwen3", "check": False, "export_seconds": 1.0,
+                 "export_peak_rss_mb": 1.0, "artifact_mb": 1.0, "decode_tokens_per_s": 1.0} for row in rows]
+
+    monkeypatch.setattr(command, "run_rows", record)
+    code, _, err = run_cli(capsys, "matrix", tmp_path / "m.toml", "--model", "tiny-qwen3")
+    assert code == 0 and ran == [("tiny-qwen3", "executorch"), ("tiny-qwen3", "onnx")]
+    assert "2 of 4 rows (shard 1/1, models tiny-qwen3)" in err
+    code, _, err = run_cli(capsys, "matrix", tmp_path / "m.toml", "--model", "tiny-gemma3")
+    assert_one_line_error(code, err, "--model tiny-gemma3:", "has no row of that model; its models: tiny-llama, tiny-qwen3")

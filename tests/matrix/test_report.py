@@ -93,6 +93,14 @@ def test_a_quantized_row_shows_its_scheme_and_agreement():
     assert any(l.startswith("| 1 | tiny-llama | llama | executorch | float32 · 8da4w · embedding int8 | 64 | ✗ fail | top-1 agreement 90.0% |") for l in lines)
 
 
+def test_a_row_without_a_check_says_so_beside_its_measurements():
+    unchecked = row(0, model="llama3.1-8b", target="onnx", check=False, export_seconds=848.0, export_peak_rss_mb=4895.0)
+    for key in ("first_divergence", "max_logit_diff"):
+        del unchecked[key]  # a row without a check has no check's fields
+    (line,) = [l for l in to_markdown(report([unchecked], total=1)).splitlines() if l.startswith("| 0 |")]
+    assert line == "| 0 | llama3.1-8b | llama | onnx | float32 | 64 | ✓ pass | – not checked |  |  | 848.0 | 4895 | 0.40 | 900.0 |"
+
+
 def test_merge_command_writes_both_reports_and_exits_1_on_a_failed_row(tmp_path, capsys):
     (tmp_path / "a.json").write_text(json.dumps(report([row(0), row(2, target="onnx", status="error")], "1/2")))
     (tmp_path / "b.json").write_text(json.dumps(report([row(1), row(3)], "2/2")))

@@ -44,3 +44,20 @@ def test_a_row_exports_with_kvexport_s_hash_seed(monkeypatch):
 
     monkeypatch.setenv("PYTHONHASHSEED", "7")
     assert child_env()["PYTHONHASHSEED"] == EXPORT_HASH_SEED
+
+
+def test_a_real_shape_row_builds_its_model_and_may_skip_the_check(tmp_path):
+    """A ``[models.NAME] shape = ...`` row builds its checkpoint (random weights, streamed, in a
+    process of its own), exports it from there, and without ``check`` only runs it."""
+    from kvexport.models.presets import VOCAB_SIZE
+
+    small = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "head_dim": 16,
+             "num_key_value_heads": 2, "vocab_size": VOCAB_SIZE}
+    row = Row(0, "llama-small", "onnx", "float32", 64, timeout_s=600, check_new_tokens=None, run_new_tokens=4,
+              shape_config={"shape": "llama3.2-1b", "overrides": small}, check=False)
+    result = run_row(row, tmp_path)
+    assert result["status"] == "pass" and result["failure"] is None, result["failure"]
+    assert result["family"] == "llama" and (tmp_path / "model" / "model.safetensors.index.json").is_file()
+    assert result["export_peak_rss_mb"] > 0 and result["artifact_mb"] > 0 and result["decode_tokens_per_s"] > 0
+    assert "max_logit_diff" not in result and "genai" not in result  # no check here, nor in genai
+    assert read_manifest(tmp_path / ARTIFACT_DIR)["model_type"] == "llama"

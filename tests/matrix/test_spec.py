@@ -103,6 +103,28 @@ head_dim = 16
     assert row.max_cache_len is None  # export's default
 
 
+def test_a_model_at_a_published_shape_and_a_row_without_a_check(tmp_path):
+    matrix = load_matrix(write(tmp_path, """
+[[row]]
+model = "llama-small"
+target = "onnx"
+check = false
+[models.llama-small]
+shape = "llama3.2-1b"
+num_hidden_layers = 2
+"""))
+    (row,) = matrix.rows
+    assert row.shape_config == {"shape": "llama3.2-1b", "overrides": {"num_hidden_layers": 2}}
+    assert row.tiny_config is None and row.check is False
+    assert load_matrix(TINY_MATRIX).rows[0].check is True  # the default
+
+
+@pytest.mark.parametrize("path", sorted(TINY_MATRIX.parent.glob("*.toml")), ids=lambda p: p.name)
+def test_every_matrix_file_the_repository_ships_loads(path):
+    """Its models resolve, its options are export's, its [models.NAME] tables build configs."""
+    assert load_matrix(path).rows
+
+
 @pytest.mark.parametrize("count", [1, 2, 3, 7])
 def test_shards_cover_every_row_exactly_once(count):
     matrix = load_matrix(TINY_MATRIX)
@@ -129,6 +151,9 @@ def test_shards_cover_every_row_exactly_once(count):
         ("[[row]]\nmodel = ['tiny-llama', 'tiny-llama']", "repeats row 0"),
         ("[[row]]\nmodel = 'x'\n[models.x]\nhead_dim = 4", "[models.x] needs model_type"),
         ("[[row]]\nmodel = 'x'\n[models.x]\nmodel_type = 'nope'", "no model type 'nope'"),
+        ("[[row]]\nmodel = 'x'\n[models.x]\nshape = 'llama9'", "[models.x]: unknown shape 'llama9'; choose one of: gemma3-1b"),
+        ("[[row]]\nmodel = 'x'\n[models.x]\nshape = 'gemma3-1b'\nmodel_type = 'gemma3'", "model_type (a tiny model) or shape"),
+        ("[[row]]\nmodel = 'tiny-llama'\ncheck = 'no'", "'check' must be true or false, got 'no'"),
         ("[[row]]\nmodel = 'tiny-llama'\n[models.tiny-llama]\nmodel_type = 'llama'", "already a built-in model name"),
         ("colour = 1\n[[row]]\nmodel = 'tiny-llama'", "unknown top-level key 'colour'"),
         ("[[row]]\nmodel = 'tiny-llama'\ntarget = ['onnx', 'executorch']\nquantize = 'int4'",

@@ -1,17 +1,21 @@
-"""A model folder at a published configuration's shapes, with random weights, for measuring what an
-export of that size costs (time, memory, cache bytes, decode speed): exactness needs trained
-weights only for near-ties, memory and time do not. The tokenizer is the tiny presets' character
-tokenizer (its ids are within every vocabulary).
+"""Models at a published configuration's shapes, with random weights, for measuring what an export
+of that size costs (time, memory, cache bytes, decode speed): exactness needs trained weights only
+for near-ties, memory and time do not. The tokenizer is the tiny presets' character tokenizer (its
+ids are within every vocabulary). A matrix's ``[models.NAME]`` table with ``shape = "..."`` builds
+one (``matrices/scale.toml``); from the shell:
 
-    .venv/bin/python scripts/real_shape_model.py qwen3.5-0.8b build/qwen3.5-0.8b-random
-    .venv/bin/python scripts/real_shape_model.py llama3.1-8b build/llama3.1-8b-config --config-only
-    .venv/bin/python scripts/real_shape_model.py llama3.1-8b build/llama3.1-8b-random --streamed
+    python -m kvexport.models.real_shapes qwen3.5-0.8b build/qwen3.5-0.8b-random
+    python -m kvexport.models.real_shapes llama3.1-8b build/llama3.1-8b-config --config-only
+    python -m kvexport.models.real_shapes llama3.1-8b build/llama3.1-8b-random --streamed
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
+
+from ..errors import InvalidOptionError
 
 
 def _llama3(hidden: int, intermediate: int, layers: int, heads: int, head_dim: int, tied: bool, rope_factor: float):
@@ -84,40 +88,69 @@ SHAPES = {
         "rope_parameters": {"full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 8.0},
                             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
     }),  # fmt: skip
+    # microsoft/Phi-4-mini-instruct's shapes: 24 query heads of 128 over 8 KV heads, three quarters
+    # of each head rotated (longrope, whose factors here are 1.0: the shapes do not depend on them).
+    "phi4-mini": ("phi3", {
+        "hidden_size": 3072, "intermediate_size": 8192, "num_hidden_layers": 32, "num_attention_heads": 24,
+        "num_key_value_heads": 8, "vocab_size": 200064, "tie_word_embeddings": True, "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 131072, "original_max_position_embeddings": 4096, "sliding_window": 262144,
+        "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+                            "short_factor": [1.0] * 48, "long_factor": [1.0] * 48},
+    }),  # fmt: skip
 }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def shape_config(name: str, overrides: dict | None = None):
+    """The transformers config of shape ``name``, with ``overrides`` (e.g. fewer layers) on top."""
+    from transformers import AutoConfig
+
+    if name not in SHAPES:
+        raise InvalidOptionError(f"unknown shape '{name}'; choose one of: {', '.join(sorted(SHAPES))}")
+    model_type, shape = SHAPES[name]
+    return AutoConfig.for_model(model_type, **{**shape, **(overrides or {})})
+
+
+def write_model(config, out: Path, streamed: bool = True, config_only: bool = False) -> int:
+    """A model folder of ``config`` at random bfloat16 weights (as checkpoints ship) and the character
+    tokenizer; ``streamed`` writes a tensor at a time (``write_streamed``), else transformers builds
+    and initializes the whole model; ``config_only`` writes no weights (enough for an export's memory
+    plan). Returns the parameters' count (0 for ``config_only``)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from .presets import char_tokenizer
+
+    if config_only:
+        config.dtype = torch.bfloat16  # as the checkpoint would be
+        config.save_pretrained(out)
+        params = 0
+    elif streamed:
+        torch.manual_seed(0)
+        params = write_streamed(config, out)
+    else:
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        model.save_pretrained(out)
+        params = sum(p.numel() for p in model.parameters())
+    char_tokenizer().save_pretrained(out)
+    return params
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m kvexport.models.real_shapes", description=__doc__.splitlines()[0])
     parser.add_argument("shape", choices=sorted(SHAPES))
     parser.add_argument("out", type=Path)
     parser.add_argument("--config-only", action="store_true",
                         help="write the config and tokenizer, no weights: enough for an export's memory plan")
     parser.add_argument("--streamed", action="store_true",
                         help="write the weights a tensor at a time (for models whose bfloat16 weights the machine cannot hold)")
-    args = parser.parse_args()
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from kvexport.models.presets import char_tokenizer
-
-    model_type, shape = SHAPES[args.shape]
-    config = AutoConfig.for_model(model_type, **shape)
-    if args.config_only:
-        config.dtype = torch.bfloat16  # as the checkpoint would be
-        config.save_pretrained(args.out)
-        char_tokenizer().save_pretrained(args.out)
-        print(f"wrote {args.out}: {model_type}, config and tokenizer only")
-        return
-    torch.manual_seed(0)
-    if args.streamed:
-        params = _write_streamed(config, args.out)
-    else:
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)  # checkpoints ship in bfloat16
-        model.save_pretrained(args.out)
-        params = sum(p.numel() for p in model.parameters())
-    char_tokenizer().save_pretrained(args.out)
-    print(f"wrote {args.out}: {model_type}, {params / 1e9:.2f}B parameters (random, bfloat16)")
+    parser.add_argument("--overrides", type=json.loads, default=None,
+                        help='config keys over the shape\'s, as JSON (e.g. \'{"num_hidden_layers": 2}\')')
+    args = parser.parse_args(argv)
+    config = shape_config(args.shape, args.overrides)
+    params = write_model(config, args.out, streamed=args.streamed, config_only=args.config_only)
+    what = "config and tokenizer only" if args.config_only else f"{params / 1e9:.2f}B parameters (random, bfloat16)"
+    print(f"wrote {args.out}: {config.model_type}, {what}")
 
 
 # A shard of the streamed checkpoint holds about this many bytes.
@@ -126,14 +159,12 @@ SHARD_BYTES = 2 * 2**30
 DRAW_ROWS = 16384
 
 
-def _write_streamed(config, out: Path) -> int:
+def write_streamed(config, out: Path) -> int:
     """The checkpoint written a tensor at a time, in shards, never the whole model in memory (an 8B
     model's bfloat16 weights are 16 GB): the model is built on the meta device for its names and
     shapes; matrices are normal(0, initializer_range), vectors ones (norm scales) or zeros (biases),
     saved buffers (Gemma 4's layer scalars) ones. Not transformers' own initialization, which needs
     the whole model built. Returns the parameters' count."""
-    import json
-
     import torch
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
