@@ -50,3 +50,9 @@ class Interrupted(BaseException):
     def __init__(self, signum: int):
         super().__init__(signum)
         self.signum = signum
+
+
+def first_line(e: BaseException) -> str:
+    """The first line of an error's message (its type's name where it has none), for a one-line message."""
+    text = str(e).strip() or type(e).__name__
+    return text.splitlines()[0]

@@ -22,7 +22,7 @@ FORMAT = "kvexport-artifact"
 FORMAT_VERSION = 6  # what each version changed: CHANGELOG.md#artifact-format
 # The versions each target still runs (a version that changed only the other target's files).
 _READABLE_VERSIONS = {"executorch": (1, 2, 3, 4, 5, 6), "onnx": (6,)}
-# Where an artifact's model came from (``models.sources.ModelSource.kind``): check loads it again.
+# Where an artifact's model came from (``models.model_source.ModelSource.kind``): check loads it again.
 SOURCE_KINDS = ("preset", "alias", "folder", "gguf", "hub")
 _EDITED = "the manifest was edited or damaged, re-run kvexport export"
 

@@ -7,9 +7,9 @@ the export holds them, plus the KV cache. How much of the weights it holds at on
 target and per scheme (docs/performance.md#export-memory): a float export holds the model in its
 dtype, and lowering a copy of about a quarter of it on ExecuTorch; ``--quantize 8da4w`` loads a
 bfloat16 checkpoint's linear weights (and its embedding tables, with ``--quantize-embedding``) in
-bfloat16 and quantizes them before export; an ONNX export from a checkpoint leaves the large
-weights in it and writes them one at a time (``models/deferred_weights``), and int4 rewrites the
-written graph's weights one at a time.
+bfloat16 and quantizes them before export, from a checkpoint reading each just before it is
+quantized; an ONNX export from a checkpoint leaves the large weights in it and writes them one at a
+time (``models/deferred_weights``), and int4 rewrites the written graph's weights one at a time.
 """
 
 from __future__ import annotations
@@ -97,7 +97,16 @@ def footprint(plan, parameters: Parameters, checkpoint_bytes_per_value: int = 2)
         embedding = 1
     artifact = int(parameters.linear * linear + parameters.embedding * embedding + parameters.other * dtype_bytes)
     held = int(floats * WEIGHT_FACTOR[target])  # the weights at the peak
-    if plan.defers_weights:
+    if plan.defers_weights and quantization and target == "executorch":
+        # Quantized before export, each weight read from the checkpoint (in its stored dtype) just
+        # before it is quantized, and widened to float32 for it; torchao holds 4-bit values a byte
+        # each. The weights left in float are read after, in the export dtype. Then lowering.
+        compact = ("linear", "embedding") if quantization.embedding else ("linear",)
+        quantized = sum(getattr(parameters, kind) for kind in compact)
+        kept = sum(getattr(parameters, kind) * dtype_bytes for kind in ("embedding", "other") if kind not in compact)
+        read = max(parameters.largest[kind] for kind in compact) * (checkpoint_bytes_per_value + dtype_bytes)
+        held = max(int(quantized + kept + read), int(artifact * WEIGHT_FACTOR[target]))
+    elif plan.defers_weights:
         # The large weights stay in the checkpoint, each read as it is written: a table in its
         # stored dtype, then converted; a linear weight converted, then transposed (the graph
         # stores it so). The other weights load.

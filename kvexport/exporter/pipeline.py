@@ -10,7 +10,8 @@ from pathlib import Path
 from ..artifact import manifest
 from ..artifact.staging import check_output_path, staged_folder
 from ..errors import InvalidOptionError, UnsupportedModelError
-from ..models import architecture, sources
+from ..models import architecture, gguf_conversion, loading, sources
+from ..models.model_source import ModelSource
 from ..progress import Progress, peak_rss_mb
 from ..version import __version__
 from . import memory_plan
@@ -125,7 +126,7 @@ class ExportPlan:
 
     options: ExportOptions
     out: Path
-    source: sources.ModelSource
+    source: ModelSource
     config: object
     specs: list
     max_cache_len: int
@@ -136,11 +137,13 @@ class ExportPlan:
     @property
     def defers_weights(self) -> bool:
         """Whether the model loads with its large weights left in the checkpoint
-        (``models/deferred_weights``): where the target writes each weight on its own and nothing
-        runs the model before that (int8 KV's calibration and the float16 probe do)."""
+        (``models/deferred_weights``): where the target writes each weight on its own, or quantizes
+        each before export, and nothing runs the model before that (int8 KV's calibration and the
+        float16 probe do)."""
         o = self.options
         deferrable = o.dtype == "float32" and o.kv_cache == "float" and self.source.kind != "preset"
-        return get_target(o.target).DEFERS_WEIGHTS and deferrable
+        target = get_target(o.target)
+        return deferrable and (target.DEFERS_WEIGHTS or (target.QUANTIZES_MODULE and bool(o.quantization)))
 
     def slots(self, spec) -> int:
         """A layer's cache slots: a ring's window, and its spare slots where the target keeps them
@@ -255,7 +258,7 @@ def plan_export(options: ExportOptions, progress: Progress | None = None) -> Exp
     out = Path(options.out) if options.out else default_output(options.gguf_file or options.model, options.target)
     check_output_path(out, options.force)
     source = sources.resolve(options.model, options.revision, options.offline, options.gguf_file, progress)
-    sources.check_conversion_cache(source)
+    gguf_conversion.check_conversion_cache(source)
     target = get_target(options.target)
     if options.dtype not in target.SUPPORTED_DTYPES:
         why = f" ({target.DTYPES_REFUSED[options.dtype]})" if options.dtype in target.DTYPES_REFUSED else ""
@@ -327,7 +330,7 @@ def export_model(options: ExportOptions, progress: Progress | None = None) -> Ex
     compact = ()
     if target.QUANTIZES_MODULE:
         compact = ("linear",) * bool(quantization.scheme) + ("embedding",) * bool(quantization.embedding)
-    deferred = None  # the weights left in the checkpoint until they are written
+    deferred = None  # the weights left in the checkpoint until they are written (or quantized)
     with progress.step("load", plan.source.name):
         if plan.defers_weights:
             model, tokenizer, deferred = sources.load_model_deferred(plan.source, options.dtype)
@@ -340,8 +343,9 @@ def export_model(options: ExportOptions, progress: Progress | None = None) -> Ex
     spec = _program_spec(plan, info)
     if quantization and target.QUANTIZES_MODULE:
         with progress.step("quantize", target.quantization_detail(quantization)):
-            skipped = target.quantize_model(model, quantization)
-            sources.widen_compact_weights(model)
+            skipped = target.quantize_model(model, quantization, deferred)
+            loading.widen_compact_weights(model)
+        deferred = None  # read into the model as it was quantized
         if skipped:
             info["quantization"]["left_in_float"] = skipped
 

@@ -43,14 +43,16 @@ class Target(Protocol):
     # Where --quantize applies: to the module before export (quantize_model), or to the written
     # program's weights after lowering (quantize_files); the other hook does nothing.
     QUANTIZES_MODULE: bool
-    # Whether the model may load with its large weights left in the checkpoint (``lower``'s ``deferred``).
+    # Whether the model may load with its large weights left in the checkpoint for ``lower`` to read
+    # (its ``deferred``); a target that QUANTIZES_MODULE reads them in ``quantize_model`` either way.
     DEFERS_WEIGHTS: bool
     MIN_MAX_CACHE_LEN: int  # the shortest cache it exports exactly
     RING_SPARE_SLOTS: bool  # whether its rings keep --max-draft-tokens spare slots for a call inside a verification
     CALL_BOUNDS_REFUSED: tuple[int, ...]  # --prefill-chunk values it cannot export as one program
 
-    def quantize_model(self, model: torch.nn.Module, quantization: Quantization) -> list[str]:
-        """Quantize the module in place before export; return the layers left in float."""
+    def quantize_model(self, model: torch.nn.Module, quantization: Quantization, deferred: DeferredWeights | None) -> list[str]:
+        """Quantize the module in place before export; return the layers left in float. With
+        ``deferred``, the weights it left in the checkpoint are read as it goes, and all by its end."""
 
     def export(
         self, model: torch.nn.Module, max_cache_len: int, max_tokens_per_call: int, kv_cache: str,

@@ -3,6 +3,8 @@
 An export traces the model's operations, not its weights' values; a target that writes each
 weight on its own (the ONNX target's external data) can read each one from the checkpoint when it
 writes it, and never hold the model in its export dtype: an 8B model's float32 weights are 32 GB.
+A target that quantizes the model before export (ExecuTorch's 8da4w) reads each weight as it
+quantizes it (``fill``), so it never holds more than one weight unquantized.
 While transformers loads, every ``Linear`` and ``Embedding`` weight that the checkpoint stores
 under the parameter's own name and shape loads as a placeholder: memory allocated and never
 written (the OS maps no page of it until one is), which tracing reads as shapes only. The
@@ -39,6 +41,9 @@ class DeferredWeights:
 
     dtype: object  # the torch dtype the model loads in
     by_address: dict[int, CheckpointTensor] = field(default_factory=dict)
+    # Every placeholder, held so that no other tensor gets its address while this lives (a
+    # placeholder is address space only: it costs no memory until written).
+    placeholders: list = field(default_factory=list)
 
     def source_of(self, tensor) -> CheckpointTensor | None:
         """Where ``tensor``'s values are, if it is a placeholder (the whole of one)."""
@@ -47,12 +52,41 @@ class DeferredWeights:
             return None
         return entry
 
-    def read(self, entry: CheckpointTensor):
-        """The weight's values in the model's dtype, read from the checkpoint now."""
+    def read(self, entry: CheckpointTensor, keep_bfloat16: bool = False):
+        """The weight's values in the model's dtype, read from the checkpoint now; ``keep_bfloat16``:
+        as stored where the checkpoint stores bfloat16 (for a layer quantized next: the same values
+        at half float32's bytes, as ``sources.load_model``'s ``compact`` loads them)."""
+        import torch
         from safetensors import safe_open
 
         with safe_open(str(entry.file), framework="pt", device="cpu", backend="pread") as f:
-            return f.get_tensor(entry.key).to(self.dtype)
+            tensor = f.get_tensor(entry.key)
+        return tensor if keep_bfloat16 and tensor.dtype == torch.bfloat16 else tensor.to(self.dtype)
+
+    def fill(self, module) -> None:
+        """``module``'s weight, if a placeholder, replaced by its values read now, bfloat16 kept
+        (``read``): for a layer about to be quantized."""
+        import torch
+
+        entry = self.source_of(module.weight)
+        if entry is not None:
+            module.weight = torch.nn.Parameter(self.read(entry, keep_bfloat16=True), requires_grad=False)
+
+    def fill_all(self, model) -> None:
+        """Every placeholder still in ``model`` replaced by its values in the model's dtype, one
+        parameter for the modules that shared one (a tied lm_head): the weights quantization left."""
+        import torch
+
+        filled: dict[int, torch.nn.Parameter] = {}
+        for module in model.modules():
+            weight = getattr(module, "weight", None)
+            plain = type(weight) in (torch.Tensor, torch.nn.Parameter)  # not a quantized tensor
+            entry = self.source_of(weight) if plain else None
+            if entry is not None:
+                address = weight.data_ptr()
+                if address not in filled:
+                    filled[address] = torch.nn.Parameter(self.read(entry), requires_grad=False)
+                module.weight = filled[address]
 
     def check_loaded(self, model) -> None:
         """Every placeholder must be a parameter of ``model`` as it was made: one that transformers
@@ -97,6 +131,7 @@ class _Placeholder:
 
         placeholder = torch.empty(self.entry.shape, dtype=self.weights.dtype)
         self.weights.by_address[placeholder.data_ptr()] = self.entry
+        self.weights.placeholders.append(placeholder)
         return placeholder
 
 

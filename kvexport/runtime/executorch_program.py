@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from ..artifact.manifest import program_mismatch
-from ..errors import ArtifactError, InvalidOptionError
+from ..errors import ArtifactError, InvalidOptionError, first_line
 from ..logs import native_stderr_quiet
 from .cpu import runtime_threads
 from .generation import check_call, check_verification
@@ -39,7 +39,7 @@ class ExecuTorchProgram:
                 self._program = Runtime.get().load_program(path, data_path=weights, enable_etdump=trace_events)
                 self._method = self._program.load_method("forward")
         except Exception as e:  # the runtime raises a bare RuntimeError for any unreadable program
-            raise ArtifactError(f"ExecuTorch cannot load {path}: {_first_line(e)}")
+            raise ArtifactError(f"ExecuTorch cannot load {path}: {first_line(e)}")
         # --max-draft-tokens: `verify` returns every position's logits, over forward's cache buffers.
         # Loaded on first use: its delegates pack the weights again (memory for a second copy).
         self._verify = None
@@ -50,7 +50,7 @@ class ExecuTorchProgram:
                 with native_stderr_quiet():
                     self._verify = self._program.load_method("verify")
             except Exception as e:  # as for forward
-                raise ArtifactError(f"ExecuTorch cannot load the verify method of {self._path}: {_first_line(e)}")
+                raise ArtifactError(f"ExecuTorch cannot load the verify method of {self._path}: {first_line(e)}")
         return self._verify
 
     def forward(self, tokens: list[int], start: int) -> np.ndarray:
@@ -139,12 +139,8 @@ def check_program_file(path: Path, manifest: dict) -> None:
         with native_stderr_quiet():
             facts = _program_facts(Runtime.get().load_program(path))
     except Exception as e:  # the runtime raises a bare RuntimeError for any unreadable program
-        raise ArtifactError(f"ExecuTorch cannot load {path}: {_first_line(e)}")
+        raise ArtifactError(f"ExecuTorch cannot load {path}: {first_line(e)}")
     check_against_program(manifest, facts)
-
-
-def _first_line(e: Exception) -> str:
-    return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
 def check_against_program(manifest: dict, facts: dict) -> None:

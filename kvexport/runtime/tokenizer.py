@@ -11,13 +11,10 @@ from datetime import datetime
 from pathlib import Path
 
 from ..artifact.manifest import MANIFEST, read_listed_file, read_manifest
-from ..errors import ArtifactError, InvalidOptionError, KvexportError
+from ..errors import ArtifactError, InvalidOptionError, KvexportError, first_line
 
 _DAMAGED = "the artifact is damaged, re-run kvexport export"
 
-
-def _first_line(e: Exception) -> str:
-    return (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
 
 
 def _named_template(template):
@@ -60,14 +57,14 @@ class ArtifactTokenizer:
         try:
             self._tok = Tokenizer.from_str(tokenizer)
         except Exception as e:  # tokenizers raises a bare Exception for any file it cannot parse
-            raise ArtifactError(f"{folder / 'tokenizer.json'} is not a tokenizer the tokenizers library reads ({_first_line(e)}); {_DAMAGED}")
+            raise ArtifactError(f"{folder / 'tokenizer.json'} is not a tokenizer the tokenizers library reads ({first_line(e)[:200]}); {_DAMAGED}")
         if manifest is not None:
             self._check_vocabulary(folder, manifest["vocab_size"])
         config = text("tokenizer_config.json")
         try:
             self.config = {} if config is None else json.loads(config)
         except (json.JSONDecodeError, RecursionError) as e:
-            raise ArtifactError(f"{folder / 'tokenizer_config.json'} is not valid JSON ({_first_line(e)}); {_DAMAGED}")
+            raise ArtifactError(f"{folder / 'tokenizer_config.json'} is not valid JSON ({first_line(e)[:200]}); {_DAMAGED}")
         if not isinstance(self.config, dict):
             raise ArtifactError(f"{folder / 'tokenizer_config.json'} is not a JSON object; {_DAMAGED}")
         template = text("chat_template.jinja")
@@ -82,7 +79,7 @@ class ArtifactTokenizer:
         try:
             ids = [*self._tok.get_vocab(with_added_tokens=True).values(), *self._tok.encode("", add_special_tokens=True).ids]
         except Exception as e:  # a post-processor that names a token the vocabulary lacks
-            raise ArtifactError(f"{folder / 'tokenizer.json'} is not a tokenizer the tokenizers library reads ({_first_line(e)}); {_DAMAGED}")
+            raise ArtifactError(f"{folder / 'tokenizer.json'} is not a tokenizer the tokenizers library reads ({first_line(e)[:200]}); {_DAMAGED}")
         if ids and max(ids) >= vocab_size:
             raise ArtifactError(
                 f"{folder / 'tokenizer.json'} gives token id {max(ids)}, outside the vocabulary of {vocab_size} tokens "

@@ -67,9 +67,12 @@ def test_parameters_are_counted_once_each_without_weights(name):
     assert counted.embedding == sum(unique[i] for i in embeddings)
 
 
-def test_the_memory_plan_is_within_a_quarter_of_what_an_export_measures(tmp_path):
+@pytest.mark.parametrize("target, quantize", [("onnx", ()), ("executorch", ("--quantize", "8da4w", "--quantize-embedding", "int8"))],
+                         ids=["onnx", "executorch-8da4w"])
+def test_the_memory_plan_is_within_a_quarter_of_what_an_export_measures(tmp_path, target, quantize):
     """A small model (tens of MB of weights, saved in bfloat16 as checkpoints ship) exported in a
-    process of its own: its peak resident memory against the plan's estimate."""
+    process of its own, each weight read from the checkpoint as it is written (ONNX) or quantized
+    (ExecuTorch): its peak resident memory against the plan's estimate."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.for_model("llama", hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
@@ -77,12 +80,14 @@ def test_the_memory_plan_is_within_a_quarter_of_what_an_export_measures(tmp_path
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(tmp_path / "model")
     presets.char_tokenizer().save_pretrained(tmp_path / "model")
-    options = pipeline.ExportOptions(str(tmp_path / "model"), target="onnx", out=tmp_path / "out", max_cache_len=256)
+    options = pipeline.ExportOptions(str(tmp_path / "model"), target=target, out=tmp_path / "out", max_cache_len=256,
+                                     quantize=quantize[1] if quantize else None, quantize_embedding=quantize[3] if quantize else None)
     plan = pipeline.plan_export(options)
+    assert plan.defers_weights
     estimate = memory_plan.footprint(plan, memory_plan.count_parameters(plan.config)).peak_bytes / 2**20
     done = subprocess.run(
-        [sys.executable, "-m", "kvexport.cli", str(tmp_path / "model"), "--target", "onnx", "-o", str(tmp_path / "out"),
-         "--max-cache-len", "256", "--json", "--quiet"],
+        [sys.executable, "-m", "kvexport.cli", str(tmp_path / "model"), "--target", target, "-o", str(tmp_path / "out"),
+         "--max-cache-len", "256", *quantize, "--json", "--quiet"],
         capture_output=True, text=True, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     measured = json.loads(done.stdout.strip().splitlines()[-1])["peak_rss_mb"]

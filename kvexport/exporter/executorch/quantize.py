@@ -30,22 +30,23 @@ _FLAT_BLOCK_SCALE = np.float32(2**-24)
 _EMBEDDING_KERNELS = {(-128, 127): ("embedding_byte", 8), (-8, 7): ("embedding_4bit", 4)}
 
 
-def quantize_model(model: torch.nn.Module, quantization: Quantization) -> list[str]:
+def quantize_model(model: torch.nn.Module, quantization: Quantization, fill=None) -> list[str]:
     """Quantize ``model``'s embeddings (torchao, ExecuTorch's recipe) and linear layers (``8da4w``,
     ``quantize_linears``; the lm_head as ``quantization.lm_head`` asks, default int8) in place,
     before export; return the names of the layers left in float (a width that is no multiple of
-    the group size)."""
+    the group size). ``fill(module)``: gives a layer its weight's values just before it is
+    quantized (``DeferredWeights.fill``: weights left in the checkpoint until then)."""
     skipped: list[str] = []
     if quantization.embedding:
-        skipped += quantize_embeddings(model, quantization.embedding)
+        skipped += quantize_embeddings(model, quantization.embedding, fill=fill)
     if quantization.scheme and quantization.symmetric:
-        skipped += symmetric_int4_linears(model, quantization.lm_head or "int8")
+        skipped += symmetric_int4_linears(model, quantization.lm_head or "int8", fill)
     elif quantization.scheme:
-        skipped += quantize_linears(model, quantization.lm_head or "int8")
+        skipped += quantize_linears(model, quantization.lm_head or "int8", fill)
     return skipped
 
 
-def quantize_embeddings(model: torch.nn.Module, scheme: str, rows_per_piece: int = 16384) -> list[str]:
+def quantize_embeddings(model: torch.nn.Module, scheme: str, rows_per_piece: int = 16384, fill=None) -> list[str]:
     """ExecuTorch's embedding recipe (``quantize_model_``'s ``qembedding_config``: torchao's
     ``IntxWeightOnlyConfig`` with HQQ scales; int8 one scale per row, int4 groups of 32) applied
     to one table at a time and ``rows_per_piece`` rows at a time, each piece widened to float32
@@ -66,6 +67,8 @@ def quantize_embeddings(model: torch.nn.Module, scheme: str, rows_per_piece: int
         if group and module.embedding_dim % group:
             skipped.append(name)
             continue
+        if fill:
+            fill(module)
         table = module.weight.detach()
         qdata = torch.empty(table.shape, dtype=torch.int8)
         scales, zeros = [], []
@@ -84,7 +87,7 @@ def quantize_embeddings(model: torch.nn.Module, scheme: str, rows_per_piece: int
     return skipped
 
 
-def quantize_linears(model: torch.nn.Module, lm_head: str = "int8") -> list[str]:
+def quantize_linears(model: torch.nn.Module, lm_head: str = "int8", fill=None) -> list[str]:
     """``8da4w``: every linear layer with int8 activations (per token, on the fly) and weights that
     keep the grid they lie on (``weight_grids``); return the names of the layers left in float.
 
@@ -99,7 +102,7 @@ def quantize_linears(model: torch.nn.Module, lm_head: str = "int8") -> list[str]
 
     head = model.get_output_embeddings()
     skipped: list[str] = []
-    for name, module in _grouped_linears(model, skipped):
+    for name, module in _grouped_linears(model, skipped, fill):
         weight = module.weight.detach().float().numpy()
         is_head = module is head
         steps = None if is_head else grid_steps(weight, GROUP_SIZE)
@@ -114,7 +117,7 @@ def quantize_linears(model: torch.nn.Module, lm_head: str = "int8") -> list[str]
     return skipped
 
 
-def symmetric_int4_linears(model: torch.nn.Module, lm_head: str = "int8") -> list[str]:
+def symmetric_int4_linears(model: torch.nn.Module, lm_head: str = "int8", fill=None) -> list[str]:
     """``--quantize-grid symmetric``: every linear layer rounded by ExecuTorch's own 8da4w config
     (``quantize_model_``'s, as ``export_llm`` and optimum-executorch apply it: symmetric int4 in
     groups of 32, HQQ scales, int8 activations per token), whatever grid its weight lies on; the
@@ -126,7 +129,7 @@ def symmetric_int4_linears(model: torch.nn.Module, lm_head: str = "int8") -> lis
     config = _make_linear_config("8da4w", GROUP_SIZE)
     head = model.get_output_embeddings()
     skipped: list[str] = []
-    for _, module in _grouped_linears(model, skipped):
+    for _, module in _grouped_linears(model, skipped, fill):
         if module is head and lm_head == "int8":
             module.weight = torch.nn.Parameter(_int8_per_channel(module.weight.detach()), requires_grad=False)
             continue
@@ -136,15 +139,18 @@ def symmetric_int4_linears(model: torch.nn.Module, lm_head: str = "int8") -> lis
     return skipped
 
 
-def _grouped_linears(model: torch.nn.Module, skipped: list[str]):
-    """The model's linear layers whose input width is a multiple of the group, with their names;
-    the others' names go to ``skipped`` (they stay float)."""
+def _grouped_linears(model: torch.nn.Module, skipped: list[str], fill=None):
+    """The model's linear layers whose input width is a multiple of the group, with their names,
+    each given its weight's values first (``fill``); the others' names go to ``skipped`` (they
+    stay float)."""
     for name, module in list(model.named_modules()):
         if not isinstance(module, torch.nn.Linear):
             continue
         if module.in_features % GROUP_SIZE:
             skipped.append(name)
             continue
+        if fill:
+            fill(module)
         yield name, module
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from ...errors import UnsupportedModelError
+from ...models.deferred_weights import DeferredWeights
 from ...progress import report
 from ..decoder import ExportableDecoder, export_decoder, export_verifier
 from ..quantization import Quantization
@@ -30,7 +31,8 @@ DTYPES_REFUSED: dict[str, str] = {}
 RUNTIME_PACKAGES = ("executorch",)
 # --quantize applies to the module before export.
 QUANTIZES_MODULE = True
-# ExecuTorch's lowering reads the weights (XNNPACK packs them): the model loads them all.
+# ExecuTorch's lowering reads the weights (XNNPACK packs them): they are all in the model by then
+# (a quantized model's read from the checkpoint one at a time by quantize_model).
 DEFERS_WEIGHTS = False
 # --kv-cache int8: each row has a float32 scale and an int8 zero point.
 INT8_KV_ROW_EXTRA_BYTES = 4 + 1
@@ -97,11 +99,16 @@ def describe_kv_cache(kv_cache: str) -> dict:
     }
 
 
-def quantize_model(model: torch.nn.Module, quantization: Quantization) -> list[str]:
-    """Quantize the linear layers (``8da4w``) and embeddings in place with torchao, before export."""
+def quantize_model(model: torch.nn.Module, quantization: Quantization, deferred: DeferredWeights | None = None) -> list[str]:
+    """Quantize the linear layers (``8da4w``) and embeddings in place with torchao, before export;
+    with ``deferred``, each read from the checkpoint just before it is quantized, and the weights
+    left in float read after."""
     from .quantize import quantize_model as quantize
 
-    return quantize(model, quantization)
+    skipped = quantize(model, quantization, deferred.fill if deferred else None)
+    if deferred:
+        deferred.fill_all(model)
+    return skipped
 
 
 def quantize_files(out_dir: Path, spec: ProgramSpec, quantization: Quantization) -> dict:

@@ -131,7 +131,7 @@ def io_names(layers: list[dict], verifies: bool = False) -> tuple[list[str], lis
 LOGITS_INDICES = "logits_indices"
 
 
-def quantize_model(model: torch.nn.Module, quantization: Quantization) -> list[str]:
+def quantize_model(model: torch.nn.Module, quantization: Quantization, deferred: DeferredWeights | None = None) -> list[str]:
     """Nothing: ONNX quantizes the written graph's weights (``quantize_files``)."""
     return []
 

@@ -1,0 +1,60 @@
+"""An 8da4w `.pte` exported from a checkpoint reads each weight just before it quantizes it: the
+same bytes as an export of the loaded model, and every weight read once."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+import torch
+
+from kvexport.exporter import pipeline
+from kvexport.models import deferred_weights, presets
+
+
+def _sha256(folder) -> dict:
+    return {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(folder.iterdir()) if f.suffix in (".pte", ".ptd")}
+
+
+@pytest.mark.parametrize(("name", "embedding", "lm_head"), [("tiny-llama", "int8", None), ("tiny-gemma3", None, "int4")])
+def test_weights_read_as_quantized_give_the_loaded_model_s_bytes(tmp_path, monkeypatch, name, embedding, lm_head):
+    """Tied embeddings (Llama: its table int8, its lm_head int8 by default), a ring and an int4
+    lm_head with the table left in float (Gemma 3), from a bfloat16 checkpoint."""
+    model, tokenizer = presets.build_preset(name)
+    model.to(torch.bfloat16).save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    reads = []
+    read = deferred_weights.DeferredWeights.read
+    monkeypatch.setattr(deferred_weights.DeferredWeights, "read",
+                        lambda self, entry, **kwargs: reads.append(entry.key) or read(self, entry, **kwargs))
+    files = {}
+    for deferred in (False, True):
+        monkeypatch.setattr(pipeline.ExportPlan, "defers_weights", property(lambda plan, deferred=deferred: deferred))
+        out = tmp_path / f"deferred-{deferred}"
+        options = pipeline.ExportOptions(str(tmp_path / "model"), target="executorch", out=out, max_cache_len=32,
+                                         quantize="8da4w", quantize_embedding=embedding, quantize_lm_head=lm_head)
+        pipeline.export_model(options)
+        files[deferred] = _sha256(out)
+    large = [f"{n}.weight" for n, m in model.named_modules() if isinstance(m, (torch.nn.Linear, torch.nn.Embedding))]
+    stored = set(deferred_weights.checkpoint_index(tmp_path / "model")) & set(large)
+    # Each module's weight read once (a tied lm_head reads its table's again), nothing else.
+    assert set(reads) == stored and len(reads) == len(large)
+    assert files[True] == files[False] and "model.pte" in files[True]
+
+
+def test_a_plan_from_a_checkpoint_reads_the_weights_as_it_quantizes(tmp_path):
+    """8da4w from a checkpoint plans for one byte a quantized weight, not the bfloat16 model."""
+    from kvexport.exporter import memory_plan
+
+    model, tokenizer = presets.build_preset("tiny-llama")
+    model.to(torch.bfloat16).save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+
+    def planned(source: str) -> int:
+        plan = pipeline.plan_export(pipeline.ExportOptions(source, target="executorch", out=tmp_path / "out",
+                                                           max_cache_len=32, quantize="8da4w"))
+        return plan.defers_weights, memory_plan.footprint(plan, memory_plan.count_parameters(plan.config)).peak_bytes
+
+    from_checkpoint, from_preset = planned(str(tmp_path / "model")), planned("tiny-llama")
+    assert from_checkpoint[0] and not from_preset[0]
+    assert from_checkpoint[1] < from_preset[1]
