@@ -103,11 +103,13 @@ def quantize_linears(model: torch.nn.Module, lm_head: str = "int8", fill=None) -
     head = model.get_output_embeddings()
     skipped: list[str] = []
     for name, module in _grouped_linears(model, skipped, fill):
-        weight = module.weight.detach().float().numpy()
         is_head = module is head
+        if is_head and lm_head == "int8":  # no float32 copy of the largest matrix: it is read in pieces
+            module.weight = torch.nn.Parameter(_int8_per_channel(module.weight.detach()), requires_grad=False)
+            continue
+        weight = module.weight.detach().float().numpy()
         steps = None if is_head else grid_steps(weight, GROUP_SIZE)
-        int8 = lm_head == "int8" if is_head else finer_than_4_bits(weight, coarse=steps)
-        if int8:
+        if not is_head and finer_than_4_bits(weight, coarse=steps):
             module.weight = torch.nn.Parameter(_int8_per_channel(module.weight.detach()), requires_grad=False)
             continue
         q, scale, offset = int4_blocks(weight, steps)
@@ -142,10 +144,11 @@ def symmetric_int4_linears(model: torch.nn.Module, lm_head: str = "int8", fill=N
 def _grouped_linears(model: torch.nn.Module, skipped: list[str], fill=None):
     """The model's linear layers whose input width is a multiple of the group, with their names,
     each given its weight's values first (``fill``); the others' names go to ``skipped`` (they
-    stay float)."""
-    for name, module in list(model.named_modules()):
-        if not isinstance(module, torch.nn.Linear):
-            continue
+    stay float). Found by name as they come: a layer the caller replaces is then held by nothing,
+    its float weight freed with it, rather than kept by a list of modules until the last."""
+    names = [name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)]
+    for name in names:
+        module = model.get_submodule(name)
         if module.in_features % GROUP_SIZE:
             skipped.append(name)
             continue
