@@ -118,14 +118,13 @@ def footprint(plan, parameters: Parameters, checkpoint_bytes_per_value: int = 2)
     elif quantization.scheme and target == "executorch":  # quantized before export, from compact weights
         # Loaded with the linear weights (and the embedding tables, when they are quantized too) in
         # the checkpoint's dtype, read as stored; the largest of the other weights read, then
-        # converted. Then each weight quantized (torchao holds 4-bit values a byte each) while the
-        # memory of those it replaced is not yet back with the OS.
+        # converted. Then each weight quantized in turn (torchao holds 4-bit values a byte each),
+        # the one it replaces freed: no more than the load.
         compact = ("linear", "embedding") if quantization.embedding else ("linear",)
         loaded = sum(getattr(parameters, kind) * checkpoint_bytes_per_value for kind in compact)
         loaded += sum(getattr(parameters, kind) * dtype_bytes for kind in ("embedding", "other") if kind not in compact)
         converted = max(parameters.largest[kind] for kind in ("embedding", "other") if kind not in compact)
         loaded += converted * (checkpoint_bytes_per_value + dtype_bytes)
-        loaded += sum(getattr(parameters, kind) for kind in compact)
         held = max(int(loaded), int(artifact * WEIGHT_FACTOR[target]))
     peak = BASE_BYTES[target] + plan.kv_cache_bytes + plan.state_bytes + held
     # ExecuTorch's serialized weights wait in the staged folder until model.ptd is written; ONNX's
