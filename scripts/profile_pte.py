@@ -36,7 +36,8 @@ REPO = Path(__file__).resolve().parent.parent
 if (REPO / "kvexport").is_dir() and str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))  # this checkout's kvexport, not another installed one
 
-from kvexport.bench.bench import _set_torch_threads, exact_prompt  # noqa: E402
+from kvexport.bench.bench import exact_prompt  # noqa: E402
+from kvexport.bench.workers import set_torch_threads  # noqa: E402
 from kvexport.runtime.cpu import THREADS_ENV  # noqa: E402
 
 TOTAL = "Method::execute"
@@ -61,7 +62,7 @@ def trace_decode(folder: Path, prompt_tokens: int, new_tokens: int, threads: int
         )
     # The prefill call's token and one per decode call; refused before anything loads.
     check_fits(prompt_tokens, new_tokens + 1, manifest["max_cache_len"])
-    _set_torch_threads(threads)
+    set_torch_threads(threads)
     os.environ[THREADS_ENV] = str(threads)  # the runner sizes ExecuTorch's threadpool from it
     program = executorch_program.load(folder, manifest, "cpu", trace_events=True)
     _, ids = exact_prompt(ArtifactTokenizer(folder), prompt_tokens)

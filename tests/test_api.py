@@ -128,3 +128,30 @@ def test_kvexport_check_stays_the_function_once_the_checker_is_imported():
     import kvexport.checker.check  # noqa: F401
 
     assert kvexport.check is kvexport.api.check
+
+
+def test_the_export_options_are_the_same_in_the_cli_the_api_the_pipeline_and_the_matrix():
+    """An export option is declared in four places (issue 56): adding it to one and not another fails here."""
+    import dataclasses
+    import inspect
+
+    import typer.main
+
+    from kvexport.api import _export_argv
+    from kvexport.cli import app
+    from kvexport.exporter.pipeline import ExportOptions
+    from kvexport.matrix.spec import ROW_KEYS
+
+    command = typer.main.get_command(app).commands["export"]
+    cli = {p.name: p for p in command.params}
+    pipeline = {f.name for f in dataclasses.fields(ExportOptions)}
+    api = set(inspect.signature(kvexport.export).parameters) - {"output"} | {"out"}
+    assert set(cli) - {"as_json", "profile"} == pipeline | {"quiet"} == api, "CLI, API and ExportOptions differ"
+    # The API runs the CLI in a child process: each keyword becomes a flag the CLI knows.
+    flags = {flag for p in command.params for flag in p.opts}
+    options = {name: "x" for name in api - {"model", "target", "out"}}
+    argv = _export_argv("m", "onnx", None, options)
+    assert {a for a in argv if a.startswith("--") and a != "--"} <= flags
+    # A matrix row sets what shapes the artifact; where it comes from and how it is written are the row's.
+    not_in_rows = {"out", "force", "revision", "offline", "gguf_file", "max_draft_tokens"}
+    assert pipeline - not_in_rows <= set(ROW_KEYS)

@@ -55,6 +55,20 @@ def test_help_shows_the_defaults_options_describe(capsys):
     assert "[default: min(max_cache_len, 512); 64 with gated-delta linear attention]" in text and "[default: MODEL-TARGET]" in text
 
 
+
+def test_every_option_and_argument_of_every_command_has_help_text():
+    import typer.main
+
+    from kvexport.cli import app
+
+    group = typer.main.get_command(app)
+    for name, command in group.commands.items():
+        if command.context_settings.get("ignore_unknown_options"):
+            continue  # run: its options are argparse's, declared with their help in runtime/options.py
+        for param in command.params:
+            assert getattr(param, "help", None), f"kvexport {name}: {param.name} has no help text"
+
+
 def test_model_shorthand_is_export(tmp_path, capsys):
     out_dir = tmp_path / "llama"
     code, out, err = run_cli(capsys, "tiny-llama", "--target", "onnx", "-o", out_dir, "--max-cache-len", "32", "--json")
@@ -389,7 +403,7 @@ UNWRITABLE_OUTPUTS = {
 def test_an_output_that_cannot_be_written_is_refused_before_any_work(tmp_path, capsys, monkeypatch, case):
     from kvexport.bench import bench
     from kvexport.exporter import memory_plan, pipeline
-    from kvexport.matrix import command
+    from kvexport.cli import matrix as command
 
     make_args, phrases = UNWRITABLE_OUTPUTS[case]
     (tmp_path / "m.toml").write_text(ONE_ROW_MATRIX)

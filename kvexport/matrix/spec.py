@@ -49,14 +49,12 @@ from pathlib import Path
 import tomllib
 
 from ..errors import InvalidOptionError, KvexportError
+from ..exporter.quantization import OPTIONS as QUANTIZATION
 
 AXES = ("target", "dtype", "max_cache_len", "model")  # expansion order: the last varies fastest
 _OPTIONS = {"timeout_s": 1800, "check_new_tokens": None, "run_new_tokens": 32, "prefill_chunk": None}
 _DEFAULTS = {"target": "executorch", "dtype": "float32", "max_cache_len": None}
-# One value per [[row]] (TOML has no null for "float"); exporter.quantization.OPTIONS, which
-# this light module does not import (it would load torch for a matrix file's first check).
-QUANTIZATION = ("quantize", "quantize_embedding", "quantize_lm_head", "quantize_grid")
-SCHEMES = (*QUANTIZATION, "kv_cache")  # a row's one value each, None where export's default
+SCHEMES = (*QUANTIZATION, "kv_cache")  # a row's one value each (TOML has no null), None where export's default
 # Where a row runs: its device, and what it asks of a Ray cluster (``cluster.py``).
 _PLACEMENT = {"device": "cpu", "cpus": 1, "memory_gb": None, "resources": None}
 ROW_KEYS = (*AXES, *SCHEMES, *_OPTIONS, *_PLACEMENT, "check")

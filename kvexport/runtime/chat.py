@@ -19,14 +19,10 @@ numpy and tokenizers only (no torch), like the rest of the runtime.
 
 from __future__ import annotations
 
-import json
-import signal
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 
-from ..errors import ArtifactError, InvalidOptionError, KvexportError, PromptTooLongError
+from ..errors import ArtifactError, InvalidOptionError, PromptTooLongError
 from .generation import Sampling, generate
 from .speculation import check_drafter, common_prefix_length, generate_with_draft
 from .tokenizer import ArtifactTokenizer, check_utf8
@@ -245,125 +241,3 @@ class Conversation:
             notices=notices,
             speculation=result.speculation.summary() if self.drafter is not None else None,
         )
-
-
-class _StopOnCtrlC:
-    """While a reply runs, Ctrl-C (SIGINT) asks it to stop instead of ending the program. A flag
-    checked between tokens, not an exception: a program call is never cut in the middle."""
-
-    def __init__(self):
-        self.requested = False
-        self._previous = None
-
-    def __call__(self) -> bool:
-        return self.requested
-
-    def _handle(self, signum, frame):
-        self.requested = True
-
-    def __enter__(self):
-        try:
-            previous = signal.getsignal(signal.SIGINT)
-            if previous is not signal.SIG_IGN:  # not where a shell set it to be ignored
-                signal.signal(signal.SIGINT, self._handle)
-                self._previous = previous
-        except ValueError:  # not the main thread: signals stay as they are
-            pass
-        return self
-
-    def __exit__(self, *exc):
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
-        return False
-
-
-def _read_line(stdin, interactive: bool) -> str | None:
-    """The next user line; None at the end (Ctrl-D, or the end of the piped input)."""
-    if not interactive:
-        line = stdin.readline()
-        return None if line == "" else line.rstrip("\r\n")
-    previous = signal.getsignal(signal.SIGINT)
-    while True:
-        try:
-            if previous is not signal.SIG_IGN:
-                signal.signal(signal.SIGINT, signal.default_int_handler)
-            return input("> ")
-        except EOFError:
-            print(file=sys.stderr)
-            return None
-        except KeyboardInterrupt:  # Ctrl-C at the prompt drops the line, as a shell does
-            print(file=sys.stderr)
-        finally:
-            signal.signal(signal.SIGINT, previous)
-
-
-def chat_command(artifact: Path, system: str | None, max_new_tokens: int | None, temperature: float, top_p: float,
-                 seed: int | None, device: str, as_json: bool, runner: str = "kvexport", draft: str | None = None,
-                 draft_tokens: int | None = None) -> bool:
-    """``kvexport chat``: one user turn per line of stdin. True if every turn got its reply."""
-    import contextlib
-
-    from ..artifact.archive import open_artifact
-    from .programs import load_program
-    from .speculation import load_drafter
-
-    sampling = Sampling(temperature, top_p, seed)
-    if max_new_tokens is not None and max_new_tokens < 1:
-        raise InvalidOptionError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
-    if draft is not None and (temperature or runner != "kvexport"):
-        raise InvalidOptionError("--draft decodes greedily with kvexport's runner: leave out --temperature and --runner")
-    stdin = sys.stdin
-    if hasattr(stdin, "reconfigure"):  # bytes that are not UTF-8 reach the turn, which refuses it in one line
-        stdin.reconfigure(errors="surrogateescape")
-    interactive = stdin.isatty()
-    with contextlib.ExitStack() as stack:
-        folder, manifest = stack.enter_context(open_artifact(artifact))
-        tokenizer = ArtifactTokenizer(folder)
-        require_chat_template(tokenizer)  # before the program loads
-        drafter = load_drafter(draft, stack, device) if draft is not None else None
-        conversation = Conversation(load_program(folder, manifest, device, runner), tokenizer, manifest, system, sampling,
-                                    max_new_tokens, drafter, draft_tokens)
-        if interactive:
-            import readline  # noqa: F401  line editing and history for input()
-
-            print(f"[chatting with {artifact} ({manifest['max_cache_len']} positions): /reset starts over, "
-                  "/exit or Ctrl-D ends, Ctrl-C stops a reply]", file=sys.stderr)
-        ok = True
-        while (line := _read_line(stdin, interactive)) is not None:
-            text = line.strip()
-            if not text:
-                continue
-            if text == "/exit":
-                break
-            if text == "/reset":
-                conversation.reset()
-                if interactive:
-                    print("[a new conversation]", file=sys.stderr)
-                continue
-            out, told = sys.stdout, []
-
-            def notify(notice: str) -> None:
-                told.append(notice)
-                print(f"kvexport: {notice}", file=sys.stderr, flush=True)
-
-            def write(piece: str) -> None:
-                out.write(piece)
-                out.flush()
-
-            try:
-                with _StopOnCtrlC() as stop:
-                    turn = conversation.say(text, on_text=None if as_json else write, stop=stop, on_notice=notify)
-            except KvexportError as e:  # this turn only: the conversation goes on
-                print(f"kvexport: error: {e}", file=sys.stderr, flush=True)
-                ok = False
-                continue
-            if as_json:
-                print(json.dumps(turn.summary()), flush=True)
-            else:
-                print(flush=True)
-                if turn.stopped_by == "caller":
-                    print("[stopped]", file=sys.stderr, flush=True)
-            for notice in turn.notices:
-                if notice not in told:
-                    notify(notice)
-    return ok

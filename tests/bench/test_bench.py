@@ -8,11 +8,21 @@ from pathlib import Path
 
 import pytest
 
-from kvexport.bench import bench as bench_module
+from kvexport.bench import machine_load
+from kvexport.bench.bench import BenchOptions, exact_prompt, prompt_lengths, run_bench
+from kvexport.bench.report import busy_lines
+from kvexport.bench.summary import ratios
+from kvexport.cli import main
+
+
+def bench_cli(capsys, *args) -> tuple[int, str]:
+    """``kvexport bench ARGS``: its exit code and what it printed on stdout."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", *map(str, args)])
+    return exit_info.value.code, capsys.readouterr().out
 
 
 def test_bench_measures_every_path(artifact, tmp_path, capsys):
-    bench = bench_module
     pte, onnx = artifact("tiny-gemma3", "executorch"), artifact("tiny-gemma3", "onnx")
     # Another exporter's program stands in as a bare .pte with its .ptd beside it (no kvexport.json).
     other = tmp_path / "other"
@@ -23,12 +33,11 @@ def test_bench_measures_every_path(artifact, tmp_path, capsys):
     other_genai = tmp_path / "other-genai"
     shutil.copytree(onnx, other_genai, ignore=shutil.ignore_patterns("kvexport.json*"))
     out = tmp_path / "bench.json"
-    code = bench.main(["tiny-gemma3", str(pte), str(onnx), "--prompt-tokens", "8", "--new-tokens", "6",
-                       "--repeats", "1", "--threads", "1", "--json", str(out), "--markdown", str(tmp_path / "b.md"),
-                       "--pte", str(other / "model.pte"), "--genai-folder", str(other_genai)])
+    code, table = bench_cli(capsys, "tiny-gemma3", pte, onnx, "--prompt-tokens", "8", "--new-tokens", "6",
+                            "--repeats", "1", "--threads", "1", "--json", out, "--markdown", tmp_path / "b.md",
+                            "--pte", other / "model.pte", "--genai-folder", other_genai)
     assert code == 0
     report = json.loads(out.read_text())
-    table = capsys.readouterr().out
     assert table.strip() == (tmp_path / "b.md").read_text().strip() and "| path |" in table
 
     (context,) = report["contexts"]
@@ -72,13 +81,12 @@ def test_bench_measures_every_path(artifact, tmp_path, capsys):
 def test_bench_prompt_has_exactly_the_requested_tokens(artifact):
     from kvexport.runtime.tokenizer import ArtifactTokenizer
 
-    bench = bench_module
     tokenizer = ArtifactTokenizer(artifact("tiny-gemma3", "executorch"))
     for n in (2, 7, 40):
-        text, ids = bench.exact_prompt(tokenizer, n)
+        text, ids = exact_prompt(tokenizer, n)
         assert len(ids) == n and tokenizer.encode(text) == ids
     # One token: the BOS the tokenizer adds to any prompt (issue 58, class 9: was bench's own message).
-    assert bench.exact_prompt(tokenizer, 1) == ("", tokenizer.encode(""))
+    assert exact_prompt(tokenizer, 1) == ("", tokenizer.encode(""))
 
 
 def test_bench_refuses_fewer_prompt_tokens_than_the_tokenizer_adds_in_one_line():
@@ -89,67 +97,57 @@ def test_bench_refuses_fewer_prompt_tokens_than_the_tokenizer_adds_in_one_line()
             return [0, *map(ord, text), 1]
 
     with pytest.raises(InvalidOptionError, match="--prompt-tokens 1: this tokenizer adds 2 special tokens to every prompt"):
-        bench_module.exact_prompt(TwoSpecials(), 1)
+        exact_prompt(TwoSpecials(), 1)
 
 
 def test_bench_refuses_a_prompt_that_does_not_fit(artifact):
     from kvexport.errors import PromptTooLongError
 
-    bench = bench_module
     with pytest.raises(PromptTooLongError):
-        bench.main(["tiny-gemma3", str(artifact("tiny-gemma3", "onnx")), "--prompt-tokens", "60", "--new-tokens", "10"])
+        run_bench(BenchOptions("tiny-gemma3", [artifact("tiny-gemma3", "onnx")], [60], new_tokens=10))
 
 
 def test_ratios_divide_each_decode_median_by_eager_and_llama():
-    bench = bench_module
-
     def job(path, decode, artifact=None):
         return {"path": path, "label": f"{path} {artifact}", "artifact": artifact,
                 "summary": {"decode_tokens_per_s": {"median": decode} if decode else None}}
 
     jobs = [job("eager", 10.0), job("run", 60.0, "a"), job("textllm", 50.0, "a"), job("run", 30.0, "b"),
             job("llama", 40.0)]
-    r = bench.ratios(jobs)
+    r = ratios(jobs)
     assert r["decode_vs_eager"] == {"run a": 6.0, "textllm a": 5.0, "run b": 3.0, "llama None": 4.0}
     assert r["decode_vs_llama"] == {"eager None": 0.25, "run a": 1.5, "textllm a": 1.25, "run b": 0.75}
     assert r["run_vs_textllm"] == {"a": 1.2}
     assert r["run_vs_textllm_by_round"] == {}  # no rounds in these jobs: no paired ratio
     # llama.cpp not installed (skipped, no median): no ratio against it, the others stay.
     jobs[-1]["summary"]["decode_tokens_per_s"] = None
-    r = bench.ratios(jobs)
+    r = ratios(jobs)
     assert r["decode_vs_llama"] == {} and r["decode_vs_eager"]["run a"] == 6.0
 
 
-def bench_reading(monkeypatch, tmp_path, proc_file: str):
-    """bench.py with ``proc_file`` (e.g. ``/proc/cpuinfo``) redirected to a file the test writes."""
-    bench = bench_module
-    fake, real_path = tmp_path / Path(proc_file).name, bench.Path
-    monkeypatch.setattr(bench, "Path", lambda p: real_path(fake if p == proc_file else p))
-    return bench, fake
-
-
 def test_other_load_between_runs_is_measured_and_flagged(tmp_path, monkeypatch):
-    bench, stat = bench_reading(monkeypatch, tmp_path, "/proc/stat")
+    # machine_load reads /proc/stat from a file the test writes.
+    stat, real_path = tmp_path / "stat", machine_load.Path
+    monkeypatch.setattr(machine_load, "Path", lambda p: real_path(stat if p == "/proc/stat" else p))
     #                 user nice system idle iowait irq softirq steal
     stat.write_text("cpu  100 0 50 800 50 0 0 0 0 0\ncpu0 50 0 25 400 25 0 0 0 0 0\n")
-    assert bench.cpu_times() == (150, 1000)
+    assert machine_load.cpu_times() == (150, 1000)
 
     samples = iter(["cpu  100 0 50 800 50 0 0 0 0 0\n", "cpu  130 0 60 950 60 0 0 0 0 0\n"])
-    monkeypatch.setattr(bench.time, "sleep", lambda s: stat.write_text(next(samples)))
+    monkeypatch.setattr(machine_load.time, "sleep", lambda s: stat.write_text(next(samples)))
     stat.write_text(next(samples))
-    assert bench.background_busy() == pytest.approx(40 / 200)  # 40 of 200 jiffies busy, iowait idle
+    assert machine_load.background_busy() == pytest.approx(40 / 200)  # 40 of 200 jiffies busy, iowait idle
 
     idle = {"median": 0.01, "min": 0.0, "max": 0.03, "n": 5}
-    assert bench.busy_lines(idle) == ["", "CPUs busy between runs (other processes): median 1%, max 3%."]
-    shared = bench.busy_lines({**idle, "max": 0.2})[1]
+    assert busy_lines(idle) == ["", "CPUs busy between runs (other processes): median 1%, max 3%."]
+    shared = busy_lines({**idle, "max": 0.2})[1]
     assert "max 20%" in shared and "not idle" in shared
-    assert bench.busy_lines(None) == []  # no /proc/stat: nothing claimed
+    assert busy_lines(None) == []  # no /proc/stat: nothing claimed
 
 
 def test_run_against_textllm_is_also_paired_round_by_round():
     """A slow spell that catches kvexport run's rounds and not TextLLMRunner's moves the ratio of
     the medians; each round's own ratio (the two paths back to back) mostly does not."""
-    bench = bench_module
     run = [200.0, 200.0, 250.0, 250.0, 200.0]
     textllm = [200.0, 250.0, 260.0, 260.0, 260.0]
     jobs = [{"path": path, "label": path, "artifact": "a",
@@ -157,7 +155,7 @@ def test_run_against_textllm_is_also_paired_round_by_round():
              "summary": {"decode_tokens_per_s": {"median": sorted(values)[2]}}}
             for path, values in (("run", run), ("textllm", textllm))]
     jobs[0]["runs"][1] = {"error": "crashed"}  # a failed round pairs with nothing
-    r = bench.ratios(jobs)
+    r = ratios(jobs)
     assert r["run_vs_textllm"] == {"a": 200.0 / 260.0}
     # Rounds 1, 3, 4, 5: 1.0, 250/260, 250/260, 200/260; their median is 250/260.
     assert r["run_vs_textllm_by_round"] == {"a": pytest.approx(250 / 260)}
@@ -168,10 +166,10 @@ def test_bench_measures_each_prompt_length_and_its_traffic_limit(artifact, tmp_p
     decode by length beside the traffic limit, which the shortest length reaches by definition."""
     pte = artifact("tiny-gemma3", "executorch")
     out = tmp_path / "bench.json"
-    assert bench_module.main(["tiny-gemma3", str(pte), "--prompt-tokens", "20,4", "--new-tokens", "6", "--repeats", "1",
-                              "--threads", "1", "--paths", "eager,run", "--json", str(out)]) == 0
+    code, table = bench_cli(capsys, "tiny-gemma3", pte, "--prompt-tokens", "20,4", "--new-tokens", "6", "--repeats", "1",
+                            "--threads", "1", "--paths", "eager,run", "--json", out)
+    assert code == 0
     report = json.loads(out.read_text())
-    table = capsys.readouterr().out
     assert report["protocol"]["prompt_tokens"] == [4, 20]
     assert [c["prompt_tokens"] for c in report["contexts"]] == [4, 20]
     for context in report["contexts"]:
@@ -189,9 +187,9 @@ def test_bench_refuses_prompt_lengths_it_cannot_read_in_one_line():
     from kvexport.errors import InvalidOptionError
 
     with pytest.raises(InvalidOptionError, match="'128,x' is not a length or comma-separated lengths"):
-        bench_module.parse_args(["tiny-llama", "a", "--prompt-tokens", "128,x"])
+        prompt_lengths("128,x")
     with pytest.raises(InvalidOptionError, match="must be at least 1"):
-        bench_module.parse_args(["tiny-llama", "a", "--prompt-tokens", "0,128"])
+        BenchOptions("tiny-llama", [Path("a")], prompt_lengths("0,128"))
 
 
 def test_a_step_reads_the_weights_and_the_rows_each_layer_attends_to():

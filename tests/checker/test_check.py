@@ -184,7 +184,7 @@ class DivergingStandin(Float32Standin):
 
 @pytest.mark.parametrize("off_before, kind", [(0.0, "near-tie"), (2 * LOGIT_TOLERANCE["float32"], "mismatch")])
 def test_a_divergence_is_a_near_tie_only_where_the_logits_were_right_until_then(off_before, kind):
-    from kvexport.checker.check import _summary_line
+    from kvexport.cli.check import summary_line
     from kvexport.models.presets import build_preset
 
     model, tokenizer = build_preset("tiny-llama")
@@ -196,7 +196,7 @@ def test_a_divergence_is_a_near_tie_only_where_the_logits_were_right_until_then(
     assert report.max_logit_diff == pytest.approx(off_before, abs=1e-4)
     assert report.near_tie is (kind == "near-tie") and report.logits_ok is (kind == "near-tie")
     report.prompt = "The capital of France is"
-    assert f"({kind})" in _summary_line(report, tolerance)
+    assert f"({kind})" in summary_line(report, tolerance)
 
 
 # --baseline: an int8 KV cache beside the same export with a float one.

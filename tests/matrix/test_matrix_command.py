@@ -172,7 +172,7 @@ def _state(pid: int) -> str:
 
 def test_the_json_report_holds_each_row_as_it_ends(tmp_path, monkeypatch):
     """A run that dies after its first row (here, interrupted) has that row in its --json report."""
-    from kvexport.matrix import command
+    from kvexport.cli import matrix as command
 
     (tmp_path / "m.toml").write_text('[[row]]\nmodel = ["tiny-llama", "tiny-qwen3"]\n')
 
@@ -184,13 +184,13 @@ def test_the_json_report_holds_each_row_as_it_ends(tmp_path, monkeypatch):
 
     monkeypatch.setattr(command, "run_rows", first_row_then_interrupted)
     with pytest.raises(KeyboardInterrupt):
-        command.matrix_command([str(tmp_path / "m.toml")], None, None, tmp_path / "r.json", None, False)
+        command.run_or_merge([str(tmp_path / "m.toml")], None, None, tmp_path / "r.json", None, False)
     report = json.loads((tmp_path / "r.json").read_text())
     assert [r["model"] for r in report["rows"]] == ["tiny-llama"] and report["matrix_rows"] == 2
 
 
 def test_model_runs_only_that_model_s_rows_and_an_unknown_one_is_refused(tmp_path, monkeypatch, capsys):
-    from kvexport.matrix import command
+    from kvexport.cli import matrix as command
 
     (tmp_path / "m.toml").write_text('[[row]]\nmodel = ["tiny-llama", "tiny-qwen3"]\ntarget = ["executorch", "onnx"]\n')
     ran = []

@@ -15,10 +15,11 @@ import pytest
 from transformers import AutoTokenizer
 
 from kvexport.artifact.manifest import read_manifest, write_manifest
+from kvexport.cli.chat import StopOnCtrlC
 from kvexport.errors import PromptTooLongError
 from kvexport.models.chat_templates import GEMMA3
 from kvexport.models.presets import char_tokenizer
-from kvexport.runtime.chat import Conversation, _StopOnCtrlC
+from kvexport.runtime.chat import Conversation
 from kvexport.runtime.generation import generate
 from kvexport.runtime.programs import load_program, max_tokens_per_call
 from kvexport.runtime.tokenizer import ArtifactTokenizer
@@ -375,7 +376,7 @@ def test_streamed_text_is_the_decoded_reply_even_across_multibyte_characters(tmp
 @pytest.mark.usefixtures("sigint_raises_keyboard_interrupt")
 def test_ctrl_c_during_a_reply_only_asks_it_to_stop():
     previous = signal.getsignal(signal.SIGINT)
-    with _StopOnCtrlC() as stop:
+    with StopOnCtrlC() as stop:
         assert not stop()
         os.kill(os.getpid(), signal.SIGINT)
         assert stop()

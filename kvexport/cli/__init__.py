@@ -12,9 +12,11 @@ from typing import Annotated, Optional
 
 import typer
 
-from . import logs
-from .api import EXPORT_HASH_SEED
-from .errors import Interrupted, InvalidOptionError, KvexportError
+from .. import logs
+from ..api import EXPORT_HASH_SEED
+from ..errors import Interrupted, KvexportError
+from . import bench, chat, check, matrix
+from .options import JsonFlag, Target
 
 app = typer.Typer(
     add_completion=False,
@@ -27,11 +29,6 @@ app = typer.Typer(
     "Any command takes --verbose: third-party libraries' log lines and progress bars are then let through.",
 )
 
-Target = Annotated[str, typer.Option("--target", "-t", help="executorch or onnx")]
-JsonFlag = Annotated[bool, typer.Option("--json", help="print one JSON object on stdout")]
-DraftTokens = Annotated[
-    Optional[int], typer.Option(metavar="K", help="with --draft: tokens drafted per verification [default: the artifact's max_draft_tokens]")
-]
 
 
 @app.command()
@@ -88,8 +85,8 @@ def export(
     as_json: JsonFlag = False,
 ):
     """Export MODEL to an artifact folder (program, tokenizer, kvexport.json)."""
-    from .api import export_in_this_process  # main() gave this process kvexport's hash seed
-    from .profile import profiled
+    from ..api import export_in_this_process  # main() gave this process kvexport's hash seed
+    from ..profile import profiled
 
     with profiled(profile):
         result = export_in_this_process(
@@ -109,45 +106,12 @@ def export(
 )
 def run(ctx: typer.Context):
     """Generate with the artifact (folder or kvexport pack archive) and its tokenizer alone (no transformers model)."""
-    from .runtime.run import run_main
+    from ..runtime.run import run_main
 
     run_main(ctx.args, "kvexport run")
 
 
-GENAI_RUNNER_HELP = "what runs the artifact: kvexport's runner, or onnxruntime-genai (ONNX artifacts)"
-
-
-def _check_runner(runner: str) -> None:
-    if runner not in ("kvexport", "genai"):
-        raise InvalidOptionError(f"unknown --runner '{runner}'; choose kvexport or genai")
-
-
-@app.command()
-def chat(
-    artifact: Annotated[Path, typer.Argument(metavar="DIR|ARCHIVE", help="artifact folder, or archive from kvexport pack")],
-    system: Annotated[Optional[str], typer.Option("--system", metavar="TEXT", help="system prompt")] = None,
-    max_new_tokens: Annotated[
-        Optional[int],
-        typer.Option(metavar="N", help="most new tokens per reply [default: until the end of the turn or the cache is full]"),
-    ] = None,
-    temperature: Annotated[float, typer.Option(metavar="T", help="0 is greedy")] = 0.0,
-    top_p: Annotated[float, typer.Option("--top-p", metavar="P", help="nucleus sampling threshold")] = 1.0,
-    seed: Annotated[Optional[int], typer.Option(metavar="S", help="sampling seed")] = None,
-    device: Annotated[str, typer.Option(metavar="cpu|cuda", help="cpu or cuda (float16 ONNX artifacts)")] = "cpu",
-    runner: Annotated[str, typer.Option(metavar="kvexport|genai", help=GENAI_RUNNER_HELP)] = "kvexport",
-    draft: Annotated[
-        Optional[str], typer.Option(metavar="ngram|ARTIFACT", help="speculative decoding (greedy, the same replies): draft with prompt lookup (ngram) or another artifact of the same tokenizer; the artifact must be exported with --max-draft-tokens")
-    ] = None,
-    draft_tokens: DraftTokens = None,
-    as_json: Annotated[bool, typer.Option("--json", help="one JSON object per reply on stdout, no streamed text")] = False,
-):
-    """Chat with the artifact in its chat template, one user turn per line (/reset starts over, /exit ends);
-    the cache is kept across turns, so each turn feeds only its new tokens."""
-    from .runtime.chat import chat_command
-
-    _check_runner(runner)
-    ok = chat_command(artifact, system, max_new_tokens, temperature, top_p, seed, device, as_json, runner, draft, draft_tokens)
-    raise typer.Exit(0 if ok else 2)
+app.command("chat")(chat.chat_command)
 
 
 @app.command()
@@ -160,7 +124,7 @@ def pack(
     as_json: JsonFlag = False,
 ):
     """Write the artifact folder as one archive for a device; its files are verified first, and again where it runs."""
-    from .artifact.archive import pack as pack_folder
+    from ..artifact.archive import pack as pack_folder
 
     archive, sha256 = pack_folder(folder, out, force)
     if as_json:
@@ -169,77 +133,11 @@ def pack(
         print(f"{sha256}  {archive}")
 
 
-@app.command()
-def check(
-    folder: Annotated[Path, typer.Argument(help="artifact folder")],
-    prompt: Annotated[Optional[list[str]], typer.Option("--prompt", "-p", help="prompt (repeatable)")] = None,
-    max_new_tokens: Annotated[
-        Optional[int], typer.Option(help="new tokens per prompt [default: past the sliding window]")
-    ] = None,
-    device: Annotated[str, typer.Option(help="where eager transformers runs: cpu or cuda")] = "cpu",
-    model: Annotated[
-        Optional[str], typer.Option("--model", help="eager reference: any export MODEL, a hub id downloaded if not cached [default: the model the artifact came from; a hub model at its recorded commit]")
-    ] = None,
-    runner: Annotated[str, typer.Option(metavar="kvexport|genai", help=GENAI_RUNNER_HELP)] = "kvexport",
-    baseline: Annotated[
-        Optional[Path], typer.Option(help="int8 KV cache: the same export with --kv-cache float, fed the same tokens, to tell the cache's error from the weights'")
-    ] = None,
-    draft: Annotated[
-        Optional[str], typer.Option(metavar="ngram|ARTIFACT", help="generate speculatively, drafting with prompt lookup (ngram) or another artifact; the tokens must still be eager's (an artifact exported with --max-draft-tokens)")
-    ] = None,
-    draft_tokens: DraftTokens = None,
-    min_agreement: Annotated[
-        Optional[float], typer.Option(metavar="FRACTION", help="a quantized artifact: the top-1 agreement with float eager it must reach at every prompt, e.g. 0.8 for --quantize-grid symmetric [default: 0.95]")
-    ] = None,
-    as_json: JsonFlag = False,
-):
-    """Compare the artifact with eager transformers' greedy generation; exit 0 only if all match."""
-    from .checker.check import check_command
-
-    _check_runner(runner)
-    ok = check_command(folder, prompt, max_new_tokens, device, model, as_json, runner, baseline, draft, draft_tokens,
-                       min_agreement)
-    raise typer.Exit(0 if ok else 1)
+app.command("check")(check.check_command)
 
 
-@app.command()
-def matrix(
-    paths: Annotated[list[str], typer.Argument(metavar="MATRIX.toml | merge REPORT.json...", show_default=False)],
-    shard: Annotated[Optional[str], typer.Option(help="run shard I of N only (rows I-1, I-1+N, ...), e.g. 2/4")] = None,
-    report: Annotated[Optional[Path], typer.Option("--report", help="write the markdown report here")] = None,
-    json_report: Annotated[Optional[Path], typer.Option("--json", help="write the JSON report here (merge reads these)")] = None,
-    work_dir: Annotated[
-        Optional[str],
-        typer.Option(help="keep each row's log here (default: a temporary folder, removed); with --ray, a folder every "
-                          "node sees or an fsspec URL such as s3://bucket/runs"),
-    ] = None,
-    keep_artifacts: Annotated[bool, typer.Option("--keep-artifacts", help="keep each row's artifact folder")] = False,
-    model: Annotated[
-        Optional[list[str]], typer.Option("--model", help="run only this model's rows (repeat for several)")
-    ] = None,
-    ray: Annotated[
-        Optional[str],
-        typer.Option(metavar="ADDRESS", help="run the rows as tasks on a Ray cluster: local (one started for the run), "
-                                             "auto (the one this machine belongs to) or HOST:PORT; needs kvexport[ray]"),
-    ] = None,
-):
-    """Export and check each row of a matrix file in its own process, or merge shard reports; exit 0 only if all pass."""
-    from .matrix.command import matrix_command
-
-    ok = matrix_command(paths, shard, report, json_report, work_dir, keep_artifacts, ray, model)
-    raise typer.Exit(0 if ok else 1)
-
-
-# bench's options are declared in bench/bench.py (argparse: its worker processes run without typer).
-@app.command(
-    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
-    add_help_option=False,
-)
-def bench(ctx: typer.Context):
-    """Measure eager transformers, kvexport artifacts, ExecuTorch's own runner and llama.cpp in one run."""
-    from .bench.bench import main as bench_main
-
-    raise typer.Exit(bench_main(ctx.args))
+app.command("matrix")(matrix.matrix_command)
+app.command("bench")(bench.bench_command)
 
 
 def _interrupt(signum, frame):
@@ -307,6 +205,3 @@ def main(argv: list[str] | None = None) -> None:
             signal.signal(signum, handler)
     sys.exit(rc if isinstance(rc, int) else 0)
 
-
-if __name__ == "__main__":  # python -m kvexport.cli
-    main()

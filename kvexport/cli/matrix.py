@@ -1,4 +1,6 @@
-"""``kvexport matrix MATRIX.toml [--shard I/N] [--ray ADDRESS]`` and ``kvexport matrix merge REPORT.json ...``."""
+"""``kvexport matrix MATRIX.toml [--shard I/N] [--ray ADDRESS]`` and ``kvexport matrix merge REPORT.json ...``:
+the options, a line per row as it starts and ends, the reports written. The rows run in
+``kvexport.matrix``."""
 
 from __future__ import annotations
 
@@ -6,18 +8,50 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
 
 from ..errors import InvalidOptionError
+from ..matrix import report as reports
+from ..matrix.cluster import run_rows_on_ray
+from ..matrix.runner import run_rows
+from ..matrix.spec import load_matrix, parse_shard, shard_rows
 from ..outputs import check_writable, write_text
-from . import report as reports
-from .cluster import run_rows_on_ray
-from .runner import run_rows
-from .spec import load_matrix, parse_shard, shard_rows
 
 MERGE = "merge"
 
 
 def matrix_command(
+    paths: Annotated[
+        list[str],
+        typer.Argument(metavar="MATRIX.toml | merge REPORT.json...", show_default=False,
+                       help="a matrix file to run, or merge and the JSON reports of its shards"),
+    ],
+    shard: Annotated[Optional[str], typer.Option(help="run shard I of N only (rows I-1, I-1+N, ...), e.g. 2/4")] = None,
+    report: Annotated[Optional[Path], typer.Option("--report", help="write the markdown report here")] = None,
+    json_report: Annotated[Optional[Path], typer.Option("--json", help="write the JSON report here (merge reads these)")] = None,
+    work_dir: Annotated[
+        Optional[str],
+        typer.Option(help="keep each row's log here (default: a temporary folder, removed); with --ray, a folder every "
+                          "node sees or an fsspec URL such as s3://bucket/runs"),
+    ] = None,
+    keep_artifacts: Annotated[bool, typer.Option("--keep-artifacts", help="keep each row's artifact folder")] = False,
+    model: Annotated[
+        Optional[list[str]], typer.Option("--model", help="run only this model's rows (repeat for several)")
+    ] = None,
+    ray: Annotated[
+        Optional[str],
+        typer.Option(metavar="ADDRESS", help="run the rows as tasks on a Ray cluster: local (one started for the run), "
+                                             "auto (the one this machine belongs to) or HOST:PORT; needs kvexport[ray]"),
+    ] = None,
+):
+    """Export and check each row of a matrix file in its own process, or merge shard reports; exit 0 only if all pass."""
+    ok = run_or_merge(paths, shard, report, json_report, work_dir, keep_artifacts, ray, model)
+    raise typer.Exit(0 if ok else 1)
+
+
+def run_or_merge(
     paths: list[str],
     shard: str | None,
     markdown: Path | None,
@@ -56,7 +90,7 @@ def _run(path: Path, shard, markdown, json_path, work_dir, keep_artifacts, ray, 
     if url and not ray:
         raise InvalidOptionError(f"--work-dir {work_dir}: a URL is for --ray runs; a local run takes a folder")
     if ray:
-        from .cluster import import_ray
+        from ..matrix.cluster import import_ray
 
         import_ray()  # refused in one line before any row, where Ray is not installed
     if work_dir is not None and not url:

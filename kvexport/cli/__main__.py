@@ -1,0 +1,5 @@
+"""``python -m kvexport.cli``: the ``kvexport`` command."""
+
+from . import main
+
+main()
