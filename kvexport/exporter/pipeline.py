@@ -138,11 +138,12 @@ class ExportPlan:
     def defers_weights(self) -> bool:
         """Whether the model loads with its large weights left in the checkpoint
         (``models/deferred_weights``): where the target writes each weight on its own, or quantizes
-        each before export, and nothing runs the model before that (int8 KV's calibration and the
-        float16 probe do)."""
+        each before export, and nothing runs the model before that (a calibrated int8 KV cache and
+        the float16 probe do)."""
         o = self.options
-        deferrable = o.dtype == "float32" and o.kv_cache == "float" and self.source.kind != "preset"
         target = get_target(o.target)
+        runs_before = o.kv_cache != "float" and target.CALIBRATES_KV_CACHE
+        deferrable = o.dtype == "float32" and not runs_before and self.source.kind != "preset"
         return deferrable and (target.DEFERS_WEIGHTS or (target.QUANTIZES_MODULE and bool(o.quantization)))
 
     def slots(self, spec) -> int:

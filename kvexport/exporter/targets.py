@@ -46,6 +46,9 @@ class Target(Protocol):
     # Whether the model may load with its large weights left in the checkpoint for ``lower`` to read
     # (its ``deferred``); a target that QUANTIZES_MODULE reads them in ``quantize_model`` either way.
     DEFERS_WEIGHTS: bool
+    # Whether --kv-cache int8 runs the model before export (fixed scales measured on a text), which
+    # needs its weights loaded.
+    CALIBRATES_KV_CACHE: bool
     MIN_MAX_CACHE_LEN: int  # the shortest cache it exports exactly
     RING_SPARE_SLOTS: bool  # whether its rings keep --max-draft-tokens spare slots for a call inside a verification
     CALL_BOUNDS_REFUSED: tuple[int, ...]  # --prefill-chunk values it cannot export as one program

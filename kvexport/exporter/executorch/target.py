@@ -34,6 +34,8 @@ QUANTIZES_MODULE = True
 # ExecuTorch's lowering reads the weights (XNNPACK packs them): they are all in the model by then
 # (a quantized model's read from the checkpoint one at a time by quantize_model).
 DEFERS_WEIGHTS = False
+# --kv-cache int8 quantizes each row as it is written: nothing runs the model at export.
+CALIBRATES_KV_CACHE = False
 # --kv-cache int8: each row has a float32 scale and an int8 zero point.
 INT8_KV_ROW_EXTRA_BYTES = 4 + 1
 # A cache of one position is a decode-only program (T static at 1).

@@ -46,6 +46,8 @@ QUANTIZES_MODULE = False
 # Each weight is written on its own (external data): a model may load with its large weights left in
 # the checkpoint, each read as it is written (lower's ``deferred``).
 DEFERS_WEIGHTS = True
+# --kv-cache int8's scales are fixed at export, measured by running the model on a text.
+CALIBRATES_KV_CACHE = True
 # --kv-cache int8: rows are int8 values only; the scales are fixed, one per KV head and channel.
 INT8_KV_ROW_EXTRA_BYTES = 0
 GENAI_CONFIG = "genai_config.json"

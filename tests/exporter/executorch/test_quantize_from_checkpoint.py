@@ -16,10 +16,13 @@ def _sha256(folder) -> dict:
     return {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(folder.iterdir()) if f.suffix in (".pte", ".ptd")}
 
 
-@pytest.mark.parametrize(("name", "embedding", "lm_head"), [("tiny-llama", "int8", None), ("tiny-gemma3", None, "int4")])
-def test_weights_read_as_quantized_give_the_loaded_model_s_bytes(tmp_path, monkeypatch, name, embedding, lm_head):
+@pytest.mark.parametrize(("name", "embedding", "lm_head", "kv_cache"),
+                         [("tiny-llama", "int8", None, "float"), ("tiny-gemma3", None, "int4", "float"),
+                          ("tiny-qwen3", "int8", None, "int8")])
+def test_weights_read_as_quantized_give_the_loaded_model_s_bytes(tmp_path, monkeypatch, name, embedding, lm_head, kv_cache):
     """Tied embeddings (Llama: its table int8, its lm_head int8 by default), a ring and an int4
-    lm_head with the table left in float (Gemma 3), from a bfloat16 checkpoint."""
+    lm_head with the table left in float (Gemma 3), an int8 KV cache (Qwen 3), from a bfloat16
+    checkpoint."""
     model, tokenizer = presets.build_preset(name)
     model.to(torch.bfloat16).save_pretrained(tmp_path / "model")
     tokenizer.save_pretrained(tmp_path / "model")
@@ -32,7 +35,8 @@ def test_weights_read_as_quantized_give_the_loaded_model_s_bytes(tmp_path, monke
         monkeypatch.setattr(pipeline.ExportPlan, "defers_weights", property(lambda plan, deferred=deferred: deferred))
         out = tmp_path / f"deferred-{deferred}"
         options = pipeline.ExportOptions(str(tmp_path / "model"), target="executorch", out=out, max_cache_len=32,
-                                         quantize="8da4w", quantize_embedding=embedding, quantize_lm_head=lm_head)
+                                         quantize="8da4w", quantize_embedding=embedding, quantize_lm_head=lm_head,
+                                         kv_cache=kv_cache)
         pipeline.export_model(options)
         files[deferred] = _sha256(out)
     large = [f"{n}.weight" for n, m in model.named_modules() if isinstance(m, (torch.nn.Linear, torch.nn.Embedding))]
@@ -42,8 +46,10 @@ def test_weights_read_as_quantized_give_the_loaded_model_s_bytes(tmp_path, monke
     assert files[True] == files[False] and "model.pte" in files[True]
 
 
-def test_a_plan_from_a_checkpoint_reads_the_weights_as_it_quantizes(tmp_path):
-    """8da4w from a checkpoint plans for one byte a quantized weight, not the bfloat16 model."""
+@pytest.mark.parametrize("kv_cache", ["float", "int8"])
+def test_a_plan_from_a_checkpoint_reads_the_weights_as_it_quantizes(tmp_path, kv_cache):
+    """8da4w from a checkpoint plans for one byte a quantized weight, not the bfloat16 model (an
+    int8 KV cache too: ExecuTorch's runs nothing at export)."""
     from kvexport.exporter import memory_plan
 
     model, tokenizer = presets.build_preset("tiny-llama")
@@ -52,7 +58,7 @@ def test_a_plan_from_a_checkpoint_reads_the_weights_as_it_quantizes(tmp_path):
 
     def planned(source: str) -> int:
         plan = pipeline.plan_export(pipeline.ExportOptions(source, target="executorch", out=tmp_path / "out",
-                                                           max_cache_len=32, quantize="8da4w"))
+                                                           max_cache_len=32, quantize="8da4w", kv_cache=kv_cache))
         return plan.defers_weights, memory_plan.footprint(plan, memory_plan.count_parameters(plan.config)).peak_bytes
 
     from_checkpoint, from_preset = planned(str(tmp_path / "model")), planned("tiny-llama")

@@ -68,3 +68,18 @@ def test_a_transpose_folds_lazily_with_its_permutation(tmp_path):
     folded = graph.initializers["out"].const_value
     assert isinstance(folded, ir.LazyTensor) and folded.raw.perm == (2, 1, 0)
     assert np.array_equal(folded.numpy(), np.transpose(np.transpose(stored.numpy(), (2, 0, 1)), (0, 2, 1)))
+
+
+def test_an_int8_cache_calibrated_at_export_loads_the_model_whole(tmp_path):
+    """ONNX's int8 KV cache runs the model at export to fix its scales, so every weight loads first;
+    ExecuTorch's runs nothing then, so its 8da4w export still reads each weight as it quantizes it."""
+    model, tokenizer = presets.build_preset("tiny-llama")
+    model.to(torch.bfloat16).save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+
+    def defers(target_name: str, kv_cache: str, **options) -> bool:
+        return pipeline.plan_export(pipeline.ExportOptions(str(tmp_path / "model"), target_name, tmp_path / "out",
+                                                           max_cache_len=32, kv_cache=kv_cache, **options)).defers_weights
+
+    assert defers("onnx", "float") and not defers("onnx", "int8")
+    assert defers("executorch", "int8", quantize="8da4w") and not defers("executorch", "int8")
