@@ -103,6 +103,8 @@ class CheckReport:
     mode: str = "exact"
     min_agreement: float = 1.0
     runner: str = "kvexport"  # what ran the artifact: kvexport's runner, or onnxruntime-genai ("genai")
+    # Eager ran first and was let go before the artifact loaded: the machine could not hold both.
+    one_at_a_time: bool = False
 
     @property
     def passed(self) -> bool:
@@ -185,6 +187,21 @@ def load_reference(manifest: dict, model_name: str | None, device: str, dtype: s
     return model.to(device)
 
 
+def holds_both(folder: Path, manifest: dict, model_name: str | None) -> bool:
+    """Whether this machine holds the eager model (its parameters in the artifact's dtype) and the
+    artifact's files beside the libraries at once (``memory_plan``'s estimate of them)."""
+    from ..exporter.memory_plan import BASE_BYTES, count_parameters, total_memory_bytes
+    from ..models import sources
+
+    memory = total_memory_bytes()
+    if memory is None:
+        return True
+    source = sources.resolve(model_name) if model_name else sources.resolve_recorded(manifest["source"])
+    eager = count_parameters(sources.load_config(source)).total * sources.DTYPES[manifest["dtype"]]
+    artifact = sum(entry["bytes"] for entry in manifest["files"].values())
+    return BASE_BYTES[manifest["target"]] + eager + artifact <= memory
+
+
 class Float32Logits:
     """Float32 eager's last logits for a token sequence, the model loaded on first use: the yardstick
     for a half-precision artifact's doubtful steps (no cache: there are few such steps)."""
@@ -219,7 +236,8 @@ def check_prompt(
     float32_logits=None,
     baseline=None,
 ) -> PromptReport:
-    """Step the artifact beside eager ``generate``.
+    """Step the artifact beside eager ``generate`` (``model``, or its ``RecordedGeneration`` of this
+    prompt, of ``max_new_tokens`` with the same ``suppress``).
 
     Free-running (the default), the artifact feeds back its own choices and the comparison stops at
     the first divergence. With ``teacher_forcing`` (quantized artifacts, which are not expected to
@@ -230,7 +248,7 @@ def check_prompt(
     float32 eager (see the comment at ``LOGIT_TOLERANCE``). ``baseline`` (teacher-forced only), a
     program fed the same tokens, is compared with eager and with the artifact as well.
     """
-    from .eager import greedy_generate
+    from .eager import RecordedGeneration, greedy_generate
 
     check_fits(len(prompt_ids), max_new_tokens, program.manifest["max_cache_len"])
     report = PromptReport(prompt="", prompt_tokens=len(prompt_ids), new_tokens=max_new_tokens,
@@ -293,8 +311,11 @@ def check_prompt(
             report.logits_ok = report.logits_ok and within
 
     stop = (lambda: report.eager_not_finite_at is not None) if teacher_forcing else (lambda: not report.match)
-    report.eager_ids = greedy_generate(model, prompt_ids, max_new_tokens, on_eager_logits, stop=stop,
-                                       suppress=report.suppressed_tokens)
+    if isinstance(model, RecordedGeneration):  # eager ran before the artifact loaded
+        report.eager_ids = model.replay(on_eager_logits, stop)
+    else:
+        report.eager_ids = greedy_generate(model, prompt_ids, max_new_tokens, on_eager_logits, stop=stop,
+                                           suppress=report.suppressed_tokens)
     report.top1_agreement = report.agreed_steps / max(report.compared_steps, 1)
     if baseline is not None:
         report.baseline_top1_agreement = baseline_agreed / max(report.compared_steps, 1)
@@ -366,9 +387,12 @@ def run_check(
     ``draft_tokens`` at a time (default: its max_draft_tokens), and its tokens must still be eager's.
     ``min_agreement`` (``--min-agreement``): a quantized artifact's bar [default: MIN_QUANTIZED_AGREEMENT]."""
     import contextlib
+    import gc
 
+    from ..allocator import return_freed_memory
     from ..artifact.manifest import read_manifest
     from ..runtime.speculation import check_drafter, load_drafter
+    from .eager import record_greedy
 
     manifest = read_manifest(folder)
     if draft is not None and (approximate(manifest) or runner != "kvexport" or baseline is not None):
@@ -382,24 +406,35 @@ def run_check(
     encoded = [(text, tokenizer.encode(text), n) for text, n in prompts]
     for _, ids, n in encoded:  # refuse before loading anything heavy
         check_fits(len(ids), n, manifest["max_cache_len"])
-    # ExecuTorch runs on the CPU whatever --device says; --device places the eager reference (and ONNX).
-    program = load_program(folder, manifest, device if manifest["target"] == "onnx" else "cpu", runner)
-    model = load_reference(manifest, model_name, device)
-    base = None if baseline is None else load_program(baseline, None, device if manifest["target"] == "onnx" else "cpu", runner)
     tolerance = logit_tolerance(manifest)
     half = manifest["dtype"] != "float32" and not quantized
+    suppress = manifest.get("eos_token_ids") if quantized else None
+    # A half-precision artifact's doubtful steps need the float32 model beside it: never one at a time.
+    one_at_a_time = not half and device == "cpu" and not holds_both(folder, manifest, model_name)
+    if one_at_a_time:  # eager's generations kept, the model let go, then the artifact loads
+        model = load_reference(manifest, model_name, device)
+        references = [record_greedy(model, ids, n, suppress or ()) for _, ids, n in encoded]
+        del model
+        gc.collect()
+        return_freed_memory()
+    # ExecuTorch runs on the CPU whatever --device says; --device places the eager reference (and ONNX).
+    program = load_program(folder, manifest, device if manifest["target"] == "onnx" else "cpu", runner)
+    if not one_at_a_time:
+        model = load_reference(manifest, model_name, device)
+        references = [model] * len(encoded)
+    base = None if baseline is None else load_program(baseline, None, device if manifest["target"] == "onnx" else "cpu", runner)
     float32_logits = Float32Logits(lambda: load_reference(manifest, model_name, device, "float32")) if half else None
     reports = []
     with contextlib.ExitStack() as stack:
         drafter = load_drafter(draft, stack, device if manifest["target"] == "onnx" else "cpu") if draft else None
         k = check_drafter(program, drafter, draft_tokens) if drafter is not None else None
-        for text, ids, n in encoded:
+        for (text, ids, n), reference in zip(encoded, references):
             steps = program if drafter is None else SpeculativeSteps(program, drafter, k, ids, n)
             if half:
-                report = check_half_precision_prompt(steps, model, float32_logits, ids, n, tolerance)
+                report = check_half_precision_prompt(steps, reference, float32_logits, ids, n, tolerance)
             else:
-                report = check_prompt(steps, model, ids, n, tolerance, teacher_forcing=quantized,
-                                      suppress=manifest.get("eos_token_ids") if quantized else None, baseline=base)
+                report = check_prompt(steps, reference, ids, n, tolerance, teacher_forcing=quantized, suppress=suppress,
+                                      baseline=base)
             report.prompt = text
             report.speculation = getattr(steps, "speculation", None)
             reports.append(report)
@@ -407,7 +442,7 @@ def run_check(
                 on_prompt(report)
     mode, min_agreement = ("agreement", min_agreement) if quantized else ("exact", 1.0)
     return CheckReport(str(folder), manifest["target"], manifest["dtype"], device, tolerance, reports, mode, min_agreement,
-                       runner)
+                       runner, one_at_a_time)
 
 
 def check_min_agreement(manifest: dict, min_agreement: float | None) -> float:

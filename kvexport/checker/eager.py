@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -73,3 +74,27 @@ def greedy_generate(
     finally:
         model.generation_config = saved
     return out[0, len(prompt_ids):].tolist()
+
+
+@dataclass
+class RecordedGeneration:
+    """Eager's greedy generation of one prompt kept whole, its tokens and each step's logits, so
+    that the model can be let go before the artifact loads."""
+
+    new_ids: list[int]
+    logits: list[np.ndarray]
+
+    def replay(self, on_logits: Callable[[int, np.ndarray], None], stop: Callable[[], bool] | None = None) -> list[int]:
+        """What ``greedy_generate`` with ``on_logits`` and ``stop`` gave and did, from the record."""
+        for step, logits in enumerate(self.logits):
+            on_logits(step, logits)
+            if stop is not None and stop():
+                return self.new_ids[: step + 1]
+        return self.new_ids
+
+
+def record_greedy(model, prompt_ids: list[int], max_new_tokens: int, suppress: Sequence[int] = ()) -> RecordedGeneration:
+    """``greedy_generate``'s tokens and every step's logits, kept."""
+    logits: list[np.ndarray] = []
+    new_ids = greedy_generate(model, prompt_ids, max_new_tokens, lambda step, x: logits.append(x.copy()), suppress=suppress)
+    return RecordedGeneration(new_ids, logits)

@@ -235,3 +235,36 @@ def test_a_baseline_that_is_not_the_same_export_with_a_float_cache_is_refused(ar
     }[which]
     code, _, err = run_cli(capsys, "check", folder, "--baseline", baseline)
     assert code == 2 and phrase in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("case", ["exact", "diverging", "agreement"])
+def test_a_machine_that_holds_one_at_a_time_gets_the_same_report(artifact, monkeypatch, case):
+    """Where the eager model and the artifact do not both fit, eager runs first and is let go before
+    the artifact loads: the report is the one the two side by side give (identical tokens; another
+    model's artifact, diverging at once; an int8 KV cache held to agreement)."""
+    from kvexport.checker import check
+
+    folder, model = {
+        "exact": (artifact("tiny-gemma3"), None),
+        "diverging": (artifact("tiny-mistral"), "tiny-llama"),
+        "agreement": (artifact("tiny-gemma3", "onnx", kv_cache="int8"), None),
+    }[case]
+    side_by_side = check.run_check(folder, model_name=model)
+    monkeypatch.setattr(check, "holds_both", lambda *args: False)
+    one_at_a_time = check.run_check(folder, model_name=model)
+    assert one_at_a_time.one_at_a_time and not side_by_side.one_at_a_time
+    assert {**one_at_a_time.to_dict(), "one_at_a_time": False} == side_by_side.to_dict()
+    assert side_by_side.ok == (case != "diverging")
+
+
+def test_whether_the_machine_holds_the_model_and_the_artifact_at_once(artifact, monkeypatch):
+    from kvexport.artifact.manifest import read_manifest
+    from kvexport.checker import check
+    from kvexport.exporter import memory_plan
+
+    folder = artifact("tiny-gemma3")
+    manifest = read_manifest(folder)
+    monkeypatch.setattr(memory_plan, "total_memory_bytes", lambda: 2**40)
+    assert check.holds_both(folder, manifest, None)
+    monkeypatch.setattr(memory_plan, "total_memory_bytes", lambda: memory_plan.BASE_BYTES["executorch"])
+    assert not check.holds_both(folder, manifest, None)
