@@ -30,7 +30,6 @@ app = typer.Typer(
 )
 
 
-
 @app.command()
 def export(
     model: Annotated[
@@ -134,8 +133,6 @@ def pack(
 
 
 app.command("check")(check.check_command)
-
-
 app.command("matrix")(matrix.matrix_command)
 app.command("bench")(bench.bench_command)
 

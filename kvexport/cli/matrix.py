@@ -62,7 +62,7 @@ def run_or_merge(
     models: list[str] | None = None,
 ) -> bool:
     """Run (or merge) and write the reports; True when every row passed. ``ray``: run the rows on
-    that Ray cluster (``cluster.py``) rather than one after another here; ``models``: only these
+    that Ray cluster (``matrix/cluster.py``) rather than one after another here; ``models``: only these
     models' rows."""
     if not paths:
         raise InvalidOptionError("give a matrix file (kvexport matrix MATRIX.toml) or `merge REPORT.json ...`")
