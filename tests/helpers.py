@@ -18,6 +18,25 @@ SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 FP32_LOGIT_ATOL = 2e-3
 
 
+def run_cli(capsys, *args) -> tuple[int, str, str]:
+    """``kvexport ARGS`` in this process: its exit code, stdout and stderr."""
+    from kvexport.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return exit_info.value.code, out, err
+
+
+def assert_one_line_error(code, err, *phrases):
+    """A user mistake: exit code 2, one ``kvexport: error:`` line holding each phrase, no traceback."""
+    assert code == 2, err
+    lines = [line for line in err.strip().splitlines() if line.startswith("kvexport: error:")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    for phrase in phrases:
+        assert phrase in lines[0], lines[0]
+
+
 def eager_reference(model, prompt_ids: list[int], max_new_tokens: int):
     """Greedy tokens and per-step logits from ``model.generate`` with its own DynamicCache."""
     ids = torch.tensor([prompt_ids])

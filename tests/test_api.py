@@ -13,8 +13,7 @@ import pytest
 import kvexport
 from kvexport.artifact.archive import pack
 from tests.conftest import NEW_TOKENS, PROMPT
-from tests.helpers import on_one_worker
-from tests.test_cli import run_cli
+from tests.helpers import on_one_worker, run_cli
 
 README = Path(kvexport.__file__).resolve().parent.parent / "README.md"
 
@@ -131,7 +130,8 @@ def test_kvexport_check_stays_the_function_once_the_checker_is_imported():
 
 
 def test_the_export_options_are_the_same_in_the_cli_the_api_the_pipeline_and_the_matrix():
-    """An export option is declared in four places (issue 56): adding it to one and not another fails here."""
+    """An export option is declared once (ExportOptions' field: type, default, help text); the CLI's
+    options and the API's keywords are written out, and adding one to either and not the other fails here."""
     import dataclasses
     import inspect
 
@@ -155,3 +155,10 @@ def test_the_export_options_are_the_same_in_the_cli_the_api_the_pipeline_and_the
     # A matrix row sets what shapes the artifact; where it comes from and how it is written are the row's.
     not_in_rows = {"out", "force", "revision", "offline", "gguf_file", "max_draft_tokens"}
     assert pipeline - not_in_rows <= set(ROW_KEYS)
+    # Each option's help text and default are declared once, on its ExportOptions field.
+    keywords = inspect.signature(kvexport.export).parameters
+    for declared in dataclasses.fields(ExportOptions):
+        assert cli[declared.name].help == declared.metadata["help"], declared.name
+        if declared.name != "model":
+            assert cli[declared.name].default == declared.default, declared.name
+            assert keywords["output" if declared.name == "out" else declared.name].default == declared.default, declared.name

@@ -14,6 +14,7 @@ PACKAGE = Path(kvexport.__file__).resolve().parent
 # Lowest first. A module may import from its own package or from a package of a lower rank.
 LAYERS = [
     ["kvexport.errors", "kvexport.logs", "kvexport.version", "kvexport.allocator"],
+    ["kvexport.choices"],
     ["kvexport.outputs"],
     ["kvexport.profile"],
     ["kvexport.progress"],
@@ -29,7 +30,7 @@ LAYERS = [
 # Inside the exporter, each target's subpackage builds on the generic modules, not on another target.
 TARGET_PACKAGES = ["kvexport.exporter.executorch", "kvexport.exporter.onnx"]
 # The torch-free device runner reads artifacts and runs them, nothing more.
-DEVICE_IMPORTS = ["kvexport.artifact", "kvexport.runtime", "kvexport.errors", "kvexport.logs"]
+DEVICE_IMPORTS = ["kvexport.artifact", "kvexport.runtime", "kvexport.errors", "kvexport.logs", "kvexport.choices"]
 
 
 def module_name(path: Path) -> str:

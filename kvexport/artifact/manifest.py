@@ -10,11 +10,12 @@ import re
 import stat
 from pathlib import Path
 
+from ..choices import Target
 from ..errors import ArtifactError
 
 MANIFEST = "kvexport.json"
 # The targets an artifact can be for (the exporter has one subpackage each).
-TARGETS = ("executorch", "onnx")
+TARGETS = tuple(t.value for t in Target)
 # The manifest's own sha256, in sha256sum's format: the manifest lists every other file's sum, and
 # a flipped digit in it (a cache length, a window) would otherwise go unnoticed.
 MANIFEST_SUM = "kvexport.json.sha256"

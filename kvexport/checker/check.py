@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..choices import Dtype
 from ..errors import InvalidOptionError, PromptTooLongError
 from ..models.architecture import text_config
 from ..runtime.cpu import xnnpack_sums_float16_in_float16
@@ -197,7 +198,7 @@ def holds_both(folder: Path, manifest: dict, model_name: str | None) -> bool:
     if memory is None:
         return True
     source = sources.resolve(model_name) if model_name else sources.resolve_recorded(manifest["source"])
-    eager = count_parameters(sources.load_config(source)).total * sources.DTYPES[manifest["dtype"]]
+    eager = count_parameters(sources.load_config(source)).total * Dtype(manifest["dtype"]).bytes
     artifact = sum(entry["bytes"] for entry in manifest["files"].values())
     return BASE_BYTES[manifest["target"]] + eager + artifact <= memory
 

@@ -15,8 +15,9 @@ import typer
 from .. import logs
 from ..api import EXPORT_HASH_SEED
 from ..errors import Interrupted, KvexportError
+from ..exporter.options import help_text
 from . import bench, chat, check, matrix
-from .options import JsonFlag, Target
+from .options import JsonFlag
 
 app = typer.Typer(
     add_completion=False,
@@ -30,52 +31,27 @@ app = typer.Typer(
 )
 
 
+# The export options' help texts are ExportOptions' (exporter/options.py), where each is declared with its
+# type and default; their values stay strings here, and ExportOptions turns them into its enums, refusing
+# an unknown one with the same line the API and a matrix file get.
 @app.command()
 def export(
-    model: Annotated[
-        str, typer.Argument(help="alias, tiny preset, HF folder, .gguf file or hub id ORG/NAME (from the local HF cache, or downloaded)")
-    ],
-    target: Target = "executorch",
-    out: Annotated[Optional[Path], typer.Option("--out", "-o", help="output folder [default: MODEL-TARGET]")] = None,
-    max_cache_len: Annotated[
-        Optional[int], typer.Option(help="cache positions [default: min(model max positions, 2048)]")
-    ] = None,
-    prefill_chunk: Annotated[
-        Optional[int],
-        typer.Option(help="most tokens one forward call takes; longer prompts are prefilled in chunks (ExecuTorch plans activation memory for it) [default: min(max_cache_len, 512); 64 with gated-delta linear attention]"),
-    ] = None,
-    dtype: Annotated[str, typer.Option(help="float32, float16 or bfloat16 (executorch)")] = "float32",
-    force: Annotated[bool, typer.Option("--force", help="replace an existing output folder")] = False,
-    quantize: Annotated[
-        Optional[str],
-        typer.Option(help="4-bit weights: 8da4w (executorch: int8 dynamic activations, int4 weights, int8 lm_head and int8 where the source is finer than 4 bits) or int4 (onnx: MatMulNBits, int8 lm_head and embedding, int8 where the source is finer than 4 bits)"),
-    ] = None,
-    quantize_embedding: Annotated[
-        Optional[str], typer.Option(help="executorch: int8 or int4 embedding table")
-    ] = None,
-    quantize_lm_head: Annotated[
-        Optional[str],
-        typer.Option(help="with --quantize: int8 or int4 lm_head (int4: smaller and faster, less exact) [default: int8]"),
-    ] = None,
-    quantize_grid: Annotated[
-        Optional[str],
-        typer.Option(help="with --quantize: source (keep the grids the checkpoint's weights lie on: closest to float eager) or symmetric (every linear weight symmetric int4, as optimum-executorch and onnxruntime-genai's builder round them: faster, less exact) [default: source]"),
-    ] = None,
-    kv_cache: Annotated[
-        str,
-        typer.Option(help="float (the export's dtype) or int8, about a quarter of float32's bytes (executorch: a scale and zero point per token and KV head; onnx: a fixed scale per KV head and channel, calibrated at export)"),
-    ] = "float",
-    max_draft_tokens: Annotated[
-        int,
-        typer.Option(help="speculative decoding (run --draft): most drafted tokens one call verifies (a .pte gets a verify method, an ONNX graph a logits_indices input); 0: none"),
-    ] = 0,
-    revision: Annotated[Optional[str], typer.Option(help="hub id: branch, tag or commit [default: main]")] = None,
-    offline: Annotated[
-        bool, typer.Option("--offline", help="hub id: the local HF cache only, no network (as HF_HUB_OFFLINE=1)")
-    ] = False,
-    gguf_file: Annotated[
-        Optional[str], typer.Option(help="hub id: download only this .gguf file of the repo and export it")
-    ] = None,
+    model: Annotated[str, typer.Argument(help=help_text("model"))],
+    target: Annotated[str, typer.Option("--target", "-t", help=help_text("target"))] = "executorch",
+    out: Annotated[Optional[Path], typer.Option("--out", "-o", help=help_text("out"))] = None,
+    max_cache_len: Annotated[Optional[int], typer.Option(help=help_text("max_cache_len"))] = None,
+    prefill_chunk: Annotated[Optional[int], typer.Option(help=help_text("prefill_chunk"))] = None,
+    dtype: Annotated[str, typer.Option(help=help_text("dtype"))] = "float32",
+    force: Annotated[bool, typer.Option("--force", help=help_text("force"))] = False,
+    quantize: Annotated[Optional[str], typer.Option(help=help_text("quantize"))] = None,
+    quantize_embedding: Annotated[Optional[str], typer.Option(help=help_text("quantize_embedding"))] = None,
+    quantize_lm_head: Annotated[Optional[str], typer.Option(help=help_text("quantize_lm_head"))] = None,
+    quantize_grid: Annotated[Optional[str], typer.Option(help=help_text("quantize_grid"))] = None,
+    kv_cache: Annotated[str, typer.Option(help=help_text("kv_cache"))] = "float",
+    max_draft_tokens: Annotated[int, typer.Option(help=help_text("max_draft_tokens"))] = 0,
+    revision: Annotated[Optional[str], typer.Option(help=help_text("revision"))] = None,
+    offline: Annotated[bool, typer.Option("--offline", help=help_text("offline"))] = False,
+    gguf_file: Annotated[Optional[str], typer.Option(help=help_text("gguf_file"))] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="no progress output")] = False,
     profile: Annotated[
         Optional[Path],

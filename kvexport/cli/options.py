@@ -8,7 +8,6 @@ import typer
 
 from ..errors import InvalidOptionError
 
-Target = Annotated[str, typer.Option("--target", "-t", help="executorch or onnx")]
 JsonFlag = Annotated[bool, typer.Option("--json", help="print one JSON object on stdout")]
 DraftTokens = Annotated[
     Optional[int], typer.Option(metavar="K", help="with --draft: tokens drafted per verification [default: the artifact's max_draft_tokens]")

@@ -20,13 +20,14 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..choices import EmbeddingScheme, Target
 from ..errors import InvalidOptionError
 from .weight_grids import BLOCK
 
 # What the libraries take before any weight: the tiny matrix's exports measure it.
-BASE_BYTES = {"executorch": 600 * 2**20, "onnx": 680 * 2**20}
+BASE_BYTES = {Target.EXECUTORCH: 600 * 2**20, Target.ONNX: 680 * 2**20}
 # The weights held at the peak, in multiples of the model's bytes in the export dtype.
-WEIGHT_FACTOR = {"executorch": 1.25, "onnx": 1.0}
+WEIGHT_FACTOR = {Target.EXECUTORCH: 1.25, Target.ONNX: 1.0}
 # The bytes of a 4-bit weight in the artifact, its block's scale and offset included.
 INT4_BYTES = 0.625
 # A container's memory limit: cgroup v2's, then v1's ("max" or a huge number where there is none).
@@ -92,12 +93,12 @@ def footprint(plan, parameters: Parameters, checkpoint_bytes_per_value: int = 2)
     # The artifact's bytes a value: 4-bit linear weights with a scale (and an offset) per block of
     # 32; ONNX's int4 keeps the embedding table in 8 bits.
     linear = INT4_BYTES if quantization.scheme else dtype_bytes
-    embedding = {"int8": 1, "int4": INT4_BYTES}.get(quantization.embedding or "", dtype_bytes)
-    if quantization.scheme and target == "onnx":
+    embedding = {EmbeddingScheme.INT8: 1, EmbeddingScheme.INT4: INT4_BYTES}.get(quantization.embedding, dtype_bytes)
+    if quantization.scheme and target == Target.ONNX:
         embedding = 1
     artifact = int(parameters.linear * linear + parameters.embedding * embedding + parameters.other * dtype_bytes)
     held = int(floats * WEIGHT_FACTOR[target])  # the weights at the peak
-    if plan.defers_weights and quantization and target == "executorch":
+    if plan.defers_weights and quantization and target == Target.EXECUTORCH:
         # Quantized before export, each weight read from the checkpoint (in its stored dtype) just
         # before it is quantized, and widened to float32 for it; torchao holds 4-bit values a byte
         # each. The weights left in float are read after, in the export dtype. Then lowering.
@@ -115,7 +116,7 @@ def footprint(plan, parameters: Parameters, checkpoint_bytes_per_value: int = 2)
         if quantization.scheme:  # int4's rewrite: a float weight read, its 8-bit values and their working copy
             largest = max(parameters.largest["linear"], parameters.largest["embedding"])
             held = max(held, int(parameters.other * dtype_bytes + largest * (dtype_bytes + 2)))
-    elif quantization.scheme and target == "executorch":  # quantized before export, from compact weights
+    elif quantization.scheme and target == Target.EXECUTORCH:  # quantized before export, from compact weights
         # Loaded with the linear weights (and the embedding tables, when they are quantized too) in
         # the checkpoint's dtype, read as stored; the largest of the other weights read, then
         # converted. Then each weight quantized in turn (torchao holds 4-bit values a byte each),
@@ -129,7 +130,7 @@ def footprint(plan, parameters: Parameters, checkpoint_bytes_per_value: int = 2)
     peak = BASE_BYTES[target] + plan.kv_cache_bytes + plan.state_bytes + held
     # ExecuTorch's serialized weights wait in the staged folder until model.ptd is written; ONNX's
     # int4 writes its data file beside the float one.
-    staging = 2 * artifact if target == "executorch" else artifact + (floats if quantization.scheme else 0)
+    staging = 2 * artifact if target == Target.EXECUTORCH else artifact + (floats if quantization.scheme else 0)
     return Footprint(peak, artifact, staging)
 
 
@@ -188,11 +189,11 @@ def refuse_what_the_machine_cannot_hold(plan, needs: Footprint) -> None:
 def _holds_less(plan) -> str:
     """What makes the same export hold less at its peak, where anything does."""
     o = plan.options
-    if o.target == "executorch" and not o.quantization.scheme:
+    if o.target == Target.EXECUTORCH and not o.quantization.scheme:
         return "quantize (--quantize 8da4w loads a bfloat16 checkpoint's linear weights as they are, then 4 bits)"
     if plan.defers_weights:
         return "a smaller --max-cache-len (the KV cache's share)"
-    if o.target == "onnx" and plan.source.kind != "preset":
+    if o.target == Target.ONNX and plan.source.kind != "preset":
         return "export in float32 with a float KV cache (each weight is then read from the checkpoint as it is written)"
     if o.dtype == "float32":
         return "export in --dtype float16 (half the weights' bytes)"

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from ..artifact import manifest
 from ..artifact.staging import check_output_path, staged_folder
+from ..choices import KvCache
 from ..errors import InvalidOptionError, UnsupportedModelError
 from ..models import architecture, gguf_conversion, loading, sources
 from ..models.model_source import ModelSource
@@ -17,7 +18,8 @@ from ..version import __version__
 from . import memory_plan
 from . import quantization as quantize
 from .kv_calibration import calibration_ids
-from .targets import ProgramSpec, check_target_name, get_target
+from .options import ExportOptions
+from .targets import ProgramSpec, get_target
 
 DEFAULT_MAX_CACHE_LEN = 2048
 # Most tokens one forward call takes, by default; longer prompts are prefilled in chunks of this
@@ -28,32 +30,6 @@ DEFAULT_PREFILL_CHUNK = 512
 # system padded to the longest call (kv_cache.GatedDeltaState), which every decode step pays for;
 # transformers' own chunk size.
 LINEAR_ATTENTION_PREFILL_CHUNK = 64
-
-
-@dataclass
-class ExportOptions:
-    model: str
-    target: str = "executorch"
-    out: Path | None = None
-    max_cache_len: int | None = None
-    dtype: str = "float32"
-    force: bool = False
-    quantize: str | None = None  # "8da4w" (executorch) or "int4" (onnx)
-    quantize_embedding: str | None = None  # "int8" or "int4" (executorch)
-    quantize_lm_head: str | None = None  # "int8" (the default) or "int4", with quantize
-    quantize_grid: str | None = None  # "source" (the default) or "symmetric", with quantize
-    prefill_chunk: int | None = None  # most tokens per forward call [default: DEFAULT_PREFILL_CHUNK]
-    kv_cache: str = "float"  # "float" (the dtype's) or "int8" (quantization.KV_CACHES)
-    # Most drafted tokens one call verifies (speculative decoding); 0: none, the program as before.
-    max_draft_tokens: int = 0
-    # A hub id's branch, tag or commit; no network (the local HF cache only); a .gguf file in the repo.
-    revision: str | None = None
-    offline: bool = False
-    gguf_file: str | None = None
-
-    @property
-    def quantization(self) -> quantize.Quantization:
-        return quantize.Quantization(self.quantize, self.quantize_embedding, self.quantize_lm_head, self.quantize_grid)
 
 
 @dataclass
@@ -142,7 +118,7 @@ class ExportPlan:
         the float16 probe do)."""
         o = self.options
         target = get_target(o.target)
-        runs_before = o.kv_cache != "float" and target.CALIBRATES_KV_CACHE
+        runs_before = o.kv_cache != KvCache.FLOAT and target.CALIBRATES_KV_CACHE
         deferrable = o.dtype == "float32" and not runs_before and self.source.kind != "preset"
         return deferrable and (target.DEFERS_WEIGHTS or (target.QUANTIZES_MODULE and bool(o.quantization)))
 
@@ -182,7 +158,7 @@ class ExportPlan:
 
     def kv_row_bytes(self, head_dim: int) -> int:
         """Bytes of one position of one KV head, in K or in V."""
-        if self.options.kv_cache == "int8":  # int8 values, and on some targets a scale per row
+        if self.options.kv_cache == KvCache.INT8:  # int8 values, and on some targets a scale per row
             return head_dim + get_target(self.options.target).INT8_KV_ROW_EXTRA_BYTES
         return head_dim * self.dtype_bytes
 
@@ -229,7 +205,7 @@ class ExportPlan:
         other_kinds += f", {linear} linear attention" if linear else ""
         other_kinds += f", {hybrid} with a Mamba-2 mixer beside attention" if hybrid else ""
         schemes = [f"--{name.replace('_', '-')} {getattr(o, name)}" for name in quantize.OPTIONS if getattr(o, name)]
-        kv = " int8" if o.kv_cache == "int8" else ""
+        kv = " int8" if o.kv_cache == KvCache.INT8 else ""
         quantized = f" ({', '.join(schemes)})" if schemes else ""
         default = (
             ""
@@ -251,26 +227,17 @@ def plan_export(options: ExportOptions, progress: Progress | None = None) -> Exp
     """Check the request against the target and the model's config (no weights are loaded; a hub id's
     files are downloaded, with ``progress``, unless they are in the local HF cache)."""
     # What needs no torch first: a mistyped option or path is refused in a fraction of a second.
-    check_target_name(options.target)
-    if options.dtype not in sources.DTYPES:
-        raise InvalidOptionError(f"unknown dtype '{options.dtype}'; choose one of: {', '.join(sources.DTYPES)}")
-    options.quantization.check(options.target, options.dtype)
-    quantize.check_kv_cache(options.kv_cache, options.target)
+    options.check()
     out = Path(options.out) if options.out else default_output(options.gguf_file or options.model, options.target)
     check_output_path(out, options.force)
     source = sources.resolve(options.model, options.revision, options.offline, options.gguf_file, progress)
     gguf_conversion.check_conversion_cache(source)
     target = get_target(options.target)
-    if options.dtype not in target.SUPPORTED_DTYPES:
-        why = f" ({target.DTYPES_REFUSED[options.dtype]})" if options.dtype in target.DTYPES_REFUSED else ""
-        raise InvalidOptionError(
-            f"target {options.target} does not take --dtype {options.dtype}{why}; it takes {', '.join(target.SUPPORTED_DTYPES)}"
-        )
     config = sources.load_config(source)
     specs = architecture.layer_specs(config)
     max_cache_len, max_positions = choose_max_cache_len(config, options.max_cache_len, options.target)
     target.check_layers(specs, max_cache_len)
-    if options.kv_cache != "float":
+    if options.kv_cache != KvCache.FLOAT:
         target.check_kv_cache(options.kv_cache, architecture.text_config(config), specs, max_cache_len)
     architecture.check_rope(config, max_cache_len)
     linear = any(s.rule == architecture.GATED_DELTA for s in specs)
@@ -286,7 +253,7 @@ def plan_export(options: ExportOptions, progress: Progress | None = None) -> Exp
     prefill_chunk = choose_prefill_chunk(max_cache_len, options.prefill_chunk, options.target, default_chunk)
     if options.max_draft_tokens:
         check_draft_tokens(options, specs, max_cache_len, prefill_chunk, config.model_type)
-    dtype_bytes = sources.DTYPES[options.dtype]
+    dtype_bytes = options.dtype.bytes
     plan = ExportPlan(options, out, source, config, specs, max_cache_len, max_positions, dtype_bytes, prefill_chunk)
     memory_plan.refuse_a_cache_beyond_memory(plan)
     return plan
@@ -353,7 +320,7 @@ def export_model(options: ExportOptions, progress: Progress | None = None) -> Ex
     with staged_folder(plan.out, options.force) as folder:
         calls = f"dynamic (calls of 1 to {plan.prefill_chunk} tokens)" if plan.prefill_chunk > 1 else "static (calls of 1 token)"
         with progress.step("export", f"torch.export, T {calls}"):
-            calibration = calibration_ids(tokenizer) if options.kv_cache == "int8" else None
+            calibration = calibration_ids(tokenizer) if options.kv_cache == KvCache.INT8 else None
             program = target.export(
                 model, plan.max_cache_len, plan.prefill_chunk, options.kv_cache, calibration, options.max_draft_tokens
             )
@@ -448,18 +415,7 @@ def _manifest_info(plan: ExportPlan, model, tokenizer) -> dict:
         "source": plan.source.describe(),
         # What reproduces this artifact byte for byte, with the versions below (the output folder
         # does not matter): `kvexport export MODEL --target T --dtype D --max-cache-len N --prefill-chunk C`.
-        "export_options": {
-            "model": plan.options.model,
-            "target": plan.options.target,
-            "dtype": dtype,
-            "max_cache_len": plan.max_cache_len,
-            "prefill_chunk": plan.prefill_chunk,
-            # Only when set, so unquantized manifests read as before.
-            **{name: getattr(plan.options, name) for name in quantize.OPTIONS if getattr(plan.options, name)},
-            **({"kv_cache": plan.options.kv_cache} if plan.options.kv_cache != "float" else {}),
-            **({"max_draft_tokens": plan.options.max_draft_tokens} if plan.options.max_draft_tokens else {}),
-            **{name: getattr(plan.options, name) for name in ("revision", "gguf_file") if getattr(plan.options, name)},
-        },
+        "export_options": plan.options.recorded(max_cache_len=plan.max_cache_len, prefill_chunk=plan.prefill_chunk),
         "model_type": config.model_type,
         "dtype": dtype,
         "max_cache_len": plan.max_cache_len,
@@ -472,7 +428,7 @@ def _manifest_info(plan: ExportPlan, model, tokenizer) -> dict:
         "tokenizer_adds_bos": bool(bos is not None and tokenizer("a").input_ids[:1] == [bos]),
         "layers": plan.layers(),
         # The KV cache's element type: the dtype's, or int8 (`kv_cache`, absent for float).
-        **({"kv_cache": target.describe_kv_cache(plan.options.kv_cache)} if plan.options.kv_cache != "float" else {}),
+        **({"kv_cache": target.describe_kv_cache(plan.options.kv_cache)} if plan.options.kv_cache != KvCache.FLOAT else {}),
         "kv_cache_bytes": plan.kv_cache_bytes,
         "kv_cache_bytes_if_all_full": plan.kv_cache_bytes_if_all_full,
         **({"state_bytes": plan.state_bytes} if plan.state_bytes else {}),

@@ -9,7 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, cast
 
-from ..artifact.manifest import TARGETS
+from ..choices import KvCache
+from ..choices import Target as TargetName
 from ..errors import InvalidOptionError
 
 if TYPE_CHECKING:
@@ -36,8 +37,6 @@ class ProgramSpec:
 
 
 class Target(Protocol):
-    SUPPORTED_DTYPES: tuple[str, ...]  # the --dtype values it takes
-    DTYPES_REFUSED: dict[str, str]  # --dtype values it refuses, and why
     RUNTIME_PACKAGES: tuple[str, ...]  # the packages whose versions kvexport.json records
     INT8_KV_ROW_EXTRA_BYTES: int  # --kv-cache int8: what a row of head_dim int8 values takes besides them
     # Where --quantize applies: to the module before export (quantize_model), or to the written
@@ -58,7 +57,7 @@ class Target(Protocol):
         ``deferred``, the weights it left in the checkpoint are read as it goes, and all by its end."""
 
     def export(
-        self, model: torch.nn.Module, max_cache_len: int, max_tokens_per_call: int, kv_cache: str,
+        self, model: torch.nn.Module, max_cache_len: int, max_tokens_per_call: int, kv_cache: KvCache,
         calibration_ids: torch.Tensor | None, max_draft_tokens: int,
     ) -> torch.export.ExportedProgram:
         """The model wrapped with the target's cache (its elements ``kv_cache``), traced with ``T``
@@ -81,13 +80,13 @@ class Target(Protocol):
         """Refuse, before the model loads, a model whose layers this target cannot describe
         (``UnsupportedModelError``)."""
 
-    def check_kv_cache(self, kv_cache: str, text_config, specs: list, max_cache_len: int) -> None:
+    def check_kv_cache(self, kv_cache: KvCache, text_config, specs: list, max_cache_len: int) -> None:
         """Refuse, before the model loads, a ``--kv-cache`` other than float that this model's
         attention cannot have on this target (``UnsupportedModelError``)."""
 
-    def describe_kv_cache(self, kv_cache: str) -> dict:
+    def describe_kv_cache(self, kv_cache: KvCache) -> dict:
         """What ``kvexport.json`` records under ``kv_cache`` for a ``--kv-cache`` other than float
-        (the targets ``quantization.KV_CACHES`` names for it)."""
+        (the targets whose ``ACCEPTS`` name it)."""
 
     def describe_quantization(self, quantization: Quantization, hidden_size: int) -> dict | None:
         """What ``kvexport.json`` records under ``quantization`` (None: not quantized)."""
@@ -96,13 +95,8 @@ class Target(Protocol):
         """The quantize step's one-line progress detail."""
 
 
-def check_target_name(name: str) -> None:
-    if name not in TARGETS:
-        raise InvalidOptionError(f"unknown target '{name}'; choose one of: {', '.join(TARGETS)}")
-
-
-def get_target(name: str) -> Target:
-    check_target_name(name)
+def get_target(name: TargetName) -> Target:
+    """The target's ``target`` module (what it accepts: its package's ``ACCEPTS``, ``options.accepts``)."""
     module = f"{__package__}.{name}.target"
     try:
         return cast(Target, importlib.import_module(module))

@@ -139,12 +139,7 @@ def planned_memory_bytes(row: Row) -> int:
                 model = str(Path(tmp) / "config")
                 config = real_shapes.shape_config(row.shape_config["shape"], row.shape_config["overrides"])
                 real_shapes.write_model(config, Path(model), config_only=True)
-            options = ExportOptions(
-                model=model, target=row.target, out=Path(tmp) / "plan", max_cache_len=row.max_cache_len, dtype=row.dtype,
-                quantize=row.quantize, quantize_embedding=row.quantize_embedding, quantize_lm_head=row.quantize_lm_head,
-                quantize_grid=row.quantize_grid,
-                prefill_chunk=row.prefill_chunk, kv_cache=row.kv_cache or "float",
-            )
+            options = ExportOptions(model=model, out=Path(tmp) / "plan", **row.export_options())
             try:
                 needs = plan_footprint(plan_export(options))
             except KvexportError:

@@ -103,12 +103,7 @@ def _export(row: Row, model: str, folder: Path) -> dict:
     from ..progress import Progress
 
     start = time.perf_counter()
-    options = ExportOptions(
-        model=model, target=row.target, out=folder, max_cache_len=row.max_cache_len, dtype=row.dtype, force=True,
-        quantize=row.quantize, quantize_embedding=row.quantize_embedding, quantize_lm_head=row.quantize_lm_head,
-        quantize_grid=row.quantize_grid,
-        prefill_chunk=row.prefill_chunk, kv_cache=row.kv_cache or "float",
-    )
+    options = ExportOptions(model=model, out=folder, force=True, **row.export_options())
     exported = export_model(options, Progress())
     files = [p for p in folder.iterdir() if p.is_file()]
     return {

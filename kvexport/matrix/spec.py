@@ -98,6 +98,12 @@ class Row:
                                              self.device != "cpu" and self.device) if q)
         return f"{self.index:03d}-{model}-{self.target}-{self.dtype}-{self.max_cache_len or 'default'}{schemes}"
 
+    def export_options(self) -> dict:
+        """The row's ``ExportOptions`` keywords besides the model, its output and ``force``."""
+        schemes = {key: getattr(self, key) for key in SCHEMES if getattr(self, key) is not None}
+        return {"target": self.target, "dtype": self.dtype, "max_cache_len": self.max_cache_len,
+                "prefill_chunk": self.prefill_chunk, **schemes}
+
     def to_dict(self) -> dict:
         return {**asdict(self), "id": self.id}
 
@@ -158,7 +164,7 @@ def _rows(data: dict) -> list[Row]:
         if not isinstance(check, bool):
             raise InvalidOptionError(f"{where}: 'check' must be true or false, got {check!r}")
         for target, dtype, max_cache_len, model in itertools.product(*(axes[a] for a in AXES)):
-            _check_row(model, target, dtype, max_cache_len, {**tiny, **shaped}, where, **schemes)
+            _check_row(model, target, dtype, schemes, {**tiny, **shaped}, where)
             if placement["device"] == "cuda" and target != "onnx":
                 raise InvalidOptionError(f"{where} ({target}): device 'cuda' is for ONNX rows; ExecuTorch artifacts run on the CPU")
             key = (model, target, dtype, max_cache_len, *schemes.values(), options["prefill_chunk"], placement["device"])
@@ -225,20 +231,18 @@ def _placement(values: dict, where: str) -> dict:
     return values
 
 
-def _check_row(model: str, target: str, dtype: str, max_cache_len, built: dict, where: str,
-               quantize: str | None = None, quantize_embedding: str | None = None,
-               quantize_lm_head: str | None = None, quantize_grid: str | None = None, kv_cache: str | None = None) -> None:
-    from ..artifact.manifest import TARGETS
-    from ..exporter.quantization import Quantization, check_kv_cache
+def _check_row(model: str, target: str, dtype: str, schemes: dict, built: dict, where: str) -> None:
+    from ..choices import Dtype, Target, choose
+    from ..exporter.options import ExportOptions
     from ..models import sources
 
-    if target not in TARGETS:
-        raise InvalidOptionError(f"{where}: unknown target '{target}'; choose one of: {', '.join(TARGETS)}")
-    if dtype not in sources.DTYPES:
-        raise InvalidOptionError(f"{where}: unknown dtype '{dtype}'; choose one of: {', '.join(sources.DTYPES)}")
+    try:
+        choose(Target, target, "target")
+        choose(Dtype, dtype, "dtype")
+    except KvexportError as e:
+        raise InvalidOptionError(f"{where}: {e}")
     try:  # the same one-line refusal `kvexport export` gives, per expanded row
-        Quantization(quantize, quantize_embedding, quantize_lm_head, quantize_grid).check(target, dtype)
-        check_kv_cache(kv_cache or "float", target)
+        ExportOptions(model, target, dtype=dtype, **{k: v for k, v in schemes.items() if v is not None}).check()
     except KvexportError as e:
         raise InvalidOptionError(f"{where} ({target}): {e}")
     if model not in built:

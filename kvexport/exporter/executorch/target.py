@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from ...choices import EmbeddingScheme, KvCache, LmHeadScheme
 from ...errors import UnsupportedModelError
 from ...models.deferred_weights import DeferredWeights
 from ...progress import report
@@ -25,9 +26,6 @@ WEIGHTS_TAG = "model"
 WEIGHTS_FILE = f"{WEIGHTS_TAG}.ptd"
 # Serialized weights at least this large wait on disk, not in memory, until model.ptd is written.
 SPILL_MIN_BYTES = 1 << 20
-SUPPORTED_DTYPES = ("float32", "float16", "bfloat16")
-# --dtype values refused, and why.
-DTYPES_REFUSED: dict[str, str] = {}
 RUNTIME_PACKAGES = ("executorch",)
 # --quantize applies to the module before export.
 QUANTIZES_MODULE = True
@@ -53,7 +51,7 @@ def export(
     model: torch.nn.Module,
     max_cache_len: int,
     max_tokens_per_call: int,
-    kv_cache: str = "float",
+    kv_cache: KvCache = KvCache.FLOAT,
     calibration_ids: torch.Tensor | None = None,
     max_draft_tokens: int = 0,
 ) -> torch.export.ExportedProgram | dict[str, torch.export.ExportedProgram]:
@@ -68,7 +66,7 @@ def export(
     from .stacked_projections import stacked_projections
     from .xnnpack_rewrites import rotary_as_matmul
 
-    caches = QUANTIZED_CACHES if kv_cache == "int8" else CUSTOM_OP_CACHES
+    caches = QUANTIZED_CACHES if kv_cache == KvCache.INT8 else CUSTOM_OP_CACHES
     with rotary_as_matmul(model), stacked_projections(model):
         decoder = ExportableDecoder(model, max_cache_len, caches, max_tokens_per_call, max_draft_tokens)
         if not max_draft_tokens:
@@ -80,7 +78,7 @@ def check_layers(specs: list, max_cache_len: int) -> None:
     """Every kind of layer runs on ExecuTorch: nothing to refuse."""
 
 
-def check_kv_cache(kv_cache: str, text_config, specs: list, max_cache_len: int) -> None:
+def check_kv_cache(kv_cache: KvCache, text_config, specs: list, max_cache_len: int) -> None:
     if getattr(text_config, "attn_logit_softcapping", None):
         # Its attention reads the rows dequantized (no fused int8 kernel soft-caps), and XNNPACK's
         # partitioner then groups the layer's ops into partitions that depend on each other.
@@ -90,7 +88,7 @@ def check_kv_cache(kv_cache: str, text_config, specs: list, max_cache_len: int) 
         )
 
 
-def describe_kv_cache(kv_cache: str) -> dict:
+def describe_kv_cache(kv_cache: KvCache) -> dict:
     """What ``kvexport.json`` records under ``kv_cache`` for ``--kv-cache int8``."""
     return {
         "dtype": kv_cache,
@@ -128,7 +126,7 @@ def describe_quantization(quantization: Quantization, hidden_size: int) -> dict 
         described["grid"] = "symmetric"
         described["linear"] = {"weights": "int4", "group_size": GROUP_SIZE, "activations": activations, "symmetric": True,
                                "scales": "HQQ (ExecuTorch's 8da4w config)", "op": "XNNPACK int8 x int4"}
-        described["lm_head"] = (described["linear"] if lm_head == "int4"
+        described["lm_head"] = (described["linear"] if lm_head == LmHeadScheme.INT4
                                 else {"weights": "int8", "group_size": "row", "activations": activations})
     elif scheme:
         described["linear"] = {"weights": "int4", "group_size": GROUP_SIZE, "activations": activations,
@@ -137,20 +135,20 @@ def describe_quantization(quantization: Quantization, hidden_size: int) -> dict 
         described["linear_finer_than_4_bits"] = {"weights": "int8", "group_size": "row", "activations": activations}
         described["lm_head"] = (
             {**described["linear"], "note": "--quantize-lm-head int4: a block on no 4-bit grid spans its min..max in 16 levels"}
-            if lm_head == "int4"
+            if lm_head == LmHeadScheme.INT4
             else {"weights": "int8", "group_size": "row", "activations": activations}
         )
     if embedding:
         described["embedding"] = {
             "weights": embedding,
-            "group_size": GROUP_SIZE if embedding == "int4" else "row",
+            "group_size": GROUP_SIZE if embedding == EmbeddingScheme.INT4 else "row",
             "op": f"quantized_decomposed::{'embedding_4bit' if embedding == 'int4' else 'embedding_byte'}",
         }
     return described
 
 
 def quantization_detail(quantization: Quantization) -> str:
-    head = quantization.lm_head or "int8"
+    head = quantization.lm_head or LmHeadScheme.INT8
     grid = ", symmetric int4" if quantization.symmetric else ""
     parts = [f"8da4w linear weights{grid} ({head} lm_head)" if quantization.scheme else "",
              f"embedding {quantization.embedding}" if quantization.embedding else ""]

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ...choices import LmHeadScheme
 from ...progress import report
 from ..weight_grids import (
     BLOCK,
@@ -39,7 +40,7 @@ ACCURACY_LEVEL = 4
 MS_DOMAIN = "com.microsoft"
 
 
-def quantize_onnx(path, data_file: str, lm_head: str = "int8", symmetric: bool = False) -> dict:
+def quantize_onnx(path, data_file: str, lm_head: LmHeadScheme = LmHeadScheme.INT8, symmetric: bool = False) -> dict:
     """Rewrite the ONNX model at ``path`` in place (``data_file`` beside it), the lm_head ``int8``
     or ``int4``, every int4 weight ``symmetric`` (ONNX Runtime's rounding) or on its source's grid;
     return op counts for ``kvexport.json``."""
@@ -50,7 +51,7 @@ class _GraphQuantizer:
     """One rewrite of ``quantize_onnx``: the graph, its weights and what the rewrite has added so
     far, shared by one method per kind of node it rewrites."""
 
-    def __init__(self, path: Path, data_file: str, lm_head: str, symmetric: bool):
+    def __init__(self, path: Path, data_file: str, lm_head: LmHeadScheme, symmetric: bool):
         import onnx
         from onnx.external_data_helper import uses_external_data
 
@@ -188,11 +189,11 @@ class _GraphQuantizer:
 
         k, n = weight.dims  # [K, N]
         base = node.name or node.output[0]
-        if self.lm_head == "int4" and self.symmetric:
+        if self.lm_head == LmHeadScheme.INT4 and self.symmetric:
             data, scales = symmetric_int4(self.to_array(weight))
             self.added.extend([self.writer.add(data, f"{base}_q4"), self.writer.add(scales, f"{base}_scales")])
             self.nodes.append(_matmul_nbits(helper, node.input[0], f"{base}_q4", f"{base}_scales", node.output[0], k, n, 4))
-        elif self.lm_head == "int4":  # a copy of its own: a tied lookup keeps the 8-bit table
+        elif self.lm_head == LmHeadScheme.INT4:  # a copy of its own: a tied lookup keeps the 8-bit table
             data, scales, zero_points = _int4_with_zero_points(self.to_array(weight))
             self.added.extend([self.writer.add(data, f"{base}_q4"), self.writer.add(scales, f"{base}_scales"),
                                self.writer.add(zero_points, f"{base}_zero_points")])

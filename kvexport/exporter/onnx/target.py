@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from ...artifact.manifest import buffer_layers, state_layers
+from ...choices import KvCache, LmHeadScheme
 from ...errors import UnsupportedModelError
 from ...models.architecture import layer_specs
 from ...models.deferred_weights import DeferredWeights
@@ -37,9 +38,6 @@ PROGRAM_FILE = "model.onnx"
 # Weights always go to one external file: a single layout for every model, and ONNX's protobuf
 # cannot hold more than 2 GB.
 DATA_FILE = "model.onnx.data"
-SUPPORTED_DTYPES = ("float32", "float16")
-# --dtype values refused, and why.
-DTYPES_REFUSED = {"bfloat16": "ONNX Runtime's CPU provider has no bfloat16 MatMul"}
 RUNTIME_PACKAGES = ("onnx", "onnxruntime", "onnxscript", "onnxruntime_genai")
 # --quantize applies to the written graph.
 QUANTIZES_MODULE = False
@@ -74,7 +72,7 @@ def export(
     model: torch.nn.Module,
     max_cache_len: int,
     max_tokens_per_call: int,
-    kv_cache: str = "float",
+    kv_cache: KvCache = KvCache.FLOAT,
     calibration_ids: torch.Tensor | None = None,
     max_draft_tokens: int = 0,
 ) -> torch.export.ExportedProgram:
@@ -91,7 +89,7 @@ def export(
     # Linear attention pads each call's system to the longest call: the bound matters there.
     has_states = any(spec.state_kind for spec in layer_specs(model.config))
     decoder = ExternalCacheDecoder(model, max_cache_len, max_tokens_per_call if has_states else None, max_draft_tokens > 0)
-    if kv_cache == "int8":
+    if kv_cache == KvCache.INT8:
         use_int8_buffers(decoder, calibrate(decoder, calibration_ids))
     with rotary_as_kernel(decoder.model):
         return export_external_cache_decoder(decoder)
@@ -231,7 +229,7 @@ def genai_cannot_run(layers: list[dict]) -> str | None:
     return None
 
 
-def check_kv_cache(kv_cache: str, text_config, specs: list, max_cache_len: int) -> None:
+def check_kv_cache(kv_cache: KvCache, text_config, specs: list, max_cache_len: int) -> None:
     odd = sorted({s.head_dim for s in specs if s.is_ring(max_cache_len) and s.head_dim % WINDOW_HEAD_DIM_MULTIPLE})
     if odd:
         raise UnsupportedModelError(
@@ -241,7 +239,7 @@ def check_kv_cache(kv_cache: str, text_config, specs: list, max_cache_len: int) 
         )
 
 
-def describe_kv_cache(kv_cache: str) -> dict:
+def describe_kv_cache(kv_cache: KvCache) -> dict:
     """What ``kvexport.json`` records under ``kv_cache`` for ``--kv-cache int8``."""
     return {
         "dtype": kv_cache,
@@ -307,7 +305,7 @@ def quantize_files(out_dir: Path, spec: ProgramSpec, quantization: Quantization)
     from .quantize import quantize_onnx
 
     path = out_dir / PROGRAM_FILE
-    ops = quantize_onnx(path, DATA_FILE, quantization.lm_head or "int8", symmetric=quantization.symmetric)
+    ops = quantize_onnx(path, DATA_FILE, quantization.lm_head or LmHeadScheme.INT8, symmetric=quantization.symmetric)
     _check(path)
     return {"opset": _opset(onnx.load(str(path), load_external_data=False)), "quantized_ops": ops}
 
@@ -324,7 +322,7 @@ def describe_quantization(quantization: Quantization, hidden_size: int) -> dict 
                   "op": "com.microsoft::MatMulNBits", "rounding": "onnxruntime's quantize_matmul_4bits, symmetric"}
         return {
             "scheme": "int4", "grid": "symmetric", "by": "kvexport.exporter.onnx.quantize", "linear": linear,
-            "lm_head": linear if lm_head == "int4" else {"weights": "int8", "symmetric": True, "block_size": table_block(hidden_size),
+            "lm_head": linear if lm_head == LmHeadScheme.INT4 else {"weights": "int8", "symmetric": True, "block_size": table_block(hidden_size),
                                                         "op": "com.microsoft::MatMulNBits"},
             "embedding": embedding,
         }
@@ -341,7 +339,7 @@ def describe_quantization(quantization: Quantization, hidden_size: int) -> dict 
             {"weights": "int4", "symmetric": False, "block_size": BLOCK, "zero_points": "4-bit, one a block",
              "accuracy_level": ACCURACY_LEVEL, "op": "com.microsoft::MatMulNBits",
              "note": "--quantize-lm-head int4: each block's zero point the one whose smallest step reaches its min and max"}
-            if lm_head == "int4"
+            if lm_head == LmHeadScheme.INT4
             else {"weights": "int8", "symmetric": True, "block_size": table_block(hidden_size),
                   "op": "com.microsoft::MatMulNBits"}
         ),

@@ -1,0 +1,60 @@
+"""The values an export option (and ``kvexport.json``) may take, one enum each. They are strings
+(``StrEnum``): they compare equal to, print as, and serialise to their values, so a manifest's bytes
+and a command line's words are the same as plain strings. What each target accepts of them is
+declared by the target (``exporter/<target>/__init__.py``)."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+from .errors import InvalidOptionError
+
+
+class Target(StrEnum):
+    EXECUTORCH = "executorch"
+    ONNX = "onnx"
+
+
+class Dtype(StrEnum):
+    FLOAT32 = "float32"
+    FLOAT16 = "float16"
+    BFLOAT16 = "bfloat16"
+
+    @property
+    def bytes(self) -> int:
+        return 4 if self is Dtype.FLOAT32 else 2
+
+
+class KvCache(StrEnum):
+    FLOAT = "float"  # the export's dtype
+    INT8 = "int8"  # about a quarter of float32's bytes; each target's own scales
+
+
+class Scheme(StrEnum):
+    """``--quantize``: 4-bit linear weights."""
+
+    INT8_DYNAMIC_INT4 = "8da4w"  # int8 dynamic activations, int4 weights (ExecuTorch, XNNPACK)
+    INT4 = "int4"  # MatMulNBits (ONNX Runtime)
+
+
+class EmbeddingScheme(StrEnum):
+    INT8 = "int8"
+    INT4 = "int4"
+
+
+class LmHeadScheme(StrEnum):
+    INT8 = "int8"  # the default: its rounding lands straight on the logits
+    INT4 = "int4"  # smaller and faster, less exact
+
+
+class Grid(StrEnum):
+    SOURCE = "source"  # the default: the grids the checkpoint's weights lie on
+    SYMMETRIC = "symmetric"  # every linear weight symmetric int4, as the peers' recipes round them
+
+
+def choose(kind: type[StrEnum], value, option: str) -> StrEnum:
+    """``value`` as ``kind``'s member, or a one-line refusal naming ``option`` and the choices."""
+    try:
+        return kind(value)
+    except ValueError:
+        raise InvalidOptionError(f"unknown {option} '{value}'; choose one of: {', '.join(kind)}") from None
