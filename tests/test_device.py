@@ -13,7 +13,7 @@ from kvexport import device
 from kvexport.artifact.archive import pack
 
 from tests.conftest import NEW_TOKENS, PROMPT
-from tests.test_cli import assert_one_line_error, run_cli
+from tests.helpers import assert_one_line_error, run_cli
 
 # What a device that runs ONNX artifacts has installed besides the standard library (jinja2, and
 # markupsafe under it, for --chat).

@@ -11,7 +11,7 @@ import pytest
 from kvexport.errors import ArtifactError, InvalidOptionError
 from kvexport.artifact.archive import open_artifact, pack
 
-from tests.test_cli import assert_one_line_error, run_cli
+from tests.helpers import assert_one_line_error, run_cli
 
 
 @pytest.fixture(scope="module")

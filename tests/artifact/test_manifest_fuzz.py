@@ -30,8 +30,7 @@ from hypothesis import strategies as st
 from kvexport import device
 from kvexport.artifact.manifest import sha256_file
 
-from tests.helpers import edit_manifest
-from tests.test_cli import assert_one_line_error, run_cli
+from tests.helpers import assert_one_line_error, edit_manifest, run_cli
 
 PROMPT = "The quick brown fox"
 # --ignore-eos: which ids end a generation is the manifest's to say (an ONNX graph does not know).

@@ -9,17 +9,9 @@ import onnxruntime as ort
 import pytest
 import torch
 
-from kvexport.cli import main
 from kvexport.checker.check import LOGIT_TOLERANCE, Float32Logits, check_half_precision_prompt, check_prompt, logit_tolerance
 
-from tests.test_cli import assert_one_line_error
-
-
-def run_cli(capsys, *args) -> tuple[int, str, str]:
-    with pytest.raises(SystemExit) as exit_info:
-        main([str(a) for a in args])
-    out, err = capsys.readouterr()
-    return exit_info.value.code, out, err
+from tests.helpers import assert_one_line_error, run_cli
 
 
 def test_check_passes_past_the_window(artifact, capsys):

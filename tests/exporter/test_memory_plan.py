@@ -14,7 +14,7 @@ import torch
 
 from kvexport.exporter import memory_plan, pipeline
 from kvexport.models import presets
-from tests.test_cli import assert_one_line_error, run_cli
+from tests.helpers import assert_one_line_error, run_cli
 
 
 def test_the_memory_checked_is_a_container_s_limit_where_that_is_less(tmp_path, monkeypatch):

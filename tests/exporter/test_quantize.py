@@ -26,8 +26,7 @@ from kvexport.models.presets import build_preset
 from kvexport.runtime.programs import load_program
 
 from tests.conftest import NEW_TOKENS, PROMPT
-from tests.helpers import TINY_8DA4W, assert_on_grid, eager_ids, effective_weight
-from tests.test_cli import assert_one_line_error, run_cli
+from tests.helpers import TINY_8DA4W, assert_on_grid, assert_one_line_error, eager_ids, effective_weight, run_cli
 
 
 def teacher_forced(forward, ids: list[int], prompt_len: int) -> np.ndarray:

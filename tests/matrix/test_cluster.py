@@ -11,8 +11,7 @@ import time
 
 import pytest
 
-from tests.helpers import on_one_worker
-from tests.test_cli import assert_one_line_error, run_cli
+from tests.helpers import assert_one_line_error, on_one_worker, run_cli
 
 ray = pytest.importorskip("ray", reason="Ray is kvexport[ray], an optional dependency")
 

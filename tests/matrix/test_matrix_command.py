@@ -17,8 +17,7 @@ import pytest
 
 from kvexport.matrix.spec import load_matrix
 
-from tests.helpers import on_one_worker
-from tests.test_cli import assert_one_line_error, run_cli
+from tests.helpers import assert_one_line_error, on_one_worker, run_cli
 
 # The module fixture (the matrix run) is made once: all of it on one pytest-xdist worker.
 pytestmark = on_one_worker("matrix-command")

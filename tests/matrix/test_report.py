@@ -11,7 +11,7 @@ from kvexport.errors import InvalidOptionError
 from kvexport.matrix import support_table
 from kvexport.matrix.report import FORMAT, FORMAT_VERSION, all_passed, merge_reports, missing_rows, to_markdown
 
-from tests.test_cli import assert_one_line_error, run_cli
+from tests.helpers import assert_one_line_error, run_cli
 
 
 def row(index, model="tiny-llama", target="executorch", status="pass", **extra) -> dict:

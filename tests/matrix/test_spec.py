@@ -9,7 +9,7 @@ import pytest
 from kvexport.errors import InvalidOptionError
 from kvexport.matrix.spec import load_matrix, parse_shard, shard_rows
 
-from tests.test_cli import assert_one_line_error, run_cli
+from tests.helpers import assert_one_line_error, run_cli
 
 TINY_MATRIX = Path(__file__).resolve().parents[2] / "matrices" / "tiny.toml"
 

@@ -33,8 +33,7 @@ from kvexport.errors import KvexportError
 from kvexport.models import sources
 from kvexport.models.presets import build_preset
 
-from tests.helpers import on_one_worker
-from tests.test_cli import assert_one_line_error, run_cli
+from tests.helpers import assert_one_line_error, on_one_worker, run_cli
 
 # The module fixtures (the server, the exports from it) are made once: all of it on one pytest-xdist worker.
 pytestmark = on_one_worker("hub")

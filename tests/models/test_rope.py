@@ -22,8 +22,10 @@ from kvexport.models.architecture import check_rope
 from kvexport.progress import Progress
 from kvexport.runtime.programs import load_program
 
-from tests.helpers import FP32_LOGIT_ATOL, assert_generation_matches, eager_reference, greedy_with
-from tests.test_cli import assert_one_line_error, run_cli, snapshot
+from tests.helpers import (
+    FP32_LOGIT_ATOL, assert_generation_matches, assert_one_line_error, eager_reference, greedy_with, run_cli,
+)
+from tests.test_cli import snapshot
 
 THETA = 10000.0
 ORIGINAL = 64  # original_max_position_embeddings where a type has one

@@ -25,7 +25,7 @@ from kvexport.runtime.programs import load_program, max_tokens_per_call
 from kvexport.runtime.tokenizer import ArtifactTokenizer
 
 from tests.conftest import TEST_CACHE_LEN
-from tests.test_cli import assert_one_line_error, run_cli
+from tests.helpers import assert_one_line_error, run_cli
 
 # The tiny presets' tokenizer has one token per character, and a 64-position test cache holds
 # three short turns only in templates with short markers. These keep the two templates' logic:

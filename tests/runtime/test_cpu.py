@@ -41,7 +41,7 @@ def test_kvexport_threads_sizes_each_runtime_s_pool(artifact, monkeypatch, capsy
     from executorch.extension.pybindings.portable_lib import _threadpool_get_thread_count
 
     from kvexport.runtime.programs import load_program
-    from tests.test_cli import assert_one_line_error, run_cli
+    from tests.helpers import assert_one_line_error, run_cli
 
     before = _threadpool_get_thread_count()
     for threads in (1, 3):

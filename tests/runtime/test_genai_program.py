@@ -15,9 +15,11 @@ from kvexport.models.presets import build_preset
 from kvexport.runtime.programs import load_program
 
 from tests.conftest import GENAI_REFUSES, NEW_TOKENS, PROMPT, TEST_CACHE_LEN
-from tests.helpers import FP32_LOGIT_ATOL, assert_generation_matches, eager_reference, genai_greedy, greedy_with
+from tests.helpers import (
+    FP32_LOGIT_ATOL, assert_generation_matches, assert_one_line_error, eager_reference, genai_greedy, greedy_with,
+    run_cli,
+)
 from tests.runtime.test_onnx_program import _WITHOUT_TORCH
-from tests.test_cli import assert_one_line_error, run_cli
 
 
 # Presets whose ONNX folder genai cannot run (test_a_folder_genai_cannot_run_is_refused_in_one_line).

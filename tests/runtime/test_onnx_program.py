@@ -17,8 +17,9 @@ from kvexport.checker.check import LOGIT_TOLERANCE
 from kvexport.runtime.programs import load_program
 
 from tests.conftest import NEW_TOKENS, PROMPT, TEST_CACHE_LEN
-from tests.helpers import assert_generation_matches, eager_reference, edit_manifest, greedy_with
-from tests.test_cli import assert_one_line_error, run_cli
+from tests.helpers import (
+    assert_generation_matches, assert_one_line_error, eager_reference, edit_manifest, greedy_with, run_cli,
+)
 
 HAS_CUDA_EP = "CUDAExecutionProvider" in ort.get_available_providers()
 # float16 logits, CUDA provider vs CPU provider on one graph: their kernels round differently

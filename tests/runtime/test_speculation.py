@@ -17,8 +17,7 @@ from kvexport.runtime.programs import load_program
 from kvexport.runtime.speculation import ModelDrafter, PromptLookup, generate_with_draft
 
 from tests.conftest import PROMPT
-from tests.helpers import FP32_LOGIT_ATOL
-from tests.test_cli import assert_one_line_error, run_cli
+from tests.helpers import FP32_LOGIT_ATOL, assert_one_line_error, run_cli
 
 DRAFTS = 4
 

@@ -20,8 +20,7 @@ from kvexport.models.presets import build_preset
 from kvexport.runtime.programs import load_program
 
 from tests.conftest import NEW_TOKENS, PROMPT, TEST_CACHE_LEN
-from tests.helpers import assert_generation_matches, greedy_with, torch_forward
-from tests.test_cli import assert_one_line_error, run_cli
+from tests.helpers import assert_generation_matches, assert_one_line_error, greedy_with, run_cli, torch_forward
 
 
 def test_an_int8_cache_counts_its_rows_scales_and_zero_points(tmp_path):

@@ -15,8 +15,9 @@ from kvexport.models.presets import build_preset, preset_config
 from kvexport.runtime.programs import load_program
 
 from tests.conftest import NEW_TOKENS, PROMPT, TEST_CACHE_LEN
-from tests.helpers import FP32_LOGIT_ATOL, assert_generation_matches, eager_reference, greedy_with
-from tests.test_cli import assert_one_line_error, run_cli
+from tests.helpers import (
+    FP32_LOGIT_ATOL, assert_generation_matches, assert_one_line_error, eager_reference, greedy_with, run_cli,
+)
 
 
 def test_onnx_matches_eager_past_the_window(tiny, artifact):
