@@ -9,6 +9,7 @@ import functools
 import os
 import re
 import shutil
+import socket
 import tempfile
 from pathlib import Path
 
@@ -66,7 +67,8 @@ def plain_folder(source: ModelSource, cache_dir: Path | None) -> Path:
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".tmp-"))
+    remove_abandoned_conversions(folder.parent)
+    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f"{_TMP_PREFIX}{os.getpid()}@{socket.gethostname()}."))
     try:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
@@ -78,6 +80,30 @@ def plain_folder(source: ModelSource, cache_dir: Path | None) -> Path:
         if not (isinstance(error, OSError) and (folder / "config.json").is_file()):
             raise
     return folder
+
+
+# A conversion in progress: ``.tmp-PID@HOST.*``, renamed to its folder when complete.
+_TMP_PREFIX = ".tmp-"
+
+
+def remove_abandoned_conversions(cache: Path) -> None:
+    """Remove the half-written conversions of this host's processes that are gone (killed: SIGKILL,
+    out of memory), a model's float32 weights each. A running conversion's stays, and so does
+    another host's (a cache on a shared disk), whose processes this one cannot see."""
+    for tmp in cache.glob(f"{_TMP_PREFIX}*@{socket.gethostname()}.*"):
+        pid = tmp.name.removeprefix(_TMP_PREFIX).partition("@")[0]
+        if pid.isdigit() and not _running(int(pid)):
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def _checked_gguf_model(source: ModelSource):

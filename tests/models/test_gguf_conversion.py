@@ -44,6 +44,27 @@ def test_a_conversion_another_process_finished_first_is_used(tmp_path, monkeypat
     assert [p.name for p in folder.parent.iterdir()] == [folder.name]  # no temporary folder left
 
 
+def test_a_killed_conversion_s_folder_is_removed_by_the_next_one(tmp_path):
+    """A conversion killed midway (out of memory) leaves a model's float32 weights in a hidden folder;
+    the next conversion in that cache removes it, and leaves a running one's alone."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    cache, host = tmp_path / "gguf", socket.gethostname()
+    abandoned = cache / f".tmp-{gone.stdout.strip()}@{host}.abc"
+    running = cache / f".tmp-{os.getpid()}@{host}.def"
+    elsewhere = cache / f".tmp-{gone.stdout.strip()}@another-{host}.ghi"  # a shared disk: its process is not seen here
+    for folder in (abandoned, running, elsewhere):
+        folder.mkdir(parents=True)
+        (folder / "model.safetensors").write_bytes(b"weights")
+    gguf_conversion.remove_abandoned_conversions(cache)
+    assert not abandoned.exists()
+    assert (running / "model.safetensors").is_file() and (elsewhere / "model.safetensors").is_file()
+
+
 def test_a_truncated_gguf_is_reported_not_crashed_on(tmp_path):
     real = sources.resolve("smollm2-135m").path
     broken = tmp_path / "broken.gguf"
