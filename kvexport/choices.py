@@ -48,8 +48,14 @@ class LmHeadScheme(StrEnum):
 
 
 class Grid(StrEnum):
-    SOURCE = "source"  # the default: the grids the checkpoint's weights lie on
-    SYMMETRIC = "symmetric"  # every linear weight symmetric int4, as the peers' recipes round them
+    """``--quantize-grid``: ``source`` (the default) keeps the grids the checkpoint's weights lie on,
+    8-bit where it stores them finer than 4 bits; ``symmetric`` rounds every linear weight to
+    symmetric int4 in groups of 32 as the peers' recipes do (ExecuTorch's 8da4w config, ONNX
+    Runtime's symmetric MatMulNBits quantizer): fewer bytes and operators a step, further from float
+    eager (docs/quantization.md)."""
+
+    SOURCE = "source"
+    SYMMETRIC = "symmetric"
 
 
 def choose(kind: type[StrEnum], value, option: str) -> StrEnum:
