@@ -105,14 +105,15 @@ def remove_abandoned(out: Path) -> list[Path]:
         match = pattern.fullmatch(sibling.name)
         if not match or sibling.is_symlink() or not sibling.is_dir():
             continue
-        if _running(int(match.group(1))) or _locked(sibling):
+        if process_running(int(match.group(1))) or _locked(sibling):
             continue
         shutil.rmtree(sibling, ignore_errors=True)
         removed.append(sibling)
     return removed
 
 
-def _running(pid: int) -> bool:
+def process_running(pid: int) -> bool:
+    """Whether process ``pid`` of this host is alive (this one, or another user's, included)."""
     if pid == os.getpid():
         return True
     try:

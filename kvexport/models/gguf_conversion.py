@@ -13,6 +13,7 @@ import socket
 import tempfile
 from pathlib import Path
 
+from ..artifact.staging import process_running
 from ..errors import ModelNotFoundError, first_line
 from ..outputs import check_writable
 from .loading import refuse_a_partial_load, torch_dtype, with_loading_report
@@ -92,18 +93,8 @@ def remove_abandoned_conversions(cache: Path) -> None:
     another host's (a cache on a shared disk), whose processes this one cannot see."""
     for tmp in cache.glob(f"{_TMP_PREFIX}*@{socket.gethostname()}.*"):
         pid = tmp.name.removeprefix(_TMP_PREFIX).partition("@")[0]
-        if pid.isdigit() and not _running(int(pid)):
+        if pid.isdigit() and not process_running(int(pid)):
             shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
 
 
 def _checked_gguf_model(source: ModelSource):
