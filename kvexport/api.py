@@ -27,6 +27,7 @@ from .errors import KvexportError
 from .exporter import EXPORT_HASH_SEED
 
 if TYPE_CHECKING:
+    from .artifact.manifest import Manifest
     from .checker.check import CheckReport
     from .runtime.chat import Conversation
     from .runtime.generation import Generation
@@ -125,7 +126,7 @@ def check(
 class Artifact:
     """An exported artifact: its folder, its manifest (``kvexport.json``), and generation with it."""
 
-    def __init__(self, folder: Path, manifest: dict, device: str = "cpu"):
+    def __init__(self, folder: Path, manifest: Manifest, device: str = "cpu"):
         self.folder = Path(folder)
         self.manifest = manifest
         self.device = device
@@ -134,15 +135,15 @@ class Artifact:
 
     def __repr__(self) -> str:
         m = self.manifest
-        return f"Artifact({str(self.folder)!r}, target={m['target']!r}, dtype={m['dtype']!r}, max_cache_len={m['max_cache_len']})"
+        return f"Artifact({str(self.folder)!r}, target={str(m.target)!r}, dtype={str(m.dtype)!r}, max_cache_len={m.max_cache_len})"
 
     @property
     def target(self) -> str:
-        return self.manifest["target"]
+        return self.manifest.target
 
     @property
     def max_cache_len(self) -> int:
-        return self.manifest["max_cache_len"]
+        return self.manifest.max_cache_len
 
     @property
     def tokenizer(self):

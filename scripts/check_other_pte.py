@@ -28,7 +28,7 @@ if (REPO / "kvexport").is_dir() and str(REPO) not in sys.path:
 class OtherProgram:
     """``forward(tokens, start) -> logits`` over a ``.pte`` that is not kvexport's."""
 
-    def __init__(self, pte: Path, manifest: dict):
+    def __init__(self, pte: Path, manifest):
         from executorch.runtime import Runtime
 
         from kvexport.runtime.executorch_program import register_kernels
@@ -67,7 +67,7 @@ def measure(artifact: Path, pte: Path) -> list[dict]:
     rows = []
     for text, steps in check.default_prompts(manifest, tokenizer, check.QUANTIZED_STEPS):
         report = check.check_prompt(program, model, tokenizer.encode(text), steps, check.LOGIT_TOLERANCE["float32"],
-                                    teacher_forcing=True, suppress=manifest.get("eos_token_ids"))
+                                    teacher_forcing=True, suppress=manifest.eos_token_ids)
         margins = report.disagreement_margins
         rows.append({"prompt_tokens": report.prompt_tokens, "steps": report.compared_steps,
                      "top1_agreement": report.top1_agreement, "max_logit_diff": report.max_logit_diff,

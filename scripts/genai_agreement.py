@@ -10,6 +10,7 @@ A comparison, not a test: the other folders are made elsewhere (docs/performance
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -43,13 +44,13 @@ def main() -> int:
         # What GenaiProgram reads of a manifest: the target, the generation's max_length (the kvexport
         # artifact's cache for every folder), the vocabulary; no file list, since another exporter's
         # folder has no kvexport.json to verify it against.
-        fields = {"target": "onnx", "genai_config": "genai_config.json", "vocab_size": manifest["vocab_size"],
-                  "max_cache_len": min(manifest["max_cache_len"], config["search"]["max_length"])}
+        fields = dataclasses.replace(manifest, genai_config="genai_config.json", files={}, versions={},
+                                     max_cache_len=min(manifest.max_cache_len, config["search"]["max_length"]))
         program = GenaiProgram(folder, fields, "cpu")
         for text, ids in prompts:
-            steps = min(args.steps, fields["max_cache_len"] - len(ids))
+            steps = min(args.steps, fields.max_cache_len - len(ids))
             report = check_prompt(program, model, ids, steps, LOGIT_TOLERANCE["float32"], teacher_forcing=True,
-                                  suppress=manifest["eos_token_ids"])
+                                  suppress=manifest.eos_token_ids)
             results.append({"folder": str(folder), "prompt_tokens": len(ids), "steps": report.compared_steps,
                             "top1_agreement": report.top1_agreement, "max_logit_diff": report.max_logit_diff})
             print(f"{folder}: {len(ids)}-token prompt, {report.compared_steps} steps: top-1 agreement "

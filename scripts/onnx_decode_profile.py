@@ -42,7 +42,7 @@ def module_kinds(model_path: Path) -> dict[str, str]:
 def profile(folder: Path, position: int, steps: int, threads: int) -> dict[str, float]:
     """Milliseconds per decode step by module kind, after a prompt of ``position`` ids."""
     manifest = read_manifest(folder)
-    kinds = module_kinds(folder / manifest["program"])
+    kinds = module_kinds(folder / manifest.program)
     plain_options = ort.SessionOptions
     with tempfile.TemporaryDirectory() as tmp:
 
@@ -57,7 +57,7 @@ def profile(folder: Path, position: int, steps: int, threads: int) -> dict[str, 
             program = OnnxProgram(folder, manifest, "cpu", threads=threads)
         finally:
             ort.SessionOptions = plain_options
-        ids = np.random.default_rng(0).integers(0, manifest["vocab_size"], position + steps).tolist()
+        ids = np.random.default_rng(0).integers(0, manifest.vocab_size, position + steps).tolist()
         program.forward(ids[:position], 0)
         for i in range(steps):
             program.forward([ids[position + i]], position + i)

@@ -55,13 +55,13 @@ def trace_decode(folder: Path, prompt_tokens: int, new_tokens: int, threads: int
     from kvexport.runtime.tokenizer import ArtifactTokenizer
 
     manifest = read_manifest(folder)
-    if manifest["target"] != "executorch":
+    if manifest.target != "executorch":
         raise InvalidOptionError(
-            f"{folder} is a {manifest['target']} artifact; profile_pte.py reads ExecuTorch's event trace, "
+            f"{folder} is a {manifest.target} artifact; profile_pte.py reads ExecuTorch's event trace, "
             "so it takes an --target executorch artifact"
         )
     # The prefill call's token and one per decode call; refused before anything loads.
-    check_fits(prompt_tokens, new_tokens + 1, manifest["max_cache_len"])
+    check_fits(prompt_tokens, new_tokens + 1, manifest.max_cache_len)
     set_torch_threads(threads)
     os.environ[THREADS_ENV] = str(threads)  # the runner sizes ExecuTorch's threadpool from it
     program = executorch_program.load(folder, manifest, "cpu", trace_events=True)

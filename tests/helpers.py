@@ -18,6 +18,15 @@ SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 FP32_LOGIT_ATOL = 2e-3
 
 
+def fake_manifest(**fields):
+    """A manifest with the fields a test gives and placeholders for the others: a fake program's."""
+    from kvexport.artifact.manifest import Manifest, Source
+
+    placeholders = dict(target="onnx", source=Source("fake"), dtype="float32", max_cache_len=512, vocab_size=128,
+                        eos_token_ids=(), layers=(), program="model.onnx", files={})
+    return Manifest(**{**placeholders, **fields})
+
+
 def run_cli(capsys, *args) -> tuple[int, str, str]:
     """``kvexport ARGS`` in this process: its exit code, stdout and stderr."""
     from kvexport.cli import main

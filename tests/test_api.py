@@ -23,7 +23,7 @@ def test_export_in_this_process_where_the_hash_seed_is_already_kvexport_s(artifa
     calls = []
     monkeypatch.setattr(kvexport.api, "_export_in_child", lambda *a: calls.append(a))
     made = kvexport.export("tiny-qwen3", "onnx", tmp_path / "here", max_cache_len=64, quiet=True)
-    assert calls == [] and made.manifest["target"] == "onnx"
+    assert calls == [] and made.manifest.target == "onnx"
     assert made.generate(PROMPT, NEW_TOKENS, ignore_eos=True).new_ids == (
         kvexport.load(artifact("tiny-qwen3", "onnx")).generate(PROMPT, NEW_TOKENS, ignore_eos=True).new_ids
     )

@@ -44,6 +44,7 @@ def previous_artifact(out: Path) -> None:
                 "max_cache_len": 16,
                 "vocab_size": 100,
                 "eos_token_ids": [97],
+                "bos_token_id": None,
                 "dtype": "float32",
                 "layers": [{"cache": "static", "window": None}],
                 "source": {"name": "tiny-llama", "kind": "preset", "path": None},
@@ -113,7 +114,7 @@ def test_a_failure_in_lowering_leaves_the_previous_artifact(tmp_path, monkeypatc
     with pytest.raises(RuntimeError, match="lowering failed"):
         main(["tiny-llama", "-o", str(out), "--max-cache-len", "16", "--force"])
     assert tree(tmp_path) == before
-    assert artifact.read_manifest(out)["files"]["model.pte"]["bytes"] == len(b"the previous program")
+    assert artifact.read_manifest(out).files["model.pte"].bytes == len(b"the previous program")
 
 
 def test_a_full_disk_while_lowering_gets_one_line(tmp_path, monkeypatch, capsys):

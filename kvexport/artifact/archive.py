@@ -50,7 +50,7 @@ def pack(folder: Path, out: Path | None = None, force: bool = False) -> tuple[Pa
     try:
         with tarfile.open(tmp, mode) as tar:
             sums = [MANIFEST, MANIFEST_SUM] if (folder / MANIFEST_SUM).is_file() else [MANIFEST]
-            for name in [*sums, *manifest["files"]]:  # the manifest first: it lists what follows
+            for name in [*sums, *manifest.files]:  # the manifest first: it lists what follows
                 tar.add(folder / name, arcname=f"{folder.name}/{name}", recursive=False)
         os.replace(tmp, out)
     except OSError as e:

@@ -3,14 +3,17 @@ sha256) and how to run it; written by the exporter, read and verified by every r
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
 import re
 import stat
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from ..choices import Target
+from ..choices import Dtype, Target
 from ..errors import ArtifactError
 
 MANIFEST = "kvexport.json"
@@ -28,23 +31,257 @@ SOURCE_KINDS = ("preset", "alias", "folder", "gguf", "hub")
 _EDITED = "the manifest was edited or damaged, re-run kvexport export"
 
 
-def buffer_layers(layers: list[dict]) -> list[dict]:
+def _to_json(value, always: tuple[str, ...] = ()) -> dict:
+    """A manifest dataclass as JSON, its fields in declaration order (the file's); a field that is
+    None is left out unless ``always`` writes it (as null)."""
+    out = {}
+    for f in dataclasses.fields(value):
+        item = getattr(value, f.name)
+        if item is None and f.name not in always:
+            continue
+        out[f.name] = _json_value(item)
+    return out
+
+
+def _from_json(cls, data: dict, **nested):
+    """``cls`` from a JSON object: its fields' keys (others are not read), lists as tuples, the
+    ``nested`` fields through their own type."""
+    values = {}
+    for f in dataclasses.fields(cls):
+        value = data.get(f.name)
+        if value is not None and f.name in nested:
+            value = nested[f.name].from_json(value)
+        values[f.name] = tuple(value) if isinstance(value, list) else value
+    return cls(**values)
+
+
+def _json_value(item):
+    if hasattr(item, "to_json"):
+        return item.to_json()
+    if isinstance(item, (list, tuple)):
+        return [_json_value(x) for x in item]
+    if isinstance(item, dict):
+        return {k: _json_value(v) for k, v in item.items()}
+    return item
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    """A file of the artifact: its sha256 and size."""
+
+    sha256: str
+    bytes: int
+
+    def to_json(self) -> dict:
+        return _to_json(self)
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where the artifact's model came from (``check`` loads it again): a preset, an alias, a local
+    folder or GGUF file, or a Hub model at the commit it was exported from."""
+
+    name: str
+    kind: str | None = None
+    path: str | None = None
+    revision: str | None = None
+    commit: str | None = None
+    gguf_file: str | None = None
+
+    @classmethod
+    def from_json(cls, data: dict) -> Source:
+        return _from_json(cls, data)
+
+    def to_json(self) -> dict:
+        # revision goes with commit (a Hub model), even where it was not named (null)
+        return _to_json(self, always=("kind", "path") + ("revision",) * (self.commit is not None))
+
+
+@dataclass(frozen=True)
+class State:
+    """A hybrid layer's second state, beside its KV cache (Falcon-H1's Mamba-2 mixer): a
+    convolution's ``[1, channels, slots]`` and, for ``recurrent``, a recurrent state's shape."""
+
+    cache: str
+    slots: int | None = None
+    channels: int | None = None
+    state: tuple[int, ...] | None = None
+
+    @classmethod
+    def from_json(cls, data: dict) -> State:
+        return _from_json(cls, data)
+
+    def to_json(self) -> dict:
+        return _to_json(self)
+
+
+@dataclass(frozen=True)
+class Layer:
+    """One decoder layer's entry: the cache it holds (``static``, ``ring``, ``shared``, ``conv``,
+    ``recurrent`` or ``none``), its window, and the sizes a runtime builds its buffers from."""
+
+    index: int | None = None
+    layer_type: str | None = None
+    cache: str = "none"
+    reads: int | None = None  # a shared layer: the earlier layer whose cache it reads
+    window: int | None = None
+    chunk: int | None = None
+    slots: int | None = None
+    channels: int | None = None
+    kv_heads: int | None = None
+    head_dim: int | None = None
+    state: tuple[int, ...] | None = None  # a recurrent state's shape
+    mixer: State | None = None
+
+    @classmethod
+    def from_json(cls, data: dict) -> Layer:
+        return _from_json(cls, data, mixer=State)
+
+    def to_json(self) -> dict:
+        return _to_json(self, always=("window",))
+
+    @property
+    def holds_kv(self) -> bool:
+        """Holds a KV cache of its own (a ``shared`` layer reads another's)."""
+        return self.cache in ("static", "ring")
+
+
+@dataclass(frozen=True)
+class Interface:
+    """The program's inputs and outputs as the manifest describes them (each a dict of name, dtype,
+    shape and what it means) and how calls follow one another."""
+
+    inputs: tuple[dict, ...] | None = None
+    outputs: tuple[dict, ...] | None = None
+    symbols: Any = None
+    calls: str | None = None
+    max_tokens_per_call: int | None = None
+    convention: Any = None
+    cache: Any = None
+
+    @classmethod
+    def from_json(cls, data: dict) -> Interface:
+        return _from_json(cls, data)
+
+    def to_json(self) -> dict:
+        return _to_json(self)
+
+    def names(self, kind: str) -> list[str]:
+        """The names of the ``inputs`` or the ``outputs``, in order."""
+        return [entry["name"] for entry in getattr(self, kind) or ()]
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """``kvexport.json``, read and checked (``read_manifest``) or about to be written
+    (``write_manifest``); ``None`` where the file has no such key. Descriptive parts a runtime does
+    not interpret (the export's options, the quantization, the versions) stay JSON objects; what a
+    target's lowering recorded beyond these fields is in ``facts``, in the order it was written."""
+
+    target: Target
+    source: Source
+    dtype: Dtype
+    max_cache_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    layers: tuple[Layer, ...]
+    program: str
+    files: dict[str, FileEntry]
+    format_version: int = FORMAT_VERSION
+    export_options: dict | None = None
+    model_type: str | None = None
+    quantization: dict | None = None
+    bos_token_id: int | None = None
+    tokenizer_adds_bos: bool | None = None
+    kv_cache: dict | None = None
+    kv_cache_bytes: int | None = None
+    kv_cache_bytes_if_all_full: int | None = None
+    state_bytes: int | None = None
+    max_draft_tokens: int = 0
+    interface: Interface | None = None
+    versions: dict = dataclasses.field(default_factory=dict)
+    weights: str | None = None  # ExecuTorch: the .ptd beside the .pte
+    external_data: str | None = None  # ONNX: the graph's weights
+    genai_unsupported: str | None = None  # ONNX: why onnxruntime-genai cannot run the folder
+    genai_config: str | None = None
+    facts: dict = dataclasses.field(default_factory=dict)
+
+    # The file's order (the fields above are in the order a dataclass needs: required ones first).
+    ORDER = (
+        "format_version", "target", "source", "export_options", "model_type", "dtype", "max_cache_len",
+        "quantization", "vocab_size", "bos_token_id", "eos_token_ids", "tokenizer_adds_bos", "layers", "kv_cache",
+        "kv_cache_bytes", "kv_cache_bytes_if_all_full", "state_bytes", "max_draft_tokens", "interface", "versions",
+        "program", "weights", "external_data", "genai_unsupported", "genai_config",
+    )  # fmt: skip
+
+    @classmethod
+    def from_json(cls, data: dict, path: Path | str = MANIFEST) -> Manifest:
+        """The manifest in ``data``, checked as ``read_manifest`` checks a file (``path`` names it
+        in the errors)."""
+        _check_fields(Path(path), data)
+        declared = {f.name for f in dataclasses.fields(cls)} - {"facts"}
+        values = {key: data[key] for key in declared if key in data}
+        return cls(**{
+            **values,
+            "target": Target(data["target"]),
+            "dtype": Dtype(data["dtype"]),
+            "source": Source.from_json(data["source"]),
+            "eos_token_ids": tuple(data["eos_token_ids"]),
+            "layers": tuple(Layer.from_json(layer) for layer in data["layers"]),
+            "files": {name: FileEntry(entry["sha256"], entry["bytes"]) for name, entry in data["files"].items()},
+            "interface": Interface.from_json(data["interface"]) if data.get("interface") is not None else None,
+            "max_draft_tokens": data.get("max_draft_tokens") or 0,
+            "versions": data.get("versions") or {},
+            "facts": {key: value for key, value in data.items() if key not in declared and key != "format"},
+        })  # fmt: skip
+
+    def to_json(self) -> dict:
+        """The manifest as kvexport.json holds it: the fields in ``ORDER``, the target's facts, the
+        files. ``bos_token_id`` is written even where null (the tokenizer has none)."""
+        values = {key: getattr(self, key) for key in self.ORDER}
+        values["max_draft_tokens"] = self.max_draft_tokens or None
+        values["versions"] = self.versions or None
+        out = {"format": FORMAT}
+        out |= {key: _json_value(value) for key, value in values.items() if value is not None or key == "bos_token_id"}
+        return out | _json_value(self.facts) | {"files": _json_value(self.files)}
+
+    @property
+    def kv_cache_dtype(self) -> str:
+        """The KV cache's element type: int8 where asked, else the artifact's dtype."""
+        return (self.kv_cache or {}).get("dtype", self.dtype)
+
+    @property
+    def max_tokens_per_call(self) -> int:
+        """The longest call the program takes (older artifacts: any the cache holds)."""
+        return (self.interface and self.interface.max_tokens_per_call) or self.max_cache_len
+
+    @property
+    def files_bytes(self) -> int:
+        return sum(entry.bytes for entry in self.files.values())
+
+    def version(self, package: str) -> str | None:
+        """The version of ``package`` it was exported with."""
+        return self.versions.get(package)
+
+
+def buffer_layers(layers) -> list[Layer]:
     """The layers that hold a KV cache of their own, in order (a ``shared`` layer reads an earlier
     layer's, a ``conv`` layer holds a convolution's state): an ONNX graph's n-th past and present
     buffers are the n-th of these."""
-    return [layer for layer in layers if layer["cache"] in ("static", "ring")]
+    return [layer for layer in layers if layer.holds_kv]
 
 
-def state_layers(layers: list[dict]) -> list[dict]:
+def state_layers(layers) -> list[Layer]:
     """The layers that hold a state (``conv``, ``recurrent``), in order: those instead of a KV cache,
     and a hybrid layer's ``mixer`` (Falcon-H1) beside its KV cache, as an entry of its own with the
     layer's index. An ONNX graph passes their states after every KV buffer."""
     states = []
     for layer in layers:
-        if layer["cache"] in ("conv", "recurrent"):
+        if layer.cache in ("conv", "recurrent"):
             states.append(layer)
-        elif isinstance(layer.get("mixer"), dict):
-            states.append({"index": layer["index"], "layer_type": layer["layer_type"], **layer["mixer"]})
+        elif layer.mixer is not None:
+            m = layer.mixer
+            states.append(Layer(layer.index, layer.layer_type, m.cache, slots=m.slots, channels=m.channels, state=m.state))
     return states
 
 
@@ -65,13 +302,20 @@ def file_entries(folder: Path) -> dict:
     }
 
 
-def write_manifest(folder: Path, manifest: dict) -> None:
-    manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, **manifest, "files": file_entries(folder)}
-    (folder / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=False) + "\n")
+def write_manifest(folder: Path, fields: dict) -> Manifest:
+    """Write the folder's manifest: ``fields`` (as kvexport.json names them) and every file's sum,
+    checked as a runtime will check them; return it."""
+    data = {"format": FORMAT, "format_version": FORMAT_VERSION, **fields, "files": file_entries(folder)}
+    manifest = Manifest.from_json(data, folder / MANIFEST)
+    written = manifest.to_json()
+    if written != json.loads(json.dumps(data)):  # a key no field holds would be dropped, an absent one made null
+        raise RuntimeError(f"{MANIFEST}: the Manifest would not write back the fields it was given as given")
+    (folder / MANIFEST).write_text(json.dumps(written, indent=2, sort_keys=False) + "\n")
     (folder / MANIFEST_SUM).write_text(f"{sha256_file(folder / MANIFEST)}  {MANIFEST}\n")
+    return manifest
 
 
-def read_manifest(folder: Path, verify: bool = True) -> dict:
+def read_manifest(folder: Path, verify: bool = True) -> Manifest:
     """The folder's manifest, checked: format, version, every field a runtime reads (types, ranges and
     how they fit together), and the listed files present, regular files of the folder (no symlinks)
     and (``verify``) intact. What only the program can confirm (its shapes, its metadata) is checked
@@ -84,14 +328,14 @@ def read_manifest(folder: Path, verify: bool = True) -> dict:
     if not path.is_file():
         raise ArtifactError(f"{folder} has no {MANIFEST}; it is not a kvexport artifact (re-run kvexport export)")
     try:
-        manifest = json.loads(path.read_text())
+        data = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
         raise ArtifactError(f"{path} is not valid JSON ({str(e) or 'nested too deeply'}); re-run kvexport export")
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise ArtifactError(f"{path} is not a kvexport manifest; re-run kvexport export")
-    target = manifest.get("target")
+    target = data.get("target")
     readable = _READABLE_VERSIONS.get(target, (FORMAT_VERSION,)) if isinstance(target, str) else (FORMAT_VERSION,)
-    version = manifest.get("format_version")
+    version = data.get("format_version")
     if not _count(version) or version not in readable:
         raise ArtifactError(
             f"{path} has format version {_shown(version)}, this kvexport reads "
@@ -106,18 +350,8 @@ def read_manifest(folder: Path, verify: bool = True) -> dict:
             f"{path} does not match {MANIFEST_SUM}: the manifest is corrupt or was changed; "
             "copy the artifact again or re-run kvexport export"
         )
-    for key, (valid, expected) in _FIELDS.items():
-        if key not in manifest:
-            raise ArtifactError(f"{path} lacks '{key}'; re-run kvexport export")
-        if not valid(manifest[key]):
-            raise ArtifactError(f"{path}: '{key}' should be {expected}, not {_shown(manifest[key])}; {_EDITED}")
-    _check_details(path, manifest)
-    for key in ("program", "weights", "external_data", "genai_config"):  # the files a runtime opens
-        name = manifest.get(key)
-        if name is not None and (not isinstance(name, str) or name not in manifest["files"]):
-            shown = name if isinstance(name, str) and name.isprintable() else _shown(name)
-            raise ArtifactError(f"{path} does not list its {key} file {shown} among its files; re-run kvexport export")
-    for name, entry in manifest["files"].items():
+    manifest = Manifest.from_json(data, path)
+    for name, entry in manifest.files.items():
         file = folder / name
         _refuse_a_link(folder, name)
         try:
@@ -128,7 +362,7 @@ def read_manifest(folder: Path, verify: bool = True) -> dict:
             raise ArtifactError(f"{folder}: cannot read {name}, listed in {MANIFEST} ({e.strerror}); re-run kvexport export")
         if not stat.S_ISREG(mode):
             raise ArtifactError(f"{file} is not a regular file, yet {MANIFEST} lists it; {_EDITED}")
-        if verify and (file.stat().st_size != entry["bytes"] or sha256_file(file) != entry["sha256"]):
+        if verify and (file.stat().st_size != entry.bytes or sha256_file(file) != entry.sha256):
             raise ArtifactError(
                 f"{file} does not match the sha256 in {MANIFEST}: the file is corrupt or was changed; "
                 "copy the artifact again or re-run kvexport export"
@@ -136,10 +370,10 @@ def read_manifest(folder: Path, verify: bool = True) -> dict:
     return manifest
 
 
-def read_listed_file(folder: Path, manifest: dict, name: str) -> bytes | None:
+def read_listed_file(folder: Path, manifest: Manifest, name: str) -> bytes | None:
     """The bytes of a file the manifest lists, checked against its sha256 as read (what is used is
     what was verified); ``None`` where the manifest does not list it, whatever the folder holds."""
-    entry = manifest["files"].get(name)
+    entry = manifest.files.get(name)
     if entry is None:
         return None
     _refuse_a_link(Path(folder), name)
@@ -148,7 +382,7 @@ def read_listed_file(folder: Path, manifest: dict, name: str) -> bytes | None:
         data = path.read_bytes()
     except OSError as e:
         raise ArtifactError(f"{Path(folder)}: cannot read {name}, listed in {MANIFEST} ({e.strerror}); re-run kvexport export")
-    if len(data) != entry["bytes"] or hashlib.sha256(data).hexdigest() != entry["sha256"]:
+    if len(data) != entry.bytes or hashlib.sha256(data).hexdigest() != entry.sha256:
         raise ArtifactError(
             f"{path} does not match the sha256 in {MANIFEST}: the file is corrupt or was changed; "
             "copy the artifact again or re-run kvexport export"
@@ -172,6 +406,21 @@ def _refuse_a_link(folder: Path, name: str) -> None:
 
 def _shown(value) -> str:
     return json.dumps(value)[:60]
+
+
+def _check_fields(path: Path, manifest: dict) -> None:
+    """Every field a runtime reads: there, of its type, in its range, agreeing with the others."""
+    for key, (valid, expected) in _FIELDS.items():
+        if key not in manifest:
+            raise ArtifactError(f"{path} lacks '{key}'; re-run kvexport export")
+        if not valid(manifest[key]):
+            raise ArtifactError(f"{path}: '{key}' should be {expected}, not {_shown(manifest[key])}; {_EDITED}")
+    _check_details(path, manifest)
+    for key in ("program", "weights", "external_data", "genai_config"):  # the files a runtime opens
+        name = manifest.get(key)
+        if name is not None and (not isinstance(name, str) or name not in manifest["files"]):
+            shown = name if isinstance(name, str) and name.isprintable() else _shown(name)
+            raise ArtifactError(f"{path} does not list its {key} file {shown} among its files; re-run kvexport export")
 
 
 def _check_details(path: Path, manifest: dict) -> None:

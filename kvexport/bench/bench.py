@@ -74,6 +74,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..artifact.manifest import Manifest
 from ..errors import InvalidOptionError
 from . import workers
 from .machine_load import background_busy
@@ -182,16 +183,16 @@ def llama_available(python: str) -> str | None:
     return probe.stdout.strip() if probe.returncode == 0 else None
 
 
-def describe(manifest: dict) -> str:
-    quant = manifest.get("quantization") or manifest.get("export_options", {}).get("quantize")
+def describe(manifest: Manifest) -> str:
+    quant = manifest.quantization or (manifest.export_options or {}).get("quantize")
     kind = quant if isinstance(quant, str) else (quant.get("scheme") if isinstance(quant, dict) else None)
     if isinstance(quant, dict) and quant.get("grid") == "symmetric":
         kind += " symmetric"
-    kv = f" {manifest['kv_cache']['dtype']}" if manifest.get("kv_cache") else ""
-    return f"{manifest['target']} {kind or manifest['dtype']}, cache{kv} {manifest['max_cache_len']}"
+    kv = f" {manifest.kv_cache['dtype']}" if manifest.kv_cache else ""
+    return f"{manifest.target} {kind or manifest.dtype}, cache{kv} {manifest.max_cache_len}"
 
 
-def plan_jobs(options: BenchOptions, manifests: dict[str, dict], gguf: str | None, llama_version: str | None) -> list[dict]:
+def plan_jobs(options: BenchOptions, manifests: dict[str, Manifest], gguf: str | None, llama_version: str | None) -> list[dict]:
     jobs = []
     wanted = options.paths
     if "eager" in wanted:
@@ -201,22 +202,22 @@ def plan_jobs(options: BenchOptions, manifests: dict[str, dict], gguf: str | Non
         if "run" in wanted:
             jobs.append({"path": "run", "label": f"kvexport run · {name} ({describe(manifest)})", "artifact": folder,
                          "python": sys.executable})
-            for draft in options.draft if manifest.get("max_draft_tokens") else []:
+            for draft in options.draft if manifest.max_draft_tokens else []:
                 drafter = draft if draft == "ngram" else Path(draft).name
-                for k in (k for k in options.draft_tokens if k <= manifest["max_draft_tokens"]):
+                for k in (k for k in options.draft_tokens if k <= manifest.max_draft_tokens):
                     jobs.append({"path": "run", "label": f"kvexport run · {name}, drafts {drafter} k={k}",
                                  "artifact": folder, "draft": draft, "draft_tokens": k, "python": sys.executable})
-        if "textllm" in wanted and manifest["target"] == "executorch":
+        if "textllm" in wanted and manifest.target == "executorch":
             jobs.append({"path": "textllm", "label": f"ExecuTorch TextLLMRunner · {name} ({describe(manifest)})",
                          "artifact": folder, "python": sys.executable})
-        if "genai" in wanted and manifest["target"] == "onnx":
+        if "genai" in wanted and manifest.target == "onnx":
             jobs.append({"path": "genai", "label": f"onnxruntime-genai · {name} ({describe(manifest)})",
-                         "artifact": folder, "max_length": manifest["max_cache_len"], "python": sys.executable})
+                         "artifact": folder, "max_length": manifest.max_cache_len, "python": sys.executable})
     if "genai" in wanted:
         first, manifest = next(iter(manifests.items()))
         for other in options.genai_folder:
             jobs.append({"path": "genai", "label": f"onnxruntime-genai · {other.name} (another exporter's)",
-                         "artifact": first, "genai_folder": str(other.resolve()), "max_length": manifest["max_cache_len"],
+                         "artifact": first, "genai_folder": str(other.resolve()), "max_length": manifest.max_cache_len,
                          "python": sys.executable})
     if "textllm" in wanted:
         tokenizer_of = next(iter(manifests))
@@ -271,7 +272,7 @@ def run_bench(options: BenchOptions, on_run: Callable[[int, dict, int, dict], No
         prompts = {n: exact_prompt(tokenizer, n) for n in options.prompt_tokens}
     lengths = list(prompts)
     for manifest in manifests.values():
-        check_fits(max(lengths), options.new_tokens, manifest["max_cache_len"])
+        check_fits(max(lengths), options.new_tokens, manifest.max_cache_len)
     gguf = gguf_of(options.model) if "llama" in options.paths else None
     llama_version = llama_available(options.llama_python) if gguf else None
     contexts = {n: plan_jobs(options, manifests, gguf, llama_version) for n in lengths}

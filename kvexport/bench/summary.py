@@ -6,6 +6,7 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
+from ..artifact.manifest import Manifest
 from .traffic import limits
 
 METRICS = (  # key, column title, digits
@@ -95,7 +96,7 @@ def _by_round(run: dict, textllm: dict) -> float | None:
     return statistics.median(ratios) if ratios else None
 
 
-def traffic_by_path(contexts: dict[int, list[dict]], manifests: dict[str, dict], new_tokens: int) -> dict:
+def traffic_by_path(contexts: dict[int, list[dict]], manifests: dict[str, Manifest], new_tokens: int) -> dict:
     """For each path that runs a kvexport artifact (not another exporter's program, not eager or
     llama.cpp, whose bytes kvexport does not know, not a speculative run, whose steps each read the
     weights once for several tokens): its decode by prompt length beside the memory-traffic limit there."""

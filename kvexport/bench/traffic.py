@@ -16,34 +16,35 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..artifact.manifest import Manifest
 # The program's files: what a step reads its weights from.
 _PROGRAM_SUFFIXES = (".pte", ".ptd", ".onnx", ".data")
 _KV_KINDS = ("static", "ring")
 
 
-def weight_bytes(manifest: dict) -> int:
+def weight_bytes(manifest: Manifest) -> int:
     """Bytes of the artifact's program and weights files, as its manifest lists them."""
-    return sum(entry["bytes"] for name, entry in manifest["files"].items() if Path(name).suffix in _PROGRAM_SUFFIXES)
+    return sum(entry.bytes for name, entry in manifest.files.items() if Path(name).suffix in _PROGRAM_SUFFIXES)
 
 
-def cache_bytes_read(manifest: dict, positions: int) -> int:
+def cache_bytes_read(manifest: Manifest, positions: int) -> int:
     """Bytes of keys and values a decode step attends to with ``positions`` positions so far, at the
     cache's own bytes per element (``kv_cache_bytes`` over the elements its layers hold: int8 KV's
     scales included)."""
-    layers = [layer for layer in manifest["layers"] if layer["cache"] in _KV_KINDS]
-    row = {layer["index"]: 2 * layer["kv_heads"] * layer["head_dim"] for layer in layers}
-    held = sum(row[layer["index"]] * layer["slots"] for layer in layers)
+    layers = [layer for layer in manifest.layers if layer.cache in _KV_KINDS]
+    row = {layer.index: 2 * layer.kv_heads * layer.head_dim for layer in layers}
+    held = sum(row[layer.index] * layer.slots for layer in layers)
     if not held:
         return 0
-    read = sum(row[layer["index"]] * min(positions, layer["slots"]) for layer in layers)
-    return round(manifest["kv_cache_bytes"] * read / held)
+    read = sum(row[layer.index] * min(positions, layer.slots) for layer in layers)
+    return round(manifest.kv_cache_bytes * read / held)
 
 
-def step_bytes(manifest: dict, positions: int) -> int:
+def step_bytes(manifest: Manifest, positions: int) -> int:
     return weight_bytes(manifest) + cache_bytes_read(manifest, positions)
 
 
-def limits(manifest: dict, decode_by_context: dict[int, float], new_tokens: int) -> dict[int, dict]:
+def limits(manifest: Manifest, decode_by_context: dict[int, float], new_tokens: int) -> dict[int, dict]:
     """Per context (prompt tokens): the measured decode tokens/s, the traffic limit and the measured
     share of it. A decode step of a generation after a ``P``-token prompt attends to ``P + new_tokens / 2``
     positions on average."""

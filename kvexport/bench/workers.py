@@ -89,7 +89,7 @@ def work_run(spec: dict) -> dict:
     folder = Path(spec["artifact"])
     manifest = read_manifest(folder)
     os.environ[THREADS_ENV] = str(spec["threads"])  # the runners size their runtime's threads from it
-    if manifest["target"] != "onnx":  # the ONNX runner imports no torch: its peak RSS stays its own
+    if manifest.target != "onnx":  # the ONNX runner imports no torch: its peak RSS stays its own
         set_torch_threads(spec["threads"])
     t = time.perf_counter()
     program = load_program(folder, manifest)
@@ -141,9 +141,9 @@ def work_textllm(spec: dict) -> dict:
         program, data = Path(spec["pte"]), Path(spec["pte"]).with_suffix(".ptd")
         weights = str(data) if data.is_file() else None
     else:
-        program = folder / manifest["program"]
-        weights = str(folder / manifest["weights"]) if manifest.get("weights") else None
-    bos = 1 if manifest.get("tokenizer_adds_bos") else 0  # its tokenizer adds none: the runner prepends them
+        program = folder / manifest.program
+        weights = str(folder / manifest.weights) if manifest.weights else None
+    bos = 1 if manifest.tokenizer_adds_bos else 0  # its tokenizer adds none: the runner prepends them
     t = time.perf_counter()
     runner = TextLLMRunner(str(program), str(folder / "tokenizer.json"), weights)
     load_s = time.perf_counter() - t  # plus the load inside the first generate, from its stats below

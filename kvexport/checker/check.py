@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..artifact.manifest import Manifest
 from ..choices import Dtype
 from ..errors import InvalidOptionError, PromptTooLongError
 from ..models.architecture import text_config
@@ -121,16 +122,16 @@ class CheckReport:
         return {**asdict(self), "ok": self.ok}
 
 
-def smallest_window(manifest: dict) -> int | None:
-    windows = [layer["window"] for layer in manifest["layers"] if layer["cache"] == "ring"]
+def smallest_window(manifest: Manifest) -> int | None:
+    windows = [layer.window for layer in manifest.layers if layer.cache == "ring"]
     return min(windows) if windows else None
 
 
-def default_prompts(manifest: dict, tokenizer: ArtifactTokenizer, new_tokens: int | None = None) -> list[tuple[str, int]]:
+def default_prompts(manifest: Manifest, tokenizer: ArtifactTokenizer, new_tokens: int | None = None) -> list[tuple[str, int]]:
     """(prompt, new tokens): a short prompt whose generation runs past the window, and a prompt
     longer than the window (or half the cache, for models without one). ``new_tokens`` sets the
     short prompt's generation length instead (it is still capped by the cache)."""
-    max_len = manifest["max_cache_len"]
+    max_len = manifest.max_cache_len
     window = smallest_window(manifest)
     short = _short_prompt(tokenizer, max_len)
     short_len = len(tokenizer.encode(short))
@@ -168,7 +169,7 @@ def _short_prompt(tokenizer: ArtifactTokenizer, max_len: int) -> str:
     )
 
 
-def load_reference(manifest: dict, model_name: str | None, device: str, dtype: str | None = None):
+def load_reference(manifest: Manifest, model_name: str | None, device: str, dtype: str | None = None):
     """The eager transformers model the artifact was exported from (or ``model_name``), in the
     artifact's dtype or ``dtype``."""
     import torch
@@ -177,18 +178,18 @@ def load_reference(manifest: dict, model_name: str | None, device: str, dtype: s
 
     if device == "cuda" and not torch.cuda.is_available():
         raise InvalidOptionError("--device cuda: no CUDA GPU is available here (torch.cuda.is_available() is False)")
-    source = sources.resolve(model_name) if model_name else sources.resolve_recorded(manifest["source"])
+    source = sources.resolve(model_name) if model_name else sources.resolve_recorded(manifest.source)
     vocab_size = text_config(sources.load_config(source)).vocab_size
-    if vocab_size != manifest["vocab_size"]:  # the logits could not be compared (before the weights load)
+    if vocab_size != manifest.vocab_size:  # the logits could not be compared (before the weights load)
         raise InvalidOptionError(
-            f"{source.name} has a vocabulary of {vocab_size} tokens and the artifact one of {manifest['vocab_size']}: "
+            f"{source.name} has a vocabulary of {vocab_size} tokens and the artifact one of {manifest.vocab_size}: "
             "check compares an artifact with the model it was exported from; give that model (or leave out --model)"
         )
-    model, _ = sources.load_model(source, dtype or manifest["dtype"])
+    model, _ = sources.load_model(source, dtype or manifest.dtype)
     return model.to(device)
 
 
-def holds_both(folder: Path, manifest: dict, model_name: str | None) -> bool:
+def holds_both(folder: Path, manifest: Manifest, model_name: str | None) -> bool:
     """Whether this machine holds the eager model (its parameters in the artifact's dtype) and the
     artifact's files beside the libraries at once (``memory_plan``'s estimate of them)."""
     from ..exporter.memory_plan import BASE_BYTES, count_parameters, total_memory_bytes
@@ -197,10 +198,10 @@ def holds_both(folder: Path, manifest: dict, model_name: str | None) -> bool:
     memory = total_memory_bytes()
     if memory is None:
         return True
-    source = sources.resolve(model_name) if model_name else sources.resolve_recorded(manifest["source"])
-    eager = count_parameters(sources.load_config(source)).total * Dtype(manifest["dtype"]).bytes
-    artifact = sum(entry["bytes"] for entry in manifest["files"].values())
-    return BASE_BYTES[manifest["target"]] + eager + artifact <= memory
+    source = sources.resolve(model_name) if model_name else sources.resolve_recorded(manifest.source)
+    eager = count_parameters(sources.load_config(source)).total * Dtype(manifest.dtype).bytes
+    artifact = manifest.files_bytes
+    return BASE_BYTES[manifest.target] + eager + artifact <= memory
 
 
 class Float32Logits:
@@ -251,7 +252,7 @@ def check_prompt(
     """
     from .eager import RecordedGeneration, greedy_generate
 
-    check_fits(len(prompt_ids), max_new_tokens, program.manifest["max_cache_len"])
+    check_fits(len(prompt_ids), max_new_tokens, program.manifest.max_cache_len)
     report = PromptReport(prompt="", prompt_tokens=len(prompt_ids), new_tokens=max_new_tokens,
                           suppressed_tokens=list(suppress or []))
 
@@ -406,10 +407,10 @@ def run_check(
     prompts = prompts or default_prompts(manifest, tokenizer, QUANTIZED_STEPS if quantized else None)
     encoded = [(text, tokenizer.encode(text), n) for text, n in prompts]
     for _, ids, n in encoded:  # refuse before loading anything heavy
-        check_fits(len(ids), n, manifest["max_cache_len"])
+        check_fits(len(ids), n, manifest.max_cache_len)
     tolerance = logit_tolerance(manifest)
-    half = manifest["dtype"] != "float32" and not quantized
-    suppress = manifest.get("eos_token_ids") if quantized else None
+    half = manifest.dtype != "float32" and not quantized
+    suppress = list(manifest.eos_token_ids) if quantized else None
     # A half-precision artifact's doubtful steps need the float32 model beside it: never one at a time.
     one_at_a_time = not half and device == "cpu" and not holds_both(folder, manifest, model_name)
     if one_at_a_time:  # eager's generations kept, the model let go, then the artifact loads
@@ -419,15 +420,15 @@ def run_check(
         gc.collect()
         return_freed_memory()
     # ExecuTorch runs on the CPU whatever --device says; --device places the eager reference (and ONNX).
-    program = load_program(folder, manifest, device if manifest["target"] == "onnx" else "cpu", runner)
+    program = load_program(folder, manifest, device if manifest.target == "onnx" else "cpu", runner)
     if not one_at_a_time:
         model = load_reference(manifest, model_name, device)
         references = [model] * len(encoded)
-    base = None if baseline is None else load_program(baseline, None, device if manifest["target"] == "onnx" else "cpu", runner)
+    base = None if baseline is None else load_program(baseline, None, device if manifest.target == "onnx" else "cpu", runner)
     float32_logits = Float32Logits(lambda: load_reference(manifest, model_name, device, "float32")) if half else None
     reports = []
     with contextlib.ExitStack() as stack:
-        drafter = load_drafter(draft, stack, device if manifest["target"] == "onnx" else "cpu") if draft else None
+        drafter = load_drafter(draft, stack, device if manifest.target == "onnx" else "cpu") if draft else None
         k = check_drafter(program, drafter, draft_tokens) if drafter is not None else None
         for (text, ids, n), reference in zip(encoded, references):
             steps = program if drafter is None else SpeculativeSteps(program, drafter, k, ids, n)
@@ -442,11 +443,11 @@ def run_check(
             if on_prompt:
                 on_prompt(report)
     mode, min_agreement = ("agreement", min_agreement) if quantized else ("exact", 1.0)
-    return CheckReport(str(folder), manifest["target"], manifest["dtype"], device, tolerance, reports, mode, min_agreement,
+    return CheckReport(str(folder), manifest.target, manifest.dtype, device, tolerance, reports, mode, min_agreement,
                        runner, one_at_a_time)
 
 
-def check_min_agreement(manifest: dict, min_agreement: float | None) -> float:
+def check_min_agreement(manifest: Manifest, min_agreement: float | None) -> float:
     """The top-1 agreement a quantized artifact must reach: ``--min-agreement`` (a fraction in (0, 1])
     or the default; refused for an artifact held to identical tokens."""
     if min_agreement is None:
@@ -459,38 +460,38 @@ def check_min_agreement(manifest: dict, min_agreement: float | None) -> float:
     return min_agreement
 
 
-def computes_float16_in_float16(manifest: dict) -> bool:
+def computes_float16_in_float16(manifest: Manifest) -> bool:
     """A float16 .pte on a CPU where XNNPACK sums float16 products in float16, not in float32 as eager
     float16 does: it keeps about bfloat16's precision there, and is held to bfloat16's tolerance
     (docs/check.md#float16)."""
-    return manifest["dtype"] == "float16" and manifest["target"] == "executorch" and xnnpack_sums_float16_in_float16()
+    return manifest.dtype == "float16" and manifest.target == "executorch" and xnnpack_sums_float16_in_float16()
 
 
-def logit_tolerance(manifest: dict) -> float:
-    return LOGIT_TOLERANCE["bfloat16" if computes_float16_in_float16(manifest) else manifest["dtype"]]
+def logit_tolerance(manifest: Manifest) -> float:
+    return LOGIT_TOLERANCE["bfloat16" if computes_float16_in_float16(manifest) else manifest.dtype]
 
 
-def check_baseline(manifest: dict, baseline: dict, path) -> None:
+def check_baseline(manifest: Manifest, baseline: Manifest, path) -> None:
     """``--baseline``: the artifact has an int8 KV cache, and ``path`` is the same model, target,
     dtype and weights with a float one, so that their difference is the cache's alone."""
-    if not manifest.get("kv_cache"):
+    if not manifest.kv_cache:
         raise InvalidOptionError("--baseline compares an artifact with an int8 KV cache to the same export with a float one; "
                                  "this artifact's KV cache is float")
-    same = {key: (manifest.get(key), baseline.get(key)) for key in ("source", "target", "dtype", "quantization")}
+    same = {key: (getattr(manifest, key), getattr(baseline, key)) for key in ("source", "target", "dtype", "quantization")}
     differs = [key for key, (mine, theirs) in same.items() if mine != theirs]
-    if baseline.get("kv_cache") or differs:
-        why = "its KV cache is int8 too" if baseline.get("kv_cache") else f"its {differs[0]} differs"
+    if baseline.kv_cache or differs:
+        why = "its KV cache is int8 too" if baseline.kv_cache else f"its {differs[0]} differs"
         raise InvalidOptionError(f"--baseline {path} is not this export with a float KV cache: {why}; "
                                  "export it again with --kv-cache float and the same model, --target, --dtype and --quantize")
 
 
-def approximate(manifest: dict) -> bool:
+def approximate(manifest: Manifest) -> bool:
     """Quantized weights or a quantized KV cache: held to top-1 agreement with float eager, not to
     identical tokens."""
-    return bool(manifest.get("quantization")) or bool(manifest.get("kv_cache"))
+    return bool(manifest.quantization) or bool(manifest.kv_cache)
 
 
-def choose_prompts(manifest: dict, tokenizer: ArtifactTokenizer, prompts: list[str] | None,
+def choose_prompts(manifest: Manifest, tokenizer: ArtifactTokenizer, prompts: list[str] | None,
                    max_new_tokens: int | None) -> list[tuple[str, int]] | None:
     """``(prompt, new tokens)`` pairs for the prompts and length asked for, each checked to fit the
     cache; None where the defaults are wanted as they are."""
@@ -507,5 +508,5 @@ def choose_prompts(manifest: dict, tokenizer: ArtifactTokenizer, prompts: list[s
     else:
         return None
     for text, n in chosen:
-        check_fits(len(tokenizer.encode(text)), n, manifest["max_cache_len"])
+        check_fits(len(tokenizer.encode(text)), n, manifest.max_cache_len)
     return chosen

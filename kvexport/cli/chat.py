@@ -122,7 +122,7 @@ def chat_loop(artifact: Path, system: str | None, max_new_tokens: int | None, te
         if interactive:
             import readline  # noqa: F401  line editing and history for input()
 
-            print(f"[chatting with {artifact} ({manifest['max_cache_len']} positions): /reset starts over, "
+            print(f"[chatting with {artifact} ({manifest.max_cache_len} positions): /reset starts over, "
                   "/exit or Ctrl-D ends, Ctrl-C stops a reply]", file=sys.stderr)
         ok = True
         while (line := read_line(stdin, interactive)) is not None:

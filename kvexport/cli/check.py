@@ -14,6 +14,7 @@ import typer
 from .options import GENAI_RUNNER_HELP, DraftTokens, JsonFlag, check_runner
 
 if TYPE_CHECKING:
+    from ..artifact.manifest import Manifest
     from ..checker.check import PromptReport
 
 
@@ -77,16 +78,16 @@ def check_and_report(folder, prompts, max_new_tokens, device, model_name, as_jso
             if quantized
             else f"tokens must be identical, logits within {tolerance} ("
             + ("bfloat16's tolerance: XNNPACK computes float16 in float16 on this CPU" if computes_float16_in_float16(manifest)
-               else f"{manifest['dtype']} tolerance") + ")"
+               else f"{manifest.dtype} tolerance") + ")"
             + ("; a step beyond it or with another token is judged against float32 eager, net of eager's own rounding"
-               if manifest["dtype"] != "float32" else "")
+               if manifest.dtype != "float32" else "")
         )
         ran_by = " in onnxruntime-genai" if runner == "genai" else ""
         if baseline is not None:
             rule += f"; {baseline} (float KV cache) fed the same tokens beside it"
         if draft is not None:
             rule += f"; generating speculatively, drafts from {draft}"
-        print(f"checking {folder} ({manifest['target']}, {manifest['dtype']}){ran_by} against eager transformers on {device}; {rule}", file=sys.stderr)
+        print(f"checking {folder} ({manifest.target}, {manifest.dtype}){ran_by} against eager transformers on {device}; {rule}", file=sys.stderr)
     report = run_check(
         folder,
         chosen,
@@ -109,9 +110,9 @@ def check_and_report(folder, prompts, max_new_tokens, device, model_name, as_jso
     return report.ok
 
 
-def scheme_text(manifest: dict) -> str:
+def scheme_text(manifest: Manifest) -> str:
     parts = []
-    if quantization := manifest.get("quantization"):
+    if quantization := manifest.quantization:
         embedding = quantization.get("embedding", {}).get("weights")
         scheme = quantization.get("scheme") or "float linear layers"
         if quantization.get("grid") == "symmetric":
@@ -119,7 +120,7 @@ def scheme_text(manifest: dict) -> str:
         if quantization.get("lm_head", {}).get("weights") == "int4":
             scheme += ", int4 lm_head"
         parts.append(f"{scheme}, {embedding} embedding" if embedding and quantization.get("scheme") != "int4" else scheme)
-    if kv_cache := manifest.get("kv_cache"):
+    if kv_cache := manifest.kv_cache:
         parts.append(f"{kv_cache['dtype']} KV cache")
     return ", ".join(parts)
 

@@ -35,7 +35,7 @@ LINEAR_ATTENTION_PREFILL_CHUNK = 64
 @dataclass
 class ExportResult:
     folder: Path
-    manifest: dict
+    manifest: manifest.Manifest
     seconds: dict = field(default_factory=dict)
     peak_rss_mb: float = 0.0
 
@@ -133,9 +133,9 @@ class ExportPlan:
         """What the layers' own KV caches take (a layer that shares another's takes nothing; a
         convolution's or a linear-attention layer's state is not a KV cache)."""
         return sum(
-            2 * layer["kv_heads"] * layer["slots"] * self.kv_row_bytes(layer["head_dim"])
+            2 * layer.kv_heads * layer.slots * self.kv_row_bytes(layer.head_dim)
             for layer in self.layers()
-            if layer["cache"] in (architecture.STATIC, architecture.RING, architecture.SHARED)
+            if layer.cache in (architecture.STATIC, architecture.RING, architecture.SHARED)
         )
 
     @property
@@ -162,33 +162,30 @@ class ExportPlan:
             return head_dim + get_target(self.options.target).INT8_KV_ROW_EXTRA_BYTES
         return head_dim * self.dtype_bytes
 
-    def layers(self) -> list[dict]:
+    def layers(self) -> list[manifest.Layer]:
+        """Each layer's entry in kvexport.json: its cache and the sizes a runtime builds it from."""
         layers = []
         for i, s in enumerate(self.specs):
             kind = s.cache_kind(self.max_cache_len)
-            if kind == architecture.NONE:  # mixes no positions: nothing to hold
-                layers.append({"index": i, "layer_type": s.layer_type, "cache": kind, "window": None})
-                continue
+            state = None
             if s.state_kind:  # float states: the convolution's [1, channels, slots], a recurrent [heads, key, value] (float32)
                 channels, slots = s.conv_state
-                recurrent = {"state": list(s.recurrent_state)} if s.recurrent_state else {}
-                state = {"cache": s.state_kind, "slots": slots, "channels": channels, **recurrent}
-            if not s.has_kv:
-                layers.append({"index": i, "layer_type": s.layer_type, "cache": kind, "window": None, **state})
-                continue
-            layers.append({
-                "index": i,
-                "layer_type": s.layer_type,
-                "cache": kind,
-                **({"reads": s.reads} if kind == architecture.SHARED else {}),
-                "window": s.window,
-                **({"chunk": s.chunk} if s.chunk else {}),
-                "slots": self.slots(s),
-                "kv_heads": s.kv_heads,
-                "head_dim": s.head_dim,
-                # A hybrid layer (Falcon-H1): its mixer's state beside the KV cache.
-                **({"mixer": state} if s.state_kind else {}),
-            })  # fmt: skip
+                state = manifest.State(s.state_kind, slots, channels, s.recurrent_state)
+            if kind == architecture.NONE:  # mixes no positions: nothing to hold
+                layers.append(manifest.Layer(i, s.layer_type, kind))
+            elif not s.has_kv:
+                layers.append(manifest.Layer(i, s.layer_type, kind, slots=slots, channels=channels, state=s.recurrent_state))
+            else:
+                layers.append(manifest.Layer(
+                    i, s.layer_type, kind,
+                    reads=s.reads if kind == architecture.SHARED else None,
+                    window=s.window,
+                    chunk=s.chunk or None,
+                    slots=self.slots(s),
+                    kv_heads=s.kv_heads,
+                    head_dim=s.head_dim,
+                    mixer=state,  # a hybrid layer (Falcon-H1): its mixer's state beside the KV cache
+                ))  # fmt: skip
         return layers
 
     def summary(self) -> str:
@@ -338,11 +335,11 @@ def export_model(options: ExportOptions, progress: Progress | None = None) -> Ex
             manifest.write_manifest(folder, {**info, **lowered})
     written = manifest.read_manifest(plan.out, verify=False)
     # The program file, and its weights where the target keeps them beside it (ONNX external data).
-    program_files = [written["program"], *([written["external_data"]] if written.get("external_data") else [])]
-    program_bytes = sum(written["files"][name]["bytes"] for name in program_files)
+    program_files = [written.program, *([written.external_data] if written.external_data else [])]
+    program_bytes = sum(written.files[name].bytes for name in program_files)
     progress.info(f"wrote {plan.out} ({program_bytes / 2**20:.1f} MiB program)")
-    if written.get("genai_unsupported"):
-        progress.info(f"onnxruntime-genai cannot run it ({written['genai_unsupported']}); kvexport run and check can")
+    if written.genai_unsupported:
+        progress.info(f"onnxruntime-genai cannot run it ({written.genai_unsupported}); kvexport run and check can")
     return ExportResult(plan.out, written, dict(progress.seconds), peak_rss_mb())
 
 
@@ -412,7 +409,7 @@ def _manifest_info(plan: ExportPlan, model, tokenizer) -> dict:
     dtype = plan.options.dtype
     return {
         "target": plan.options.target,
-        "source": plan.source.describe(),
+        "source": plan.source.describe().to_json(),
         # What reproduces this artifact byte for byte, with the versions below (the output folder
         # does not matter): `kvexport export MODEL --target T --dtype D --max-cache-len N --prefill-chunk C`.
         "export_options": plan.options.recorded(max_cache_len=plan.max_cache_len, prefill_chunk=plan.prefill_chunk),
@@ -426,7 +423,7 @@ def _manifest_info(plan: ExportPlan, model, tokenizer) -> dict:
         "eos_token_ids": _eos_ids(model, tokenizer),
         # Whether the tokenizer already prepends BOS when encoding a prompt (runners must not add another).
         "tokenizer_adds_bos": bool(bos is not None and tokenizer("a").input_ids[:1] == [bos]),
-        "layers": plan.layers(),
+        "layers": [layer.to_json() for layer in plan.layers()],
         # The KV cache's element type: the dtype's, or int8 (`kv_cache`, absent for float).
         **({"kv_cache": target.describe_kv_cache(plan.options.kv_cache)} if plan.options.kv_cache != KvCache.FLOAT else {}),
         "kv_cache_bytes": plan.kv_cache_bytes,
@@ -458,7 +455,7 @@ def _program_spec(plan: ExportPlan, info: dict) -> ProgramSpec:
     text = architecture.text_config(plan.config)
     return ProgramSpec(
         dtype=plan.options.dtype, max_cache_len=plan.max_cache_len, max_tokens_per_call=plan.prefill_chunk,
-        layers=info["layers"], vocab_size=info["vocab_size"], bos_token_id=info["bos_token_id"],
+        layers=plan.layers(), vocab_size=info["vocab_size"], bos_token_id=info["bos_token_id"],
         eos_token_ids=info["eos_token_ids"], hidden_size=text.hidden_size, num_attention_heads=text.num_attention_heads,
         max_draft_tokens=plan.options.max_draft_tokens,
     )

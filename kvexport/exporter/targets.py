@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, cast
 
+from ..artifact.manifest import Layer
 from ..choices import KvCache
 from ..choices import Target as TargetName
 from ..errors import InvalidOptionError
@@ -27,7 +28,7 @@ class ProgramSpec:
     dtype: str
     max_cache_len: int
     max_tokens_per_call: int  # --prefill-chunk
-    layers: list[dict]  # kvexport.json's `layers`: index, layer_type, cache, window, slots, kv_heads, head_dim
+    layers: list[Layer]  # kvexport.json's `layers`
     vocab_size: int
     bos_token_id: int | None
     eos_token_ids: list[int]

@@ -107,13 +107,13 @@ def _export(row: Row, model: str, folder: Path) -> dict:
     exported = export_model(options, Progress())
     files = [p for p in folder.iterdir() if p.is_file()]
     return {
-        "max_cache_len": exported.manifest["max_cache_len"],
-        "family": exported.manifest["model_type"],
+        "max_cache_len": exported.manifest.max_cache_len,
+        "family": exported.manifest.model_type,
         "export_seconds": round(time.perf_counter() - start, 2),
         "export_steps": {step: round(s, 2) for step, s in exported.seconds.items()},
         "export_peak_rss_mb": round(exported.peak_rss_mb, 1),
         "artifact_mb": round(sum(p.stat().st_size for p in files) / 2**20, 3),
-        "kv_cache_mb": round(exported.manifest["kv_cache_bytes"] / 2**20, 3),
+        "kv_cache_mb": round(exported.manifest.kv_cache_bytes / 2**20, 3),
     }
 
 
@@ -131,7 +131,7 @@ def _check(row: Row, folder: Path, runner: str = "kvexport") -> dict:
 def _genai_check(row: Row, folder: Path) -> dict:
     """The same check with onnxruntime-genai running the artifact: ``status`` pass or fail (with
     the reason), error where genai could not run it, or unsupported where the export said it cannot."""
-    reason = read_manifest(folder, verify=False).get("genai_unsupported")
+    reason = read_manifest(folder, verify=False).genai_unsupported
     if reason:
         return {"status": "unsupported", "failure": {"stage": "genai", "reason": reason}}
     try:
@@ -205,7 +205,7 @@ def _decode_speed(row: Row, folder: Path) -> dict:
 
     manifest = read_manifest(folder, verify=False)
     prompt_ids = ArtifactTokenizer(folder).encode(RUN_PROMPT)
-    new_tokens = max(1, min(row.run_new_tokens, manifest["max_cache_len"] - len(prompt_ids) + 1))
+    new_tokens = max(1, min(row.run_new_tokens, manifest.max_cache_len - len(prompt_ids) + 1))
     result = generate(load_program(folder, manifest, row.device), prompt_ids, new_tokens)  # EOS does not stop it
     return {
         "run_new_tokens": len(result.new_ids),

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..artifact.manifest import Source
+
 
 @dataclass(frozen=True)
 class ModelSource:
@@ -19,13 +21,9 @@ class ModelSource:
     commit: str | None = None
     gguf_file: str | None = None  # the .gguf file's path in the repo (--gguf-file)
 
-    def describe(self) -> dict:
-        described = {"name": self.name, "kind": self.kind, "path": str(self.path) if self.path else None}
-        if self.commit:
-            described.update(revision=self.revision, commit=self.commit)
-        if self.gguf_file:
-            described["gguf_file"] = self.gguf_file
-        return described
+    def describe(self) -> Source:
+        """What an artifact's manifest records of it."""
+        return Source(self.name, self.kind, str(self.path) if self.path else None, self.revision, self.commit, self.gguf_file)
 
     @property
     def label(self) -> str:

@@ -22,6 +22,7 @@ from .loading import load_folder, torch_dtype, weights_kept_in_bfloat16
 from .model_source import ModelSource
 
 if TYPE_CHECKING:
+    from ..artifact.manifest import Source
     from ..progress import Progress
 
 
@@ -80,15 +81,14 @@ def resolve(
     return source
 
 
-def resolve_recorded(recorded: dict) -> ModelSource:
+def resolve_recorded(recorded: Source) -> ModelSource:
     """The source a manifest's ``source`` names: its local file or folder while it exists, a hub
     model at the very commit it was exported from (from the cache, or downloaded again)."""
-    path = recorded.get("path")
-    if recorded.get("kind") in ("folder", "gguf") and path and Path(path).exists():
-        return resolve(path)
-    if recorded.get("commit"):
-        return resolve(recorded["name"], revision=recorded["commit"], gguf_file=recorded.get("gguf_file"))
-    return resolve(recorded["name"])
+    if recorded.kind in ("folder", "gguf") and recorded.path and Path(recorded.path).exists():
+        return resolve(recorded.path)
+    if recorded.commit:
+        return resolve(recorded.name, revision=recorded.commit, gguf_file=recorded.gguf_file)
+    return resolve(recorded.name)
 
 
 def _resolve_local(name: str) -> ModelSource | None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from ..artifact.manifest import Manifest
 from ..errors import ArtifactError, InvalidOptionError, PromptTooLongError
 from .generation import Sampling, generate
 from .speculation import check_drafter, common_prefix_length, generate_with_draft
@@ -65,7 +66,7 @@ class Turn:
 class _Cache:
     """The program, and the ids its cache holds at positions ``0 ..`` (what the calls fed)."""
 
-    def __init__(self, program, manifest: dict):
+    def __init__(self, program, manifest: Manifest):
         self.program = program
         self.manifest = manifest
         self.ids: list[int] = []
@@ -107,7 +108,7 @@ class Conversation:
     speculatively, ``draft_tokens`` at a time (default: the artifact's ``max_draft_tokens``).
     """
 
-    def __init__(self, program, tokenizer: ArtifactTokenizer, manifest: dict | None = None, system: str | None = None,
+    def __init__(self, program, tokenizer: ArtifactTokenizer, manifest: Manifest | None = None, system: str | None = None,
                  sampling: Sampling | None = None, max_new_tokens: int | None = None, drafter=None,
                  draft_tokens: int | None = None):
         if max_new_tokens is not None and max_new_tokens < 1:
@@ -123,9 +124,9 @@ class Conversation:
         self.system = system
         self.sampling = sampling or Sampling()
         self.max_new_tokens = max_new_tokens
-        self.max_cache_len = self.manifest["max_cache_len"]
+        self.max_cache_len = self.manifest.max_cache_len
         # A reply ends at EOS or at the template's end of turn (Gemma: <end_of_turn>), as `run --chat`.
-        self.stop_ids = set(self.manifest["eos_token_ids"]) | set(tokenizer.turn_end_ids())
+        self.stop_ids = set(self.manifest.eos_token_ids) | set(tokenizer.turn_end_ids())
         self._cache = _Cache(program, self.manifest)
         self._unfed: list[int] = []  # the last reply's last token: generated, never fed
         self.messages: list[dict] = []

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..artifact.manifest import program_mismatch
+from ..artifact.manifest import Manifest, program_mismatch
 from ..errors import ArtifactError, InvalidOptionError, first_line
 from ..logs import native_stderr_quiet
 from .cpu import runtime_threads
@@ -17,7 +17,7 @@ from .programs import max_tokens_per_call
 
 
 class ExecuTorchProgram:
-    def __init__(self, path: Path, manifest: dict, weights: Path | None = None, trace_events: bool = False):
+    def __init__(self, path: Path, manifest: Manifest, weights: Path | None = None, trace_events: bool = False):
         import torch
 
         register_kernels()
@@ -28,7 +28,7 @@ class ExecuTorchProgram:
         self._chunk = max_tokens_per_call(manifest)
         self._next_start = 0
         # Speculative decoding: a call may start up to this many positions before the sequence's end.
-        self.max_draft_tokens = manifest.get("max_draft_tokens", 0)
+        self.max_draft_tokens = manifest.max_draft_tokens
         self._torch = torch
         self._path = path
         check_program_file(path, manifest)  # before forward loads: its memory is planned for the program
@@ -57,7 +57,7 @@ class ExecuTorchProgram:
         torch = self._torch
         # A ring's slots are a function of the start: a call elsewhere than where the sequence is would
         # read the wrong rows (up to max_draft_tokens back: a ring's spare slots hold what it needs).
-        check_call(tokens, start, self._next_start, self.manifest["max_cache_len"], self.max_draft_tokens)
+        check_call(tokens, start, self._next_start, self.manifest.max_cache_len, self.max_draft_tokens)
         # Activation memory is planned for calls of at most `_chunk` tokens: a longer prompt takes several.
         for first in range(0, len(tokens), self._chunk):
             chunk = tokens[first : first + self._chunk]
@@ -76,8 +76,8 @@ class ExecuTorchProgram:
         check_verification(tokens, self.max_draft_tokens)
         verify = self._verify_method()
         most = self.max_draft_tokens + 1
-        check_call(tokens, start, self._next_start, self.manifest["max_cache_len"], self.max_draft_tokens)
-        if start + most > self.manifest["max_cache_len"]:
+        check_call(tokens, start, self._next_start, self.manifest.max_cache_len, self.max_draft_tokens)
+        if start + most > self.manifest.max_cache_len:
             return np.stack([self.forward([token], start + i) for i, token in enumerate(tokens)])
         padded = tokens + tokens[-1:] * (most - len(tokens))
         logits = verify.execute([torch.tensor([padded], dtype=torch.long), torch.tensor([start], dtype=torch.long)])[0]
@@ -130,7 +130,7 @@ def _program_facts(program) -> dict:
     return facts
 
 
-def check_program_file(path: Path, manifest: dict) -> None:
+def check_program_file(path: Path, manifest: Manifest) -> None:
     """Refuse a ``.pte`` that the manifest does not describe (``check_against_program``), or that
     ExecuTorch cannot read. Call ``register_kernels`` first."""
     from executorch.runtime import Runtime
@@ -143,28 +143,28 @@ def check_program_file(path: Path, manifest: dict) -> None:
     check_against_program(manifest, facts)
 
 
-def check_against_program(manifest: dict, facts: dict) -> None:
+def check_against_program(manifest: Manifest, facts: dict) -> None:
     """Refuse a manifest that does not describe the program (``_program_facts``): a wrong cache length,
     call length, vocabulary or layer count ends in a runtime failure mid-generation, or in a silently
     wrong generation."""
     said = {
-        "get_max_context_len": ("max_cache_len", [manifest["max_cache_len"]]),
-        "get_vocab_size": ("vocab_size", [manifest["vocab_size"]]),
-        "get_n_layers": ("the number of layers is", [len(manifest["layers"])]),
-        "get_eos_ids": ("eos_token_ids", sorted(manifest["eos_token_ids"])),
+        "get_max_context_len": ("max_cache_len", [manifest.max_cache_len]),
+        "get_vocab_size": ("vocab_size", [manifest.vocab_size]),
+        "get_n_layers": ("the number of layers is", [len(manifest.layers)]),
+        "get_eos_ids": ("eos_token_ids", sorted(manifest.eos_token_ids)),
     }
-    if manifest["format_version"] >= 4:  # before, a .pte took calls as long as the cache, whatever it said
+    if manifest.format_version >= 4:  # before, a .pte took calls as long as the cache, whatever it said
         said["get_max_seq_len"] = ("interface.max_tokens_per_call", [max_tokens_per_call(manifest)])
-    if manifest.get("bos_token_id") is not None:
-        said["get_bos_id"] = ("bos_token_id", [manifest["bos_token_id"]])
+    if manifest.bos_token_id is not None:
+        said["get_bos_id"] = ("bos_token_id", [manifest.bos_token_id])
     for method, (field, value) in said.items():
         has = facts.get(method)
         if has is not None and (sorted(has) if method == "get_eos_ids" else has) != value:
             raise program_mismatch(field, _one(value), f"{_one(has)} ({method})")
-    if facts["logits_shape"][-1:] != [manifest["vocab_size"]]:
-        raise program_mismatch("vocab_size", manifest["vocab_size"], f"logits of shape {facts['logits_shape']}")
-    if facts["logits_dtype"] != manifest["dtype"]:
-        raise program_mismatch("dtype", manifest["dtype"], f"{facts['logits_dtype']} logits")
+    if facts["logits_shape"][-1:] != [manifest.vocab_size]:
+        raise program_mismatch("vocab_size", manifest.vocab_size, f"logits of shape {facts['logits_shape']}")
+    if facts["logits_dtype"] != manifest.dtype:
+        raise program_mismatch("dtype", manifest.dtype, f"{facts['logits_dtype']} logits")
 
 
 def _one(values: list):
@@ -210,8 +210,8 @@ def import_runtime() -> None:
     __import__(_PORTABLE_LIB)  # imported above, or the plain way
 
 
-def load(folder: Path, manifest: dict, device: str, trace_events: bool = False) -> ExecuTorchProgram:
+def load(folder: Path, manifest: Manifest, device: str, trace_events: bool = False) -> ExecuTorchProgram:
     if device != "cpu":
         raise InvalidOptionError("ExecuTorch artifacts run on the CPU (XNNPACK); use --device cpu")
-    weights = folder / manifest["weights"] if manifest.get("weights") else None
-    return ExecuTorchProgram(folder / manifest["program"], manifest, weights, trace_events)
+    weights = folder / manifest.weights if manifest.weights else None
+    return ExecuTorchProgram(folder / manifest.program, manifest, weights, trace_events)

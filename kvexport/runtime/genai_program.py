@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..artifact.manifest import Manifest
 from ..errors import ArtifactError, InvalidOptionError, KvexportError
 from .cpu import runtime_threads
 from .generation import check_call
@@ -23,11 +24,11 @@ from .onnx_artifact import check_against_genai_config, check_runs_on_cuda
 PACKAGE = "onnxruntime-genai"
 
 
-def _import_genai(manifest: dict):
+def _import_genai(manifest: Manifest):
     try:
         import onnxruntime_genai
     except ModuleNotFoundError as e:
-        version = manifest.get("versions", {}).get("onnxruntime_genai")
+        version = manifest.version("onnxruntime_genai")
         raise KvexportError(f"--runner genai needs {PACKAGE} ({e.name} is not installed): "
                             f"pip install {PACKAGE}{'==' + version if version else ''}")
     return onnxruntime_genai
@@ -40,19 +41,19 @@ def set_genai_threads(config, threads: int) -> None:
 
 
 class GenaiProgram:
-    def __init__(self, folder: Path, manifest: dict, device: str):
-        if manifest["target"] != "onnx":
-            raise InvalidOptionError(f"--runner genai runs ONNX artifacts; this one is {manifest['target']}")
-        if "genai_unsupported" in manifest:
+    def __init__(self, folder: Path, manifest: Manifest, device: str):
+        if manifest.target != "onnx":
+            raise InvalidOptionError(f"--runner genai runs ONNX artifacts; this one is {manifest.target}")
+        if manifest.genai_unsupported is not None:
             raise InvalidOptionError(
-                f"--runner genai: {PACKAGE} cannot run {folder}: {manifest['genai_unsupported']}; "
+                f"--runner genai: {PACKAGE} cannot run {folder}: {manifest.genai_unsupported}; "
                 "run it with kvexport's runner (--runner kvexport, the default)"
             )
-        if "genai_config" not in manifest:
+        if manifest.genai_config is None:
             raise ArtifactError(f"{folder} has no genai_config.json (an ONNX artifact of another kvexport); re-export it")
         if device not in ("cpu", "cuda"):
             raise InvalidOptionError(f"unknown device '{device}'; ONNX artifacts run on cpu or cuda")
-        if "files" in manifest:  # a kvexport artifact (scripts/genai_agreement.py also runs other folders)
+        if manifest.files:  # a kvexport artifact (scripts/genai_agreement.py also runs other folders)
             check_against_genai_config(folder, manifest)
         og = _import_genai(manifest)
         config = og.Config(str(folder))
@@ -72,7 +73,7 @@ class GenaiProgram:
             raise ArtifactError(f"{PACKAGE} cannot load {folder}: {(str(e).strip().splitlines() or [type(e).__name__])[0]}")
         self._og = og
         self.manifest = manifest
-        self._max_cache_len = manifest["max_cache_len"]
+        self._max_cache_len = manifest.max_cache_len
         self._generator = None
         self._next_start = 0
 
@@ -84,11 +85,11 @@ class GenaiProgram:
             self._generator = self._og.Generator(self._model, params)
         self._generator.append_tokens(np.asarray(tokens, dtype=np.int32))
         self._next_start = start + len(tokens)
-        return np.asarray(self._generator.get_logits(), dtype=np.float32).reshape(-1)[-self.manifest["vocab_size"]:]
+        return np.asarray(self._generator.get_logits(), dtype=np.float32).reshape(-1)[-self.manifest.vocab_size:]
 
     def reset(self) -> None:
         self._generator, self._next_start = None, 0
 
 
-def load(folder: Path, manifest: dict, device: str) -> GenaiProgram:
+def load(folder: Path, manifest: Manifest, device: str) -> GenaiProgram:
     return GenaiProgram(Path(folder), manifest, device)

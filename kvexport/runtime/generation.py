@@ -129,7 +129,7 @@ def generate(
     ``on_logits(step, logits)`` sees the logits each new token is chosen from; returning False
     stops the generation (the parity check uses it to stop at a divergence).
     """
-    max_cache_len = program.manifest["max_cache_len"]
+    max_cache_len = program.manifest.max_cache_len
     if not prompt_ids:
         check_fits(0, max_new_tokens, max_cache_len)
     check_fits(start + len(prompt_ids), max_new_tokens, max_cache_len)

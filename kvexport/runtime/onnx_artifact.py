@@ -8,21 +8,21 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..artifact.manifest import buffer_layers, program_mismatch, read_listed_file
+from ..artifact.manifest import Interface, Manifest, buffer_layers, program_mismatch, read_listed_file
 from ..errors import ArtifactError, InvalidOptionError
 
 
 GPU_HINT = "install onnxruntime-gpu (pip install 'kvexport[gpu]') on a machine with an NVIDIA GPU, or use --device cpu"
 
 
-def check_runs_on_cuda(manifest: dict) -> None:
+def check_runs_on_cuda(manifest: Manifest) -> None:
     """What onnxruntime-gpu 1.31 gets wrong on CUDA (docs/onnx.md), refused before it runs."""
-    if manifest["dtype"] != "float16":
+    if manifest.dtype != "float16":
         # Its CUDA GroupQueryAttention takes float16 (and bfloat16) only: a float32 graph's
         # attention runs on the CPU provider, with copies across, and every step after the first
         # reads a wrong cache.
         raise InvalidOptionError(
-            f"--device cuda runs float16 ONNX artifacts; this one is {manifest['dtype']}: "
+            f"--device cuda runs float16 ONNX artifacts; this one is {manifest.dtype}: "
             "export it with --dtype float16 for the GPU, or run it with --device cpu"
         )
 
@@ -31,23 +31,23 @@ def check_runs_on_cuda(manifest: dict) -> None:
 LOGITS_INDICES = "logits_indices"
 
 
-def check_against_genai_config(folder: Path, manifest: dict) -> None:
+def check_against_genai_config(folder: Path, manifest: Manifest) -> None:
     """Refuse, in one line, a config that is not onnxruntime-genai's, or one that disagrees with the
     manifest in any field the manifest also says (the graph's rotary tables have ``context_length``
     rows; genai sizes the logits by ``vocab_size``, binds the graph by the names, stops at the EOS
     ids): the exporter wrote both from one spec, so a difference is an edit (sums recomputed)."""
-    name = manifest["genai_config"]
+    name = manifest.genai_config
     try:
         config = json.loads(read_listed_file(folder, manifest, name))
         model, decoder = config["model"], config["model"]["decoder"]
         sliding = decoder.get("sliding_window") or {}
         # genai sizes a buffer per layer that holds one; the first's shape is the default, and the
         # graph's inputs give each its own (checked against the manifest by kvexport's runner).
-        layers = buffer_layers(manifest["layers"])
-        eos = manifest.get("eos_token_ids") or [-1]  # -1: no end-of-sequence token
-        bos = manifest["bos_token_id"] if manifest.get("bos_token_id") is not None else eos[0]
-        said = {kind: [entry["name"] for entry in manifest.get("interface", {}).get(kind, [])
-                       if entry["name"] != LOGITS_INDICES] for kind in ("inputs", "outputs")}  # fmt: skip
+        layers = buffer_layers(manifest.layers)
+        eos = list(manifest.eos_token_ids) or [-1]  # -1: no end-of-sequence token
+        bos = manifest.bos_token_id if manifest.bos_token_id is not None else eos[0]
+        interface = manifest.interface or Interface()
+        said = {kind: [name for name in interface.names(kind) if name != LOGITS_INDICES] for kind in ("inputs", "outputs")}
         inputs, outputs = decoder["inputs"], decoder["outputs"]
         names = {  # the names genai binds: one past and present key and value per buffer layer
             "inputs": [inputs["input_ids"], inputs["attention_mask"],
@@ -56,23 +56,23 @@ def check_against_genai_config(folder: Path, manifest: dict) -> None:
                         *(_numbered(outputs[f"present_{kv}_names"], n) for n in range(len(layers)) for kv in ("key", "value"))],
         }  # fmt: skip
         facts = [
-            ("max_cache_len", manifest["max_cache_len"], model["context_length"], "context_length"),
-            ("max_cache_len", manifest["max_cache_len"], config["search"]["max_length"], "search.max_length"),
-            ("vocab_size", manifest["vocab_size"], model["vocab_size"], "vocab_size"),
+            ("max_cache_len", manifest.max_cache_len, model["context_length"], "context_length"),
+            ("max_cache_len", manifest.max_cache_len, config["search"]["max_length"], "search.max_length"),
+            ("vocab_size", manifest.vocab_size, model["vocab_size"], "vocab_size"),
             ("eos_token_ids", eos, model["eos_token_id"] if isinstance(model["eos_token_id"], list) else [model["eos_token_id"]],
              "eos_token_id"),
             ("bos_token_id", bos, model["bos_token_id"], "bos_token_id"),
             ("its padding token (its first EOS)", eos[0], model["pad_token_id"], "pad_token_id"),
-            ("program", manifest["program"], decoder["filename"], "filename"),
+            ("program", manifest.program, decoder["filename"], "filename"),
             *((f"the graph's {kind} include", ", ".join(sorted(set(said[kind]) - set(names[kind]))) or "no other",
                ", ".join(sorted(set(names[kind]) - set(said[kind]))) or "no other", f"decoder.{kind}")
               for kind in ("inputs", "outputs") if said[kind] and set(said[kind]) != set(names[kind])),
             ("layers with a cache", len(layers), decoder["num_hidden_layers"], "num_hidden_layers"),
-            ("KV heads", layers[0]["kv_heads"], decoder["num_key_value_heads"], "num_key_value_heads"),
-            ("head_dim", layers[0]["head_dim"], decoder["head_size"], "head_size"),
-            ("the sliding layers", [n for n, layer in enumerate(layers) if layer["cache"] == "ring"],
+            ("KV heads", layers[0].kv_heads, decoder["num_key_value_heads"], "num_key_value_heads"),
+            ("head_dim", layers[0].head_dim, decoder["head_size"], "head_size"),
+            ("the sliding layers", [n for n, layer in enumerate(layers) if layer.cache == "ring"],
              sliding.get("layers", []), "sliding_window.layers"),
-            ("windows", sorted({layer["window"] for layer in layers if layer["cache"] == "ring"}),
+            ("windows", sorted({layer.window for layer in layers if layer.cache == "ring"}),
              [sliding["window_size"]] if sliding else [], "sliding_window.window_size"),
             ("a cache that is both past and present", True, config["search"]["past_present_share_buffer"],
              "search.past_present_share_buffer"),

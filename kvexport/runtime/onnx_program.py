@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..artifact.manifest import MANIFEST, buffer_layers, program_mismatch, state_layers
+from ..artifact.manifest import MANIFEST, Layer, Manifest, buffer_layers, program_mismatch, state_layers
 from ..errors import ArtifactError, InvalidOptionError
 from .cpu import runtime_threads
 from .generation import check_call, check_verification
@@ -37,18 +37,18 @@ from .programs import max_tokens_per_call
 _ORT_TYPES = {"float32": "tensor(float)", "float16": "tensor(float16)", "bfloat16": "tensor(bfloat16)"}
 
 
-def _check_onnx_fields(manifest: dict) -> None:
+def _check_onnx_fields(manifest: Manifest) -> None:
     """What an ONNX artifact's manifest has besides the fields every artifact has (``read_manifest``
     checked their types where present): this runner names and sizes the buffers from them."""
-    lacks = [key for key in ("interface", "external_data") if key not in manifest]
-    if "genai_config" not in manifest and "genai_unsupported" not in manifest:
+    lacks = [key for key in ("interface", "external_data") if getattr(manifest, key) is None]
+    if manifest.genai_config is None and manifest.genai_unsupported is None:
         lacks.append("genai_config")
-    lacks += [f"interface.{key}" for key in ("inputs", "outputs") if not lacks and key not in manifest["interface"]]
+    lacks += [f"interface.{key}" for key in ("inputs", "outputs") if not lacks and getattr(manifest.interface, key) is None]
     lacks += [
         f"layers[{i}].{field}"
-        for i, layer in enumerate(manifest["layers"])
-        for field in _LAYER_FIELDS.get(layer["cache"], ("index", "kv_heads", "head_dim"))
-        if field not in layer
+        for i, layer in enumerate(manifest.layers)
+        for field in _LAYER_FIELDS.get(layer.cache, ("index", "kv_heads", "head_dim"))
+        if getattr(layer, field) is None
     ]
     if lacks:
         raise ArtifactError(f"{MANIFEST} lacks {lacks[0]}, which an ONNX artifact has; the manifest was edited or damaged, re-export")
@@ -58,40 +58,40 @@ def _check_onnx_fields(manifest: dict) -> None:
 _LAYER_FIELDS = {"conv": ("index", "channels", "slots"), "recurrent": ("index", "channels", "slots", "state"), "none": ("index",)}
 
 
-def _state_shapes(layer: dict) -> list[tuple[str, list[int], str]]:
+def _state_shapes(layer: Layer) -> list[tuple[str, list[int], str]]:
     """``(name, shape, dtype)`` of each state a layer that does not attend passes through the graph
     (exporter/onnx/target.py's PAST_STATE): its convolution's, then a recurrent state (float32)."""
-    shapes = [("conv", [1, layer["channels"], layer["slots"]], None)]
-    if layer["cache"] == "recurrent":
-        shapes.append(("recurrent", [1, *layer["state"]], "float32"))
+    shapes = [("conv", [1, layer.channels, layer.slots], None)]
+    if layer.cache == "recurrent":
+        shapes.append(("recurrent", [1, *layer.state], "float32"))
     return shapes
 
 
-def _check_against_graph(session, manifest: dict) -> None:
+def _check_against_graph(session, manifest: Manifest) -> None:
     """Refuse a manifest that does not describe the graph: the buffers and logits this runner sizes
     from it would not fit the graph's inputs (ONNX Runtime fails mid-generation), or, worse, would."""
     # An input with a default (logits_indices) is an initializer a caller may override.
     graph = {t.name: t for t in (*session.get_inputs(), *session.get_overridable_initializers())}
     outputs = {t.name: t for t in session.get_outputs()}
-    said = [entry["name"] for entry in manifest["interface"]["inputs"]]
+    said = manifest.interface.names("inputs")
     if sorted(said) != sorted(graph):
         raise program_mismatch("the graph's inputs are", ", ".join(said), ", ".join(graph))
-    layers = buffer_layers(manifest["layers"])
+    layers = buffer_layers(manifest.layers)
     in_graph = sum(name.startswith("past_key_values.") and name.endswith(".key") for name in graph)
     if len(layers) != in_graph:
-        holding = " that hold a cache" if len(layers) < len(manifest["layers"]) else ""
+        holding = " that hold a cache" if len(layers) < len(manifest.layers) else ""
         raise program_mismatch("the model has", f"{len(layers)} layers{holding}", f"{in_graph}")
     if "logits" not in outputs:
         raise program_mismatch("the graph has", "an output logits", "none")
-    expected_type = _ORT_TYPES[manifest["dtype"]]
+    expected_type = _ORT_TYPES[manifest.dtype]
     cache_dtype = _cache_dtype(manifest)
     cache_type = _ORT_TYPES.get(cache_dtype, f"tensor({cache_dtype})")
     if outputs["logits"].type != expected_type:
-        raise program_mismatch("its dtype is", manifest["dtype"], f"logits of {outputs['logits'].type}")
-    _check_shape("logits", [1, 1, manifest["vocab_size"]], outputs["logits"].shape, "vocab_size")
+        raise program_mismatch("its dtype is", manifest.dtype, f"logits of {outputs['logits'].type}")
+    _check_shape("logits", [1, 1, manifest.vocab_size], outputs["logits"].shape, "vocab_size")
     for n, spec in enumerate(layers):
-        shape = [1, spec["kv_heads"], _rows(spec, manifest["max_cache_len"]), spec["head_dim"]]
-        fields = f"layers[{spec['index']}]'s kv_heads, head_dim and " + ("max_cache_len" if spec["cache"] == "static" else "window")
+        shape = [1, spec.kv_heads, _rows(spec, manifest.max_cache_len), spec.head_dim]
+        fields = f"layers[{spec.index}]'s kv_heads, head_dim and " + ("max_cache_len" if spec.cache == "static" else "window")
         for kv in ("key", "value"):
             name = _cache_name("past", kv, n)
             if name not in graph or _cache_name("present", kv, n) not in outputs:
@@ -99,23 +99,23 @@ def _check_against_graph(session, manifest: dict) -> None:
             if graph[name].type != cache_type:
                 raise program_mismatch("its KV cache's dtype is", cache_dtype, f"{name} of {graph[name].type}")
             _check_shape(name, shape, graph[name].shape, fields)
-    states = [f"past_state.{layer['index']}.{state}" for layer in state_layers(manifest["layers"]) for state, *_ in _state_shapes(layer)]
+    states = [f"past_state.{layer.index}.{state}" for layer in state_layers(manifest.layers) for state, *_ in _state_shapes(layer)]
     if sorted(states) != sorted(name for name in graph if name.startswith("past_state.")):
         raise program_mismatch("the layers' states are", ", ".join(states) or "none",
                                ", ".join(name for name in graph if name.startswith("past_state.")) or "none")
-    for layer in state_layers(manifest["layers"]):
+    for layer in state_layers(manifest.layers):
         for state, shape, dtype in _state_shapes(layer):
-            name = f"past_state.{layer['index']}.{state}"
-            if name not in graph or f"present_state.{layer['index']}.{state}" not in outputs:
+            name = f"past_state.{layer.index}.{state}"
+            if name not in graph or f"present_state.{layer.index}.{state}" not in outputs:
                 raise program_mismatch("the graph has", name, "no such input")
-            if graph[name].type != _ORT_TYPES[dtype or manifest["dtype"]]:
-                raise program_mismatch(f"{name}'s dtype is", dtype or manifest["dtype"], graph[name].type)
-            _check_shape(name, shape, graph[name].shape, f"layers[{layer['index']}]'s channels, slots and state")
+            if graph[name].type != _ORT_TYPES[dtype or manifest.dtype]:
+                raise program_mismatch(f"{name}'s dtype is", dtype or manifest.dtype, graph[name].type)
+            _check_shape(name, shape, graph[name].shape, f"layers[{layer.index}]'s channels, slots and state")
 
 
-def _cache_dtype(manifest: dict) -> str:
+def _cache_dtype(manifest: Manifest) -> str:
     """The buffers' element type: the export's dtype, or ``kv_cache.dtype`` (``--kv-cache int8``)."""
-    return manifest.get("kv_cache", {}).get("dtype", manifest["dtype"])
+    return manifest.kv_cache_dtype
 
 
 def _cache_name(kind: str, kv: str, index) -> str:
@@ -124,9 +124,9 @@ def _cache_name(kind: str, kv: str, index) -> str:
     return f"past_key_values.{index}.{kv}" if kind == "past" else f"present.{index}.{kv}"
 
 
-def _rows(spec: dict, max_cache_len: int) -> int:
+def _rows(spec: Layer, max_cache_len: int) -> int:
     """A layer's buffer rows in this runner: the cache's length, or a sliding layer's window."""
-    return max_cache_len if spec["cache"] == "static" else spec["window"]
+    return max_cache_len if spec.cache == "static" else spec.window
 
 
 def _check_shape(name: str, said: list[int], has: list, fields: str) -> None:
@@ -149,11 +149,11 @@ class _Buffer:
 
 
 class _Layer:
-    def __init__(self, ort, index: int, spec: dict, max_cache_len: int, dtype: np.dtype, device: str):
+    def __init__(self, ort, index: int, spec: Layer, max_cache_len: int, dtype: np.dtype, device: str):
         self.index = index  # in the graph's names: the n-th layer that holds a cache
-        self.shape = [1, spec["kv_heads"], _rows(spec, max_cache_len), spec["head_dim"]]  # GroupQueryAttention's layout
+        self.shape = [1, spec.kv_heads, _rows(spec, max_cache_len), spec.head_dim]  # GroupQueryAttention's layout
         self.buffers = {kv: _Buffer(ort, tuple(self.shape), dtype, device) for kv in ("key", "value")}
-        self.ring = spec["cache"] == "ring"
+        self.ring = spec.cache == "ring"
         # A sliding buffer's first rows before each recent call, by the first position they hold:
         # what the call may have evicted, which a call that goes back (``rewind``) needs again.
         self.evicted: list[tuple[int, dict]] = []
@@ -206,7 +206,7 @@ class _State:
 
 
 class OnnxProgram:
-    def __init__(self, folder: Path, manifest: dict, device: str, threads: int | None = None):
+    def __init__(self, folder: Path, manifest: Manifest, device: str, threads: int | None = None):
         """``threads``: ONNX Runtime's intra-op threads (default: ``KVEXPORT_THREADS``, else its own
         choice, one per physical core)."""
         import onnxruntime as ort
@@ -222,8 +222,8 @@ class OnnxProgram:
                 )
         self.manifest = manifest
         self._device = device
-        self._max_cache_len = manifest["max_cache_len"]
-        path = folder / manifest["program"]
+        self._max_cache_len = manifest.max_cache_len
+        path = folder / manifest.program
         providers = ["CUDAExecutionProvider", "CPUExecutionProvider"] if device == "cuda" else ["CPUExecutionProvider"]
         options = ort.SessionOptions()
         options.log_severity_level = 3  # errors only
@@ -239,20 +239,20 @@ class OnnxProgram:
             # onnxruntime falls back to the CPU (with a warning) when CUDA or cuDNN cannot load.
             raise InvalidOptionError(f"--device cuda: ONNX Runtime could not start CUDA here; {GPU_HINT}")
         _check_against_graph(self._session, manifest)  # before any buffer is sized from the manifest
-        if "genai_config" in manifest:
+        if manifest.genai_config is not None:
             check_against_genai_config(folder, manifest)
-        self._dtype = np.dtype(manifest["dtype"])
+        self._dtype = np.dtype(manifest.dtype)
         self._cache_dtype = np.dtype(_cache_dtype(manifest))
         self._layers = [
             _Layer(ort, n, spec, self._max_cache_len, self._cache_dtype, device)
-            for n, spec in enumerate(buffer_layers(manifest["layers"]))
+            for n, spec in enumerate(buffer_layers(manifest.layers))
         ]
         # Tokens per call: the interface's limit (--prefill-chunk).
         self._chunk = max_tokens_per_call(manifest)
         # Host memory for the small inputs and the logits: ONNX Runtime copies them across itself.
         self._tokens = np.zeros((1, self._max_cache_len), dtype=np.int64)
         self._mask = np.ones((1, self._max_cache_len), dtype=np.int64)  # a call binds its first P + T
-        self._logits = np.zeros((1, 1, manifest["vocab_size"]), dtype=self._dtype)
+        self._logits = np.zeros((1, 1, manifest.vocab_size), dtype=self._dtype)
         self._binding = self._session.io_binding()
         self._binding.bind_output("logits", "cpu", 0, self._dtype, list(self._logits.shape), self._logits.ctypes.data)
         self._last_row = np.array([-1], dtype=np.int64)  # logits_indices' default, bound again after a verification
@@ -261,14 +261,14 @@ class OnnxProgram:
                 self._binding.bind_input(_cache_name("past", kv, layer.index), device, 0, self._cache_dtype, layer.shape, buf.ptr)
                 self._binding.bind_output(_cache_name("present", kv, layer.index), device, 0, self._cache_dtype, layer.shape, buf.ptr)
         self._states = [
-            _State(ort, layer["index"], name, shape, np.dtype(dtype or manifest["dtype"]), device)
-            for layer in state_layers(manifest["layers"])
+            _State(ort, layer.index, name, shape, np.dtype(dtype or manifest.dtype), device)
+            for layer in state_layers(manifest.layers)
             for name, shape, dtype in _state_shapes(layer)
         ]
         self._next_start = 0
         # Speculative decoding: a verification returns the logits of each of its positions, and a
         # call may start up to max_draft_tokens positions before the sequence's end (``_start_at``).
-        self.max_draft_tokens = manifest.get("max_draft_tokens", 0)
+        self.max_draft_tokens = manifest.max_draft_tokens
         if self.max_draft_tokens and device != "cpu":
             raise InvalidOptionError("--device cuda: artifacts that verify drafted tokens run on cpu in this version")
 
@@ -332,5 +332,5 @@ class OnnxProgram:
         self._next_start = 0
 
 
-def load(folder: Path, manifest: dict, device: str) -> OnnxProgram:
+def load(folder: Path, manifest: Manifest, device: str) -> OnnxProgram:
     return OnnxProgram(Path(folder), manifest, device)

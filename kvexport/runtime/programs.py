@@ -12,12 +12,12 @@ from typing import Protocol
 
 import numpy as np
 
-from ..artifact.manifest import read_manifest
+from ..artifact.manifest import Manifest, read_manifest
 from ..errors import KvexportError
 
 
 class Program(Protocol):
-    manifest: dict
+    manifest: Manifest
 
     def forward(self, tokens: list[int], start: int) -> np.ndarray: ...
 
@@ -27,10 +27,10 @@ class Program(Protocol):
     def reset(self) -> None: ...
 
 
-def max_tokens_per_call(manifest: dict) -> int:
+def max_tokens_per_call(manifest: Manifest) -> int:
     """The most tokens one forward call of the program takes; runners split longer prompts. Artifacts
     written before ``--prefill-chunk`` took calls as long as the cache."""
-    return manifest.get("interface", {}).get("max_tokens_per_call") or manifest["max_cache_len"]
+    return manifest.max_tokens_per_call
 
 
 _RUNNERS = {"executorch": "executorch_program", "onnx": "onnx_program"}
@@ -38,12 +38,12 @@ _RUNNERS = {"executorch": "executorch_program", "onnx": "onnx_program"}
 _RUNTIME_PACKAGE = {"executorch": "executorch", "onnx": "onnxruntime"}
 
 
-def load_program(folder: Path, manifest: dict | None = None, device: str = "cpu", runner: str = "kvexport") -> Program:
+def load_program(folder: Path, manifest: Manifest | None = None, device: str = "cpu", runner: str = "kvexport") -> Program:
     """``runner``: ``kvexport`` (this package's runner for the artifact's target) or ``genai``
     (onnxruntime-genai, ONNX artifacts)."""
     folder = Path(folder)
     manifest = manifest or read_manifest(folder)
-    target = manifest["target"]
+    target = manifest.target
     if runner == "genai":
         from . import genai_program
 
@@ -55,7 +55,7 @@ def load_program(folder: Path, manifest: dict | None = None, device: str = "cpu"
         if (e.name or "").split(".")[0] not in ("torch", "executorch", "onnxruntime"):
             raise
         package = _RUNTIME_PACKAGE[target]
-        version = manifest.get("versions", {}).get(package)
+        version = manifest.version(package)
         raise KvexportError(
             f"this {target} artifact needs {package} to run ({e.name} is not installed): "
             f"pip install {package}{'==' + version if version else ''}"

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from ..artifact.archive import open_artifact
+from ..artifact.manifest import Manifest
 from ..errors import InvalidOptionError
 from ..logs import VERBOSE_ENV
 from .generation import Generation, Sampling, check_fits, generate
@@ -52,7 +53,7 @@ def generate_text(program, tokenizer: ArtifactTokenizer, prompt_ids: list[int], 
     """Generate from ``prompt_ids`` until EOS (and, with ``chat``, the template's end of turn), and
     decode the new tokens; with a ``drafter``, speculatively (``speculation``), ``draft_tokens`` at
     a time (default: the artifact's most)."""
-    eos = set() if ignore_eos else set(program.manifest["eos_token_ids"])
+    eos = set() if ignore_eos else set(program.manifest.eos_token_ids)
     if chat and not ignore_eos:  # a reply ends at the template's end of turn (Gemma: <end_of_turn>, not <eos>)
         eos |= set(tokenizer.turn_end_ids())
     if drafter is not None:
@@ -63,12 +64,12 @@ def generate_text(program, tokenizer: ArtifactTokenizer, prompt_ids: list[int], 
     return result
 
 
-def run_command(folder: Path, manifest: dict, args: argparse.Namespace, sampling: Sampling) -> dict:
+def run_command(folder: Path, manifest: Manifest, args: argparse.Namespace, sampling: Sampling) -> dict:
     """``kvexport run`` and ``python -m kvexport.device`` (``run_main``) with kvexport's own loop, on
     kvexport's runner or onnxruntime-genai's."""
     tokenizer = ArtifactTokenizer(folder, manifest)
     prompt_ids = encode_prompt(tokenizer, args.prompt, args.chat)
-    check_fits(len(prompt_ids), args.max_new_tokens, manifest["max_cache_len"])  # before the program loads
+    check_fits(len(prompt_ids), args.max_new_tokens, manifest.max_cache_len)  # before the program loads
     program = load_program(folder, manifest, args.device, args.runner)
     stream = None if args.json else TextStream(tokenizer)
     with contextlib.ExitStack() as stack:
@@ -93,7 +94,7 @@ def run_command(folder: Path, manifest: dict, args: argparse.Namespace, sampling
             spec = summary["speculation"]
             note += f"; {spec['accepted']}/{spec['drafted']} drafted tokens accepted in {spec['verify_calls']} verifications"
         if result.stopped_by == "max_cache_len":
-            note += f"; stopped: the cache is full ({manifest['max_cache_len']} positions)"
+            note += f"; stopped: the cache is full ({manifest.max_cache_len} positions)"
         print(
             f"[{len(result.prompt_ids)} prompt tokens, {len(result.new_ids)} new; "
             f"prefill {summary['prefill_tokens_per_s']} tok/s, decode {summary['decode_tokens_per_s']} tok/s{note}]",

@@ -68,8 +68,8 @@ class ModelDrafter:
     def __init__(self, program):
         self.program = program
         self.fed: list[int] = []
-        self.rewind = program.manifest.get("max_draft_tokens", 0)
-        self.max_cache_len = program.manifest["max_cache_len"]
+        self.rewind = program.manifest.max_draft_tokens
+        self.max_cache_len = program.manifest.max_cache_len
 
     def prefill(self, context: list[int]) -> None:
         """Feed the prompt, before the first proposal (which then feeds the tokens after it only)."""
@@ -141,7 +141,7 @@ def load_drafter(draft: str, stack: contextlib.ExitStack, device: str = "cpu"):
 def check_drafter(program, drafter, draft_tokens: int | None) -> int:
     """Refuse a speculative run the artifacts cannot do, before anything runs; the tokens drafted
     per verification (``draft_tokens``, default: the artifact's most)."""
-    most = program.manifest.get("max_draft_tokens", 0)
+    most = program.manifest.max_draft_tokens
     if not most:
         raise InvalidOptionError(
             "--draft: this artifact does not verify drafted tokens; re-export it with --max-draft-tokens K"
@@ -150,10 +150,10 @@ def check_drafter(program, drafter, draft_tokens: int | None) -> int:
     if not 1 <= draft_tokens <= most:
         raise InvalidOptionError(f"--draft-tokens must be from 1 to the artifact's max_draft_tokens ({most}), got {draft_tokens}")
     if isinstance(drafter, ModelDrafter):
-        if drafter.program.manifest["vocab_size"] != program.manifest["vocab_size"]:
+        if drafter.program.manifest.vocab_size != program.manifest.vocab_size:
             raise InvalidOptionError(
-                f"--draft: the drafting artifact's vocabulary ({drafter.program.manifest['vocab_size']} tokens) is not "
-                f"this artifact's ({program.manifest['vocab_size']}); draft with a model of the same tokenizer"
+                f"--draft: the drafting artifact's vocabulary ({drafter.program.manifest.vocab_size} tokens) is not "
+                f"this artifact's ({program.manifest.vocab_size}); draft with a model of the same tokenizer"
             )
         if drafter.rewind < draft_tokens - 1:
             raise InvalidOptionError(
@@ -179,7 +179,7 @@ def generate_with_draft(
     chosen from, as there. ``cached_ids``: what the program's cache already holds at positions 0..
     (a chat's earlier turns; ``generate``'s ``start`` is their length), before ``prompt_ids``; the
     drafter sees them too."""
-    max_cache_len = program.manifest["max_cache_len"]
+    max_cache_len = program.manifest.max_cache_len
     start = len(cached_ids)
     check_fits(start + len(prompt_ids), max_new_tokens, max_cache_len)
     draft_tokens = check_drafter(program, drafter, draft_tokens)

@@ -10,7 +10,7 @@ import json
 from datetime import datetime
 from pathlib import Path
 
-from ..artifact.manifest import MANIFEST, read_listed_file, read_manifest
+from ..artifact.manifest import MANIFEST, Manifest, read_listed_file, read_manifest
 from ..errors import ArtifactError, InvalidOptionError, KvexportError, first_line
 
 _DAMAGED = "the artifact is damaged, re-run kvexport export"
@@ -27,7 +27,7 @@ def _named_template(template):
 
 
 class ArtifactTokenizer:
-    def __init__(self, folder: Path, manifest: dict | None = None):
+    def __init__(self, folder: Path, manifest: Manifest | None = None):
         """In an artifact, reads only the files ``kvexport.json`` lists, each checked against its sha256
         as it is read (``manifest``: the folder's, already read; by default it is read here). A folder
         without ``kvexport.json`` is a plain tokenizer folder (``save_pretrained``'s), read as it is."""
@@ -59,7 +59,7 @@ class ArtifactTokenizer:
         except Exception as e:  # tokenizers raises a bare Exception for any file it cannot parse
             raise ArtifactError(f"{folder / 'tokenizer.json'} is not a tokenizer the tokenizers library reads ({first_line(e)[:200]}); {_DAMAGED}")
         if manifest is not None:
-            self._check_vocabulary(folder, manifest["vocab_size"])
+            self._check_vocabulary(folder, manifest.vocab_size)
         config = text("tokenizer_config.json")
         try:
             self.config = {} if config is None else json.loads(config)

@@ -35,7 +35,7 @@ def test_the_archive_is_the_folder_under_its_name_manifest_first(packed, tmp_pat
     listed = json.loads((folder / "kvexport.json").read_text())["files"]
     assert names == [f"{folder.name}/{n}" for n in ["kvexport.json", "kvexport.json.sha256", *listed]]
     with open_artifact(archive) as (unpacked, manifest):
-        assert manifest == json.loads((folder / "kvexport.json").read_text())
+        assert manifest.to_json() == json.loads((folder / "kvexport.json").read_text())
         for name in listed:
             assert (unpacked / name).read_bytes() == (folder / name).read_bytes()
     assert not unpacked.exists()  # the temporary folder is gone
@@ -43,7 +43,7 @@ def test_the_archive_is_the_folder_under_its_name_manifest_first(packed, tmp_pat
     assert code == 0, err
     result = json.loads(out)
     with open_artifact(tmp_path / "tiny.tgz") as (_, manifest):
-        assert manifest["files"] == listed
+        assert manifest.to_json()["files"] == listed
     assert len(result["sha256"]) == 64 and result["bytes"] < archive.stat().st_size  # gzipped
 
 

@@ -19,6 +19,7 @@ def minimal_manifest():
         "max_cache_len": 8,
         "vocab_size": 4,
         "eos_token_ids": [1],
+        "bos_token_id": None,
         "dtype": "float32",
         "layers": [{"cache": "ring", "window": 4}, {"cache": "static", "window": None}],
         "source": {"name": "tiny-llama", "kind": "preset", "path": None},
@@ -44,11 +45,11 @@ def test_manifest_checks(tmp_path):
     for version in (1, 2, 3, 4, 5, 6):
         manifest["format_version"], manifest["target"] = version, "executorch"
         (out / "kvexport.json").write_text(json.dumps(manifest))
-        assert artifact.read_manifest(out, verify=False)["format_version"] == version
+        assert artifact.read_manifest(out, verify=False).format_version == version
         manifest["target"] = "onnx"
         (out / "kvexport.json").write_text(json.dumps(manifest))
         if version == 6:
-            assert artifact.read_manifest(out, verify=False)["format_version"] == version
+            assert artifact.read_manifest(out, verify=False).format_version == version
             continue
         with pytest.raises(ArtifactError, match=f"format version {version}, this kvexport reads 6 for onnx artifacts; re-export"):
             artifact.read_manifest(out, verify=False)
@@ -73,10 +74,10 @@ def test_a_shared_layer_reading_an_earlier_cache_is_accepted(tmp_path):
     with staging.staged_folder(out) as tmp:
         (tmp / "model.pte").write_bytes(b"program")
         manifest = minimal_manifest()
-        manifest["layers"] += [{"cache": "shared", "reads": 0, "window": 4, "slots": 0}, {"cache": "shared", "reads": 1}]
+        manifest["layers"] += [{"cache": "shared", "reads": 0, "window": 4, "slots": 0}, {"cache": "shared", "reads": 1, "window": None}]
         artifact.write_manifest(tmp, manifest)
-    layers = artifact.read_manifest(out)["layers"]
-    assert [layer["cache"] for layer in artifact.buffer_layers(layers)] == ["ring", "static"]
+    layers = artifact.read_manifest(out).layers
+    assert [layer.cache for layer in artifact.buffer_layers(layers)] == ["ring", "static"]
 
 
 @pytest.mark.parametrize(
@@ -183,14 +184,31 @@ def test_an_inconsistent_manifest_is_refused(tmp_path, change, phrase):
         artifact.read_manifest(out)
 
 
+def test_the_manifest_is_written_as_given_or_not_at_all(tmp_path):
+    """The exporter's fields go through ``Manifest`` to the file: the same keys and values, in the
+    file's order whatever order they came in; a key that no field holds is refused, not dropped."""
+    given = minimal_manifest()
+    make_artifact(tmp_path / "out")
+    text = (tmp_path / "out" / "kvexport.json").read_text()
+    assert {k: v for k, v in json.loads(text).items() if k not in ("format", "format_version", "files")} == given
+    assert list(json.loads(text)) == ["format", "format_version", "target", "source", "dtype", "max_cache_len", "vocab_size",
+                                      "bos_token_id", "eos_token_ids", "layers", "program", "files"]
+    for unknown in ({"layers": [{"cache": "static", "window": None, "colour": "red"}]}, {"source": {**given["source"], "x": 1}}):
+        with pytest.raises(RuntimeError, match="as given"), staging.staged_folder(tmp_path / "refused") as tmp:
+            (tmp / "model.pte").write_bytes(b"program")
+            artifact.write_manifest(tmp, {**given, **unknown})
+        assert not (tmp_path / "refused").exists()
+
+
 def test_a_hybrid_layer_is_a_kv_buffer_and_a_state():
     """Falcon-H1's layers: each counts among the layers with KV buffers and, by its ``mixer``, among
     those with states, under the layer's own index."""
     mixer = {"cache": "recurrent", "channels": 8, "slots": 3, "state": [2, 4, 4]}
     layers = [{"index": 0, "layer_type": "full_attention", "cache": "static", "window": None, "mixer": mixer},
               {"index": 1, "layer_type": "conv", "cache": "conv", "window": None, "channels": 8, "slots": 3}]  # fmt: skip
+    layers = [artifact.Layer.from_json(layer) for layer in layers]
     assert artifact.buffer_layers(layers) == layers[:1]
-    assert artifact.state_layers(layers) == [{"index": 0, "layer_type": "full_attention", **mixer}, layers[1]]
+    assert artifact.state_layers(layers) == [artifact.Layer.from_json({"index": 0, "layer_type": "full_attention", **mixer}), layers[1]]
 
 
 def test_a_changed_manifest_is_refused(tmp_path):
@@ -202,7 +220,7 @@ def test_a_changed_manifest_is_refused(tmp_path):
     with pytest.raises(ArtifactError, match="kvexport.json does not match kvexport.json.sha256"):
         artifact.read_manifest(out)
     (out / "kvexport.json.sha256").unlink()  # a folder exported before the manifest had its own sum
-    assert artifact.read_manifest(out)["max_cache_len"] == 9
+    assert artifact.read_manifest(out).max_cache_len == 9
 
 
 def test_a_source_without_a_kind_is_still_read(tmp_path):
@@ -213,7 +231,7 @@ def test_a_source_without_a_kind_is_still_read(tmp_path):
     del manifest["source"]["kind"]
     (out / "kvexport.json").write_text(json.dumps(manifest))
     (out / "kvexport.json.sha256").unlink()
-    assert "kind" not in artifact.read_manifest(out)["source"]
+    assert artifact.read_manifest(out).source.kind is None
 
 
 @pytest.mark.parametrize("what", ["link-outside", "link-inside", "folder", "fifo", "manifest-link", "sum-link"])

@@ -50,7 +50,7 @@ def test_an_interrupt_during_the_swap_waits_until_it_is_done(tmp_path, monkeypat
             (tmp / "model.pte").write_bytes(b"new")
             artifact.write_manifest(tmp, minimal_manifest())
     # The interrupt came once the swap was done: the new artifact is whole, nothing is left aside.
-    assert artifact.read_manifest(out)["files"]["model.pte"]["bytes"] == 3
+    assert artifact.read_manifest(out).files["model.pte"].bytes == 3
     assert [p.name for p in tmp_path.iterdir()] == ["out"]
 
 
@@ -60,7 +60,7 @@ def test_a_successful_rebuild_replaces_it(tmp_path):
     with staging.staged_folder(out, force=True) as tmp:
         (tmp / "model.pte").write_bytes(b"new")
         artifact.write_manifest(tmp, minimal_manifest())
-    assert artifact.read_manifest(out)["files"]["model.pte"]["bytes"] == 3
+    assert artifact.read_manifest(out).files["model.pte"].bytes == 3
     assert [p.name for p in tmp_path.iterdir()] == ["out"]
 
 
@@ -79,7 +79,7 @@ def test_missing_parent_folders_are_made_and_removed_again_on_failure(tmp_path):
             raise RuntimeError("lowering failed")
     assert list(tmp_path.iterdir()) == []
     make_artifact(out)
-    assert artifact.read_manifest(out)["program"] == "model.pte"
+    assert artifact.read_manifest(out).program == "model.pte"
 
 
 
@@ -102,7 +102,7 @@ def test_with_force_an_output_that_appeared_meanwhile_is_replaced(tmp_path):
         (tmp / "model.pte").write_bytes(b"new")
         artifact.write_manifest(tmp, minimal_manifest())
         make_artifact(out)
-    assert artifact.read_manifest(out)["files"]["model.pte"]["bytes"] == 3
+    assert artifact.read_manifest(out).files["model.pte"].bytes == 3
     assert [p.name for p in tmp_path.iterdir()] == ["out"]
 
 

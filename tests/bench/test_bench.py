@@ -12,14 +12,7 @@ from kvexport.bench import machine_load
 from kvexport.bench.bench import BenchOptions, exact_prompt, prompt_lengths, run_bench
 from kvexport.bench.report import busy_lines
 from kvexport.bench.summary import ratios
-from kvexport.cli import main
-
-
-def bench_cli(capsys, *args) -> tuple[int, str]:
-    """``kvexport bench ARGS``: its exit code and what it printed on stdout."""
-    with pytest.raises(SystemExit) as exit_info:
-        main(["bench", *map(str, args)])
-    return exit_info.value.code, capsys.readouterr().out
+from tests.helpers import fake_manifest, run_cli
 
 
 def test_bench_measures_every_path(artifact, tmp_path, capsys):
@@ -33,9 +26,9 @@ def test_bench_measures_every_path(artifact, tmp_path, capsys):
     other_genai = tmp_path / "other-genai"
     shutil.copytree(onnx, other_genai, ignore=shutil.ignore_patterns("kvexport.json*"))
     out = tmp_path / "bench.json"
-    code, table = bench_cli(capsys, "tiny-gemma3", pte, onnx, "--prompt-tokens", "8", "--new-tokens", "6",
-                            "--repeats", "1", "--threads", "1", "--json", out, "--markdown", tmp_path / "b.md",
-                            "--pte", other / "model.pte", "--genai-folder", other_genai)
+    code, table, _ = run_cli(capsys, "bench", "tiny-gemma3", pte, onnx, "--prompt-tokens", "8", "--new-tokens", "6",
+                             "--repeats", "1", "--threads", "1", "--json", out, "--markdown", tmp_path / "b.md",
+                             "--pte", other / "model.pte", "--genai-folder", other_genai)
     assert code == 0
     report = json.loads(out.read_text())
     assert table.strip() == (tmp_path / "b.md").read_text().strip() and "| path |" in table
@@ -166,8 +159,8 @@ def test_bench_measures_each_prompt_length_and_its_traffic_limit(artifact, tmp_p
     decode by length beside the traffic limit, which the shortest length reaches by definition."""
     pte = artifact("tiny-gemma3", "executorch")
     out = tmp_path / "bench.json"
-    code, table = bench_cli(capsys, "tiny-gemma3", pte, "--prompt-tokens", "20,4", "--new-tokens", "6", "--repeats", "1",
-                            "--threads", "1", "--paths", "eager,run", "--json", out)
+    code, table, _ = run_cli(capsys, "bench", "tiny-gemma3", pte, "--prompt-tokens", "20,4", "--new-tokens", "6",
+                             "--repeats", "1", "--threads", "1", "--paths", "eager,run", "--json", out)
     assert code == 0
     report = json.loads(out.read_text())
     assert report["protocol"]["prompt_tokens"] == [4, 20]
@@ -197,13 +190,15 @@ def test_a_step_reads_the_weights_and_the_rows_each_layer_attends_to():
     at the cache's own bytes per element (here float32: 4)."""
     from kvexport.bench import traffic
 
+    from kvexport.artifact.manifest import FileEntry, Layer
+
     layer = {"kv_heads": 2, "head_dim": 16}
-    manifest = {
-        "files": {"model.pte": {"bytes": 1000}, "model.ptd": {"bytes": 9000}, "tokenizer.json": {"bytes": 500}},
-        "layers": [{"index": 0, "cache": "static", "slots": 64, **layer}, {"index": 1, "cache": "ring", "slots": 6, **layer},
-                   {"index": 2, "cache": "shared", "slots": 0, **layer}, {"index": 3, "cache": "conv", "slots": 3}],
-        "kv_cache_bytes": (64 + 6) * 2 * 2 * 16 * 4,
-    }
+    manifest = fake_manifest(
+        files={name: FileEntry("0" * 64, size) for name, size in (("model.pte", 1000), ("model.ptd", 9000), ("tokenizer.json", 500))},
+        layers=(Layer(0, cache="static", slots=64, **layer), Layer(1, cache="ring", slots=6, **layer),
+                Layer(2, cache="shared", slots=0, **layer), Layer(3, cache="conv", slots=3)),
+        kv_cache_bytes=(64 + 6) * 2 * 2 * 16 * 4,
+    )
     assert traffic.weight_bytes(manifest) == 10_000  # the program's files, not the tokenizer
     row = 2 * 2 * 16 * 4  # keys and values of one position in one layer
     assert traffic.cache_bytes_read(manifest, 3) == (3 + 3) * row

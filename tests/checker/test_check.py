@@ -11,7 +11,7 @@ import torch
 
 from kvexport.checker.check import LOGIT_TOLERANCE, Float32Logits, check_half_precision_prompt, check_prompt, logit_tolerance
 
-from tests.helpers import assert_one_line_error, run_cli
+from tests.helpers import assert_one_line_error, fake_manifest, run_cli
 
 
 def test_check_passes_past_the_window(artifact, capsys):
@@ -76,7 +76,7 @@ class Float32Standin:
 
     def __init__(self, model, offset: np.ndarray | None = None):
         self.model, self.offset, self.ids = model, offset, []
-        self.manifest = {"max_cache_len": 512}
+        self.manifest = fake_manifest(max_cache_len=512)
 
     def forward(self, tokens: list[int], start: int) -> np.ndarray:
         self.ids = self.ids[:start] + list(tokens)
@@ -133,7 +133,7 @@ def test_a_float16_pte_is_held_to_the_tolerance_of_the_arithmetic_this_cpu_gives
 
     monkeypatch.setattr(platform, "system", lambda: "Linux")
     monkeypatch.setattr("kvexport.runtime.cpu.cpu_info", lambda: ("a CPU", features))
-    assert logit_tolerance({"target": target, "dtype": dtype}) == expected
+    assert logit_tolerance(fake_manifest(target=target, dtype=dtype)) == expected
 
 
 def test_where_eager_float16_overflows_a_float16_artifact_is_held_to_float32_eager():

@@ -85,7 +85,7 @@ def artifact_bytes(folder, manifest) -> int:
 )
 def test_8da4w_pte_runs_the_quantized_model(artifact, capsys, name, embedding, kernel, lm_head, grid):
     folder = artifact(name, "executorch", "8da4w", embedding, lm_head, quantize_grid=grid)
-    manifest = read_manifest(folder)
+    manifest = read_manifest(folder).to_json()
     assert manifest["quantization"]["scheme"] == "8da4w"
     assert manifest["quantization"].get("grid") == grid
     assert manifest["export_options"].get("quantize_grid") == grid
@@ -116,8 +116,8 @@ def test_8da4w_adds_no_op_outside_the_delegate_but_the_stacks_splits(artifact):
     """The int4 offsets (block means, a small matmul) run inside XNNPACK: the ops quantization adds
     outside it are the embedding's lookup kernel and, per layer, the split of the stacked q/k/v and
     gate/up products (``stacked_projections``; XNNPACK slices no tensor with a dynamic dim)."""
-    fp32 = read_manifest(artifact("tiny-gemma3"))
-    quantized = read_manifest(artifact("tiny-gemma3", "executorch", "8da4w", "int8"))
+    fp32 = read_manifest(artifact("tiny-gemma3")).to_json()
+    quantized = read_manifest(artifact("tiny-gemma3", "executorch", "8da4w", "int8")).to_json()
     splits = 2 * len(quantized["layers"])
     assert quantized["non_delegated_ops"] <= fp32["non_delegated_ops"] + 1 + splits
     assert quantized["delegated_calls"] <= fp32["delegated_calls"] + splits
@@ -226,8 +226,8 @@ def test_a_block_of_one_value_gets_a_positive_scale_and_stays_exact():
 
 @TINY_8DA4W
 def test_8da4w_pte_is_smaller(artifact):
-    fp32 = read_manifest(artifact("tiny-gemma3"))
-    quantized = read_manifest(artifact("tiny-gemma3", "executorch", "8da4w", "int8"))
+    fp32 = read_manifest(artifact("tiny-gemma3")).to_json()
+    quantized = read_manifest(artifact("tiny-gemma3", "executorch", "8da4w", "int8")).to_json()
     # Tiny layers carry a large share of per-call overhead and float norms; real models shrink ~4x.
     assert artifact_bytes(None, quantized) < artifact_bytes(None, fp32) / 2.5
 
@@ -289,7 +289,7 @@ def test_int4_onnx_export_runs_the_int4_model(tmp_path, capsys):
     )
     assert code == 0, err
     assert "✓ quantize " in err and "MatMulNBits" in err  # its own progress step
-    manifest = read_manifest(folder)
+    manifest = read_manifest(folder).to_json()
     assert manifest["quantization"]["scheme"] == "int4"
     assert manifest["export_options"]["quantize"] == "int4"
     assert "quantize_embedding" not in manifest["export_options"]
@@ -324,7 +324,7 @@ def test_an_int4_lm_head_on_onnx_reads_zero_points_and_the_lookup_keeps_its_8_bi
     import onnx
 
     folder = artifact("tiny-smollm3", "onnx", "int4", None, "int4")
-    manifest = read_manifest(folder)
+    manifest = read_manifest(folder).to_json()
     assert manifest["quantization"]["lm_head"]["weights"] == "int4"
     assert manifest["export_options"]["quantize_lm_head"] == "int4"
     assert manifest["quantized_ops"] == {"MatMulNBits": 9, "GatherBlockQuantized": 1}
@@ -381,8 +381,8 @@ def nbits_ops(path, with_block: bool = False) -> list[tuple[int, ...]]:
 
 def test_int4_onnx_is_smaller_and_reexports_identically(artifact, tmp_path):
     first = artifact("tiny-gemma3", "onnx", "int4")
-    fp32 = read_manifest(artifact("tiny-gemma3", "onnx"))
-    manifest = read_manifest(first)
+    fp32 = read_manifest(artifact("tiny-gemma3", "onnx")).to_json()
+    manifest = read_manifest(first).to_json()
     # The tiny model is mostly its 8-bit embedding table and lm_head (untied: two matrices).
     assert manifest["files"]["model.onnx.data"]["bytes"] < fp32["files"]["model.onnx.data"]["bytes"] / 1.5
     options = manifest["export_options"]
@@ -390,7 +390,7 @@ def test_int4_onnx_is_smaller_and_reexports_identically(artifact, tmp_path):
     kvexport.export(options["model"], options["target"], again, max_cache_len=options["max_cache_len"],
                     quantize=options["quantize"], quiet=True)  # the CLI's bytes, whatever this process's hash seed
     for name, entry in manifest["files"].items():
-        assert read_manifest(again)["files"][name] == entry, name
+        assert read_manifest(again).to_json()["files"][name] == entry, name
 
 
 def test_attention_reads_the_stacked_projection_packed_and_computes_the_same(artifact, tmp_path, monkeypatch):
@@ -442,7 +442,7 @@ def test_check_reports_agreement_on_a_quantized_artifact(artifact, capsys):
         assert prompt["max_logit_diff"] == pytest.approx(max(prompt["logit_diff_per_step"]))
         assert len(prompt["disagreement_margins"]) == prompt["compared_steps"] - prompt["agreed_steps"]
         # EOS is never fed: what follows one is no generation a runner makes.
-        assert prompt["suppressed_tokens"] == read_manifest(folder)["eos_token_ids"] != []
+        assert prompt["suppressed_tokens"] == read_manifest(folder).to_json()["eos_token_ids"] != []
         assert not set(prompt["suppressed_tokens"]) & set(prompt["eager_ids"])
     # A random 4-bit tiny model does not reach 95%: the check says so and fails.
     assert report["ok"] == all(p["top1_agreement"] >= 0.95 for p in report["prompts"])
@@ -882,7 +882,7 @@ def test_symmetric_int4_onnx_export_runs_the_symmetric_model(tmp_path, capsys):
                            "--quantize-grid", "symmetric", "-o", folder)
     assert code == 0, err
     assert "int4 linear weights, symmetric" in err
-    manifest = read_manifest(folder)
+    manifest = read_manifest(folder).to_json()
     assert manifest["quantization"]["grid"] == "symmetric" and manifest["quantization"]["linear"]["symmetric"] is True
     assert manifest["export_options"]["quantize_grid"] == "symmetric"
     assert manifest["quantized_ops"] == {"MatMulNBits": 9, "GatherBlockQuantized": 1}

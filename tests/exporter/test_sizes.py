@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvexport.artifact.manifest import read_manifest
+from kvexport.artifact.manifest import Manifest, read_manifest
 from kvexport.checker.check import default_prompts
 from kvexport.errors import InvalidOptionError, PromptTooLongError
 from kvexport.exporter.pipeline import ExportOptions, export_model, plan_export
@@ -19,7 +19,7 @@ from kvexport.runtime.programs import load_program
 from kvexport.runtime.tokenizer import ArtifactTokenizer
 
 from tests.conftest import PROMPT
-from tests.helpers import FP32_LOGIT_ATOL, assert_generation_matches, eager_reference, greedy_with
+from tests.helpers import FP32_LOGIT_ATOL, assert_generation_matches, eager_reference, fake_manifest, greedy_with
 
 ONNX_SHORTEST = 3  # the ONNX graph's sizes are traced from a call of 2 tokens after a cached one
 
@@ -40,16 +40,16 @@ def tokenizer_folder(tmp_path_factory):
     return folder
 
 
-def assert_check_prompts_fit(manifest: dict, tokenizer: ArtifactTokenizer) -> None:
+def assert_check_prompts_fit(manifest: Manifest, tokenizer: ArtifactTokenizer) -> None:
     """check's default prompts are ones run takes: each fits the cache, or, where no prompt can
     (a cache of fewer positions than a one-letter prompt's tokens), check says so in one line."""
     try:
         prompts = default_prompts(manifest, tokenizer)
     except PromptTooLongError as e:
-        assert len(tokenizer.encode("T")) > manifest["max_cache_len"], e
+        assert len(tokenizer.encode("T")) > manifest.max_cache_len, e
         return
     for text, n in prompts:
-        check_fits(len(tokenizer.encode(text)), n, manifest["max_cache_len"])
+        check_fits(len(tokenizer.encode(text)), n, manifest.max_cache_len)
 
 
 @settings(max_examples=60, deadline=None)
@@ -75,7 +75,7 @@ def test_every_size_is_planned_or_refused_and_check_s_prompts_fit_it(tmp_path_fa
     plan = plan_export(options)
     assert (plan.max_cache_len, plan.prefill_chunk) == (max_cache_len, expected_chunk(target, max_cache_len, prefill_chunk))
     assert not out.exists()
-    assert_check_prompts_fit({"max_cache_len": max_cache_len, "layers": plan.layers()}, ArtifactTokenizer(tokenizer_folder))
+    assert_check_prompts_fit(fake_manifest(max_cache_len=max_cache_len, layers=tuple(plan.layers())), ArtifactTokenizer(tokenizer_folder))
 
 
 @pytest.mark.parametrize(
@@ -97,7 +97,7 @@ def test_a_size_at_its_edge_exports_exactly(tmp_path, name, target, max_cache_le
     export_model(ExportOptions(name, target, folder, max_cache_len, prefill_chunk=prefill_chunk), Progress(quiet=True))
     manifest = read_manifest(folder)
     chunk = expected_chunk(target, max_cache_len, prefill_chunk)
-    assert (manifest["max_cache_len"], manifest["interface"]["max_tokens_per_call"]) == (max_cache_len, chunk)
+    assert (manifest.max_cache_len, manifest.max_tokens_per_call) == (max_cache_len, chunk)
     model, tokenizer = build_preset(name)
     prompt = tokenizer(PROMPT).input_ids[: max(1, max_cache_len // 2)]
     n = max_cache_len - len(prompt) + 1  # the last new token is not fed back: the cache is full

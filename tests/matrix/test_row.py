@@ -13,7 +13,7 @@ def test_a_quantized_row_is_checked_for_agreement(tmp_path):
     row = Row(0, "tiny-gemma3", "onnx", "float32", 64, timeout_s=600, check_new_tokens=None, run_new_tokens=4,
               quantize="int4", prefill_chunk=16)
     result = run_row(row, tmp_path)
-    options = read_manifest(tmp_path / ARTIFACT_DIR)["export_options"]
+    options = read_manifest(tmp_path / ARTIFACT_DIR).export_options
     assert (options["quantize"], options["prefill_chunk"]) == ("int4", 16)
     assert "quantize" in result["export_steps"]
     assert 0.0 <= result["top1_agreement"] <= 1.0 and result["first_divergence"] is None
@@ -60,4 +60,4 @@ def test_a_real_shape_row_builds_its_model_and_may_skip_the_check(tmp_path):
     assert result["family"] == "llama" and (tmp_path / "model" / "model.safetensors.index.json").is_file()
     assert result["export_peak_rss_mb"] > 0 and result["artifact_mb"] > 0 and result["decode_tokens_per_s"] > 0
     assert "max_logit_diff" not in result and "genai" not in result  # no check here, nor in genai
-    assert read_manifest(tmp_path / ARTIFACT_DIR)["model_type"] == "llama"
+    assert read_manifest(tmp_path / ARTIFACT_DIR).model_type == "llama"

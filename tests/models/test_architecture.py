@@ -214,7 +214,7 @@ def test_a_falcon_h1_layer_holds_a_kv_cache_and_a_mamba2_state(tmp_path, target)
     plan = plan_export(ExportOptions("tiny-falcon-h1", target, tmp_path / "out", 64))
     layers = plan.layers()
     assert buffer_layers(layers) == layers
-    assert [(s["index"], s["cache"], s["channels"], s["slots"], s["state"]) for s in state_layers(layers)] == [
+    assert [(s.index, s.cache, s.channels, s.slots, list(s.state)) for s in state_layers(layers)] == [
         (i, "recurrent", mamba.conv_dim, 3, [mamba.num_heads, mamba.head_dim, mamba.ssm_state_size]) for i in range(2)]  # fmt: skip
     kv_heads, head_dim = specs[0].kv_heads, specs[0].head_dim
     assert plan.kv_cache_bytes == 2 * 2 * kv_heads * 64 * head_dim * 4
@@ -272,7 +272,7 @@ def test_a_layer_that_shares_a_cache_holds_none(tmp_path):
     """kvexport.json's cache size counts the layers that hold a cache; the layers that read another's
     add nothing (against every layer holding a full-length cache of its own)."""
     plan = plan_export(ExportOptions("tiny-gemma4", "executorch", tmp_path / "out", 64))
-    layers = plan.layers()
+    layers = [layer.to_json() for layer in plan.layers()]
     assert [layer["cache"] for layer in layers] == ["ring", "static", "shared", "shared"]
     assert [layer.get("reads") for layer in layers] == [None, None, 0, 1]
     assert [layer["slots"] for layer in layers] == [6, 64, 0, 0]
@@ -288,7 +288,7 @@ def test_a_chunked_layer_holds_one_chunk(tmp_path, target):
     from kvexport.models.presets import CHUNK
 
     plan = plan_export(ExportOptions("tiny-llama4", target, tmp_path / "out", 64))
-    layers = plan.layers()
+    layers = [layer.to_json() for layer in plan.layers()]
     assert [(layer["cache"], layer["window"], layer.get("chunk"), layer["slots"]) for layer in layers] == [
         ("ring", CHUNK, CHUNK, CHUNK), ("static", None, None, 64)]  # fmt: skip
     assert plan.kv_cache_bytes == 2 * 4 * 2 * 16 * (CHUNK + 64)
@@ -300,7 +300,7 @@ def test_gemma3_270m_cache_at_8192_is_a_fraction_of_full_length_layers(tmp_path)
     rows on both targets, against 18 layers of 8192; the same bytes for the .pte and the ONNX folder."""
     plans = [plan_export(ExportOptions("gemma3-270m", target, tmp_path / target, 8192)) for target in ("executorch", "onnx")]
     for plan in plans:
-        layers = plan.layers()
+        layers = [layer.to_json() for layer in plan.layers()]
         assert sum(layer["cache"] == "ring" for layer in layers) == 15
         assert all(layer["slots"] == 512 for layer in layers if layer["cache"] == "ring")
         assert plan.kv_cache_bytes <= 0.22 * plan.kv_cache_bytes_if_all_full

@@ -328,7 +328,7 @@ def test_download_progress_and_quiet(log, fresh_cache, tmp_path, capsys, monkeyp
 
 def test_revision_and_commit_are_recorded(log, fresh_cache):
     source = sources.resolve(REPO, revision=TAG)
-    assert source.describe() == {"name": REPO, "kind": "hub", "path": str(source.path), "revision": TAG, "commit": SHA}
+    assert source.describe().to_json() == {"name": REPO, "kind": "hub", "path": str(source.path), "revision": TAG, "commit": SHA}
     assert (log.requests[0][1], source.path.parent.parent.parent) == (f"/api/models/{REPO}/revision/{TAG}", fresh_cache)
     log.requests.clear()
     assert sources.resolve(REPO, revision=SHA, offline=True).path == source.path  # by its commit, from the cache
@@ -448,7 +448,7 @@ def test_a_gguf_file_in_a_repo_is_exported_as_a_local_gguf(log, fresh_cache, tmp
     assert log.requests == [("HEAD", f"/{GGUF_REPO}/resolve/main/{name}"), ("GET", f"/{GGUF_REPO}/resolve/main/{name}")]
     source = sources.resolve(GGUF_REPO, gguf_file=name, offline=True)
     assert (source.kind, source.path.name) == ("gguf", name)
-    assert source.describe() == {
+    assert source.describe().to_json() == {
         "name": GGUF_REPO, "kind": "gguf", "path": str(source.path), "revision": "main", "commit": SHA, "gguf_file": name,
     }
     assert source.path.read_bytes() == log.repos[GGUF_REPO].content(name)

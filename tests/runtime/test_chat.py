@@ -25,7 +25,7 @@ from kvexport.runtime.programs import load_program, max_tokens_per_call
 from kvexport.runtime.tokenizer import ArtifactTokenizer
 
 from tests.conftest import TEST_CACHE_LEN
-from tests.helpers import assert_one_line_error, run_cli
+from tests.helpers import assert_one_line_error, fake_manifest, run_cli
 
 # The tiny presets' tokenizer has one token per character, and a 64-position test cache holds
 # three short turns only in templates with short markers. These keep the two templates' logic:
@@ -223,7 +223,7 @@ class ScriptedProgram:
     contiguous, as the ONNX runner does; records every call."""
 
     def __init__(self, reply: list[int], max_cache_len=TEST_CACHE_LEN, vocab=100):
-        self.manifest = {"max_cache_len": max_cache_len, "eos_token_ids": [97]}
+        self.manifest = fake_manifest(max_cache_len=max_cache_len, eos_token_ids=(97,))
         self.reply, self.vocab = reply, vocab
         self.calls: list[tuple[int, int]] = []
         self.fed: list[list[int]] = []

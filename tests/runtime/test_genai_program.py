@@ -3,6 +3,7 @@ against eager transformers for every preset; ``--runner genai`` in run, check an
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -184,7 +185,7 @@ JSON_VALUES = st.one_of(
 def test_every_field_of_genai_config_the_manifest_says_is_checked(artifact, tmp_path, field, value):
     """A genai_config.json edited in any field the manifest also says (its sums rewritten) is
     refused in one line before anything runs; an edit to the same JSON value passes."""
-    from kvexport.artifact.manifest import read_manifest, sha256_file
+    from kvexport.artifact.manifest import FileEntry, read_manifest, sha256_file
     from kvexport.errors import ArtifactError
     from kvexport.runtime.onnx_artifact import check_against_genai_config
 
@@ -200,8 +201,8 @@ def test_every_field_of_genai_config_the_manifest_says_is_checked(artifact, tmp_
     folder = tmp_path / f"edited-{len(list(tmp_path.iterdir()))}"
     folder.mkdir()
     (folder / "genai_config.json").write_text(json.dumps(config))
-    manifest["files"]["genai_config.json"] = {"sha256": sha256_file(folder / "genai_config.json"),
-                                              "bytes": (folder / "genai_config.json").stat().st_size}
+    entry = FileEntry(sha256_file(folder / "genai_config.json"), (folder / "genai_config.json").stat().st_size)
+    manifest = dataclasses.replace(manifest, files={**manifest.files, "genai_config.json": entry})
     if same:
         check_against_genai_config(folder, manifest)
         return

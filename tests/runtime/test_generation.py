@@ -7,13 +7,14 @@ import pytest
 
 from kvexport.errors import InvalidOptionError, PromptTooLongError
 from kvexport.runtime.generation import Sampling, check_fits, generate
+from tests.helpers import fake_manifest
 
 
 class ScriptedProgram:
     """Always prefers token (position % 5); records every call."""
 
     def __init__(self, max_cache_len=16, vocab=5):
-        self.manifest = {"max_cache_len": max_cache_len}
+        self.manifest = fake_manifest(max_cache_len=max_cache_len)
         self.vocab = vocab
         self.calls: list[tuple[list[int], int]] = []
 

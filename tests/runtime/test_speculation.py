@@ -17,7 +17,7 @@ from kvexport.runtime.programs import load_program
 from kvexport.runtime.speculation import ModelDrafter, PromptLookup, generate_with_draft
 
 from tests.conftest import PROMPT
-from tests.helpers import FP32_LOGIT_ATOL, assert_one_line_error, run_cli
+from tests.helpers import FP32_LOGIT_ATOL, assert_one_line_error, fake_manifest, run_cli
 
 DRAFTS = 4
 
@@ -37,7 +37,7 @@ class TableModel:
     def __init__(self, vocab: int = 7, max_cache_len: int = 200):
         rng = np.random.default_rng(1)
         self.table = rng.normal(size=(vocab, vocab, vocab)).astype(np.float32)
-        self.manifest = {"max_cache_len": max_cache_len, "max_draft_tokens": DRAFTS, "vocab_size": vocab}
+        self.manifest = fake_manifest(max_cache_len=max_cache_len, max_draft_tokens=DRAFTS, vocab_size=vocab)
         self.context: list[int] = []
         self.calls = 0
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from ...artifact.manifest import buffer_layers, state_layers
+from ...artifact.manifest import Layer, buffer_layers, state_layers
 from ...choices import KvCache, LmHeadScheme
 from ...errors import UnsupportedModelError
 from ...models.architecture import layer_specs
@@ -111,7 +111,7 @@ def check_layers(specs: list, max_cache_len: int) -> None:
         )
 
 
-def io_names(layers: list[dict], verifies: bool = False) -> tuple[list[str], list[str]]:
+def io_names(layers: list[Layer], verifies: bool = False) -> tuple[list[str], list[str]]:
     """Graph input and output names, in ``ExternalCacheDecoder.forward``'s order: the n-th buffer
     layer's (``buffer_layers``) past and present are numbered n; then each state of the layers that
     do not attend, named by the layer's index; then, in a graph that ``verifies``, ``logits_indices``."""
@@ -121,9 +121,9 @@ def io_names(layers: list[dict], verifies: bool = False) -> tuple[list[str], lis
             inputs.append(PAST.format(index=n, kv=kv))
             outputs.append(PRESENT.format(index=n, kv=kv))
     for layer in state_layers(layers):
-        for state in STATES[layer["cache"]]:
-            inputs.append(PAST_STATE.format(index=layer["index"], state=state))
-            outputs.append(PRESENT_STATE.format(index=layer["index"], state=state))
+        for state in STATES[layer.cache]:
+            inputs.append(PAST_STATE.format(index=layer.index, state=state))
+            outputs.append(PRESENT_STATE.format(index=layer.index, state=state))
     return inputs + [LOGITS_INDICES] * verifies, outputs
 
 
@@ -206,7 +206,7 @@ def _last_position_by_default(path: Path) -> None:
     onnx.save(model, str(path))
 
 
-def genai_cannot_run(layers: list[dict]) -> str | None:
+def genai_cannot_run(layers: list[Layer]) -> str | None:
     """Why onnxruntime-genai cannot run the graph of these layers (None: it can).
 
     A chunked-attention layer (``attention.ExternalChunkedLayer``) reads its past buffer as a
@@ -221,10 +221,10 @@ def genai_cannot_run(layers: list[dict]) -> str | None:
     the same way.)"""
     if state_layers(layers):
         return "layers with a convolution's or a recurrent state, which kvexport's graph passes as inputs genai does not know"
-    by_index = {layer["index"]: layer for layer in layers}
-    if any(layer["cache"] == "ring" and layer.get("chunk") for layer in layers):
+    by_index = {layer.index: layer for layer in layers}
+    if any(layer.cache == "ring" and layer.chunk for layer in layers):
         return "chunked-attention layers read a window buffer of exactly the chunk's rows, which genai does not allocate"
-    if any(layer["cache"] == "shared" and by_index[layer["reads"]]["cache"] == "ring" for layer in layers):
+    if any(layer.cache == "shared" and by_index[layer.reads].cache == "ring" for layer in layers):
         return "layers that share a sliding layer's cache read a window buffer of exactly the window's rows, which genai does not allocate"
     return None
 
@@ -257,12 +257,12 @@ def genai_config(spec: ProgramSpec) -> dict:
     genai knows a layer by its buffers: ``num_hidden_layers`` counts the layers that hold a cache,
     and where their shapes differ it reads each from the graph's inputs (the first is the default)."""
     layers = buffer_layers(spec.layers)
-    sliding = [n for n, layer in enumerate(layers) if layer["cache"] == "ring"]
+    sliding = [n for n, layer in enumerate(layers) if layer.cache == "ring"]
     eos = spec.eos_token_ids or [-1]  # -1: no end-of-sequence token
     decoder = {
         "session_options": {"log_id": "onnxruntime-genai", "provider_options": []},
         "filename": PROGRAM_FILE,
-        "head_size": layers[0]["head_dim"],
+        "head_size": layers[0].head_dim,
         "hidden_size": spec.hidden_size,
         "inputs": {"input_ids": "input_ids", "attention_mask": "attention_mask",
                    "past_key_names": PAST.format(index="%d", kv="key"), "past_value_names": PAST.format(index="%d", kv="value")},
@@ -270,10 +270,10 @@ def genai_config(spec: ProgramSpec) -> dict:
                     "present_key_names": PRESENT.format(index="%d", kv="key"), "present_value_names": PRESENT.format(index="%d", kv="value")},
         "num_attention_heads": spec.num_attention_heads,
         "num_hidden_layers": len(layers),
-        "num_key_value_heads": layers[0]["kv_heads"],
+        "num_key_value_heads": layers[0].kv_heads,
     }  # fmt: skip
     if sliding:
-        window = next(layer["window"] for layer in layers if layer["cache"] == "ring")
+        window = next(layer.window for layer in layers if layer.cache == "ring")
         decoder["sliding_window"] = {"window_size": window, "layers": sliding,
                                      "slide_key_value_cache": False, "slide_inputs": False}  # fmt: skip
     return {
@@ -432,7 +432,7 @@ def _check(path: Path) -> None:
         raise UnsupportedModelError(f"the exported ONNX model does not pass onnx.checker ({first}); nothing was written")
 
 
-def _tidy(model, layers: list[dict]) -> None:
+def _tidy(model, layers: list[Layer]) -> None:
     """Rename the exporter's symbols (``s27``, ``s27 + 6``, ...) everywhere in the graph: the
     call's length to ``T``, the mask's width to ``total``, a sliding buffer's rows to
     ``window_rows``; and drop the export's stack traces from the nodes."""
@@ -440,7 +440,7 @@ def _tidy(model, layers: list[dict]) -> None:
 
     inputs = {v.name: v for v in model.graph.inputs}
     names = {str(inputs["input_ids"].shape[1]): "T", str(inputs["attention_mask"].shape[1]): "total"}
-    rings = {n for n, layer in enumerate(buffer_layers(layers)) if layer["cache"] == "ring"}
+    rings = {n for n, layer in enumerate(buffer_layers(layers)) if layer.cache == "ring"}
     for value in model.graph.inputs:
         if (match := _CACHE_NAME.fullmatch(value.name)) and isinstance(value.shape[2], ir.SymbolicDim):
             names[str(value.shape[2])] = "window_rows" if int(match.group(2)) in rings else "cache_rows"
@@ -512,8 +512,8 @@ def _describe(value, layers_by_buffer: list) -> dict:
     elif match:
         kind, index, kv = match.group(1), int(match.group(2)), match.group(3)
         layer = layers_by_buffer[index]
-        entry["layer"] = layer["index"]
-        if kind == "past" and layer["cache"] == "static":
+        entry["layer"] = layer.index
+        if kind == "past" and layer.cache == "static":
             entry["meaning"] = f"the layer's whole {kv} buffer (rows 0 .. P-1 filled)"
         elif kind == "past":
             entry["meaning"] = f"the layer's whole {kv} window buffer (the newest min(P, rows) positions from row 0)"

@@ -26,7 +26,7 @@ from tests.helpers import assert_generation_matches, assert_one_line_error, gree
 def test_an_int8_cache_counts_its_rows_scales_and_zero_points(tmp_path):
     """tiny-gemma3: a ring of 6 slots, a full layer of 64 positions, one KV head of 16."""
     plans = {kv: plan_export(ExportOptions("tiny-gemma3", max_cache_len=64, kv_cache=kv, out=tmp_path / kv)) for kv in ("float", "int8")}
-    rows = sum(2 * layer["kv_heads"] * layer["slots"] for layer in plans["int8"].layers())
+    rows = sum(2 * layer.kv_heads * layer.slots for layer in plans["int8"].layers())
     assert rows == 2 * (6 + 64)
     assert plans["int8"].kv_cache_bytes == rows * (16 + INT8_KV_ROW_EXTRA_BYTES)
     assert plans["float"].kv_cache_bytes == rows * 16 * 4
@@ -58,7 +58,7 @@ def test_the_int8_pte_computes_what_its_module_computes(artifact):
     ids = tokenizer(PROMPT).input_ids
     folder = artifact("tiny-gpt-oss", kv_cache="int8")
     program = load_program(folder)
-    assert program.manifest["kv_cache"]["dtype"] == "int8"
+    assert program.manifest.kv_cache["dtype"] == "int8"
     module = ExportableDecoder(model, TEST_CACHE_LEN, QUANTIZED_CACHES)
     assert {cache.k.dtype for cache in module.caches} == {torch.int8}
     expected = greedy_with(torch_forward(module), ids, NEW_TOKENS)

@@ -42,7 +42,7 @@ def test_prefill_chunk_bounds_each_call_and_the_memory_planned_for_it(artifact, 
 
     folder = tmp_path / "chunk5"
     export_model(ExportOptions("tiny-gemma3", "executorch", folder, TEST_CACHE_LEN, prefill_chunk=5), Progress(quiet=True))
-    manifest, whole = read_manifest(folder), read_manifest(artifact("tiny-gemma3"))
+    manifest, whole = read_manifest(folder).to_json(), read_manifest(artifact("tiny-gemma3")).to_json()
     assert manifest["export_options"]["prefill_chunk"] == manifest["interface"]["max_tokens_per_call"] == 5
     assert whole["interface"]["max_tokens_per_call"] == TEST_CACHE_LEN  # the default: min(cache, 512)
     assert manifest["planned_memory_bytes"] < whole["planned_memory_bytes"]
@@ -91,7 +91,7 @@ def test_pte_carries_the_runner_metadata(artifact):
     from executorch.runtime import Runtime
 
     folder = artifact("tiny-gemma3")
-    manifest = read_manifest(folder)
+    manifest = read_manifest(folder).to_json()
     program = Runtime.get().load_program(folder / "model.pte", data_path=folder / "model.ptd")
 
     def value(method):
@@ -113,7 +113,7 @@ def text_llm_runner_text(folder, prompt: str, new_tokens: int) -> str:
     pieces: list[str] = []
     runner = runner_mod.TextLLMRunner(str(folder / "model.pte"), str(folder / "tokenizer.json"), str(folder / "model.ptd"))
     # Its tokenizer adds no BOS: the runner prepends one where the model's tokenizer would.
-    bos = int(read_manifest(folder)["tokenizer_adds_bos"])
+    bos = int(read_manifest(folder).tokenizer_adds_bos)
     config = runner_mod.GenerationConfig(
         max_new_tokens=new_tokens, temperature=0.0, echo=False, num_bos=bos, num_eos=0
     )

@@ -111,7 +111,7 @@ def test_an_int8_buffer_takes_one_byte_a_channel(tmp_path):
     scales are fixed (initializers), not per row."""
     plans = {kv: plan_export(ExportOptions("tiny-gemma3", target="onnx", max_cache_len=64, kv_cache=kv, out=tmp_path / kv))
              for kv in ("float", "int8")}  # fmt: skip
-    rows = sum(2 * layer["kv_heads"] * layer["slots"] for layer in plans["int8"].layers())
+    rows = sum(2 * layer.kv_heads * layer.slots for layer in plans["int8"].layers())
     assert rows == 2 * (6 + 64)
     assert plans["int8"].kv_cache_bytes == rows * 16
     assert plans["float"].kv_cache_bytes == rows * 16 * 4
@@ -160,7 +160,7 @@ def test_the_int8_onnx_artifact_computes_what_its_module_computes(artifact):
     ids = tokenizer(PROMPT).input_ids
     folder = artifact("tiny-gemma3", "onnx", kv_cache="int8")
     program = load_program(folder)
-    assert program.manifest["kv_cache"]["dtype"] == "int8"
+    assert program.manifest.kv_cache["dtype"] == "int8"
     assert {str(i.type) for i in program._session.get_inputs() if i.name.startswith("past_")} == {"tensor(int8)"}
     expected = greedy_with(_external_cache_forward(decoder), ids, NEW_TOKENS)
     ours = greedy_with(program.forward, ids, NEW_TOKENS)

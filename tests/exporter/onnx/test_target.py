@@ -44,7 +44,7 @@ def test_onnx_chunked_prefill_and_reuse(artifact, name):
 
 def test_folder_layout_and_manifest_describe_the_graph(artifact):
     folder = artifact("tiny-gemma3", "onnx")
-    manifest = read_manifest(folder)
+    manifest = read_manifest(folder).to_json()
     assert manifest["target"] == "onnx" and manifest["program"] == "model.onnx"
     assert {"model.onnx", "model.onnx.data", "tokenizer.json"} <= set(manifest["files"])
     assert "onnxruntime" in manifest["versions"] and "executorch" not in manifest["versions"]
@@ -83,7 +83,7 @@ def test_genai_config_describes_the_folder(artifact):
     """What onnxruntime-genai reads: the graph's names, the heads, the sliding layers with buffers it
     never slides itself, past and present sharing one buffer, the cache's length."""
     folder = artifact("tiny-gemma3", "onnx")
-    manifest = read_manifest(folder)
+    manifest = read_manifest(folder).to_json()
     assert manifest["genai_config"] == "genai_config.json" and "genai_config.json" in manifest["files"]
     config = json.loads((folder / "genai_config.json").read_text())
     decoder = config["model"]["decoder"]
@@ -108,7 +108,7 @@ def test_every_layer_attends_with_one_group_query_attention_node(artifact):
     folder = artifact("tiny-gemma3", "onnx")  # layers 0-2: sliding; layer 3: full
     graph = onnx.load(str(folder / "model.onnx"), load_external_data=False).graph
     nodes = [n for n in graph.node if n.op_type == "GroupQueryAttention"]
-    layers = read_manifest(folder)["layers"]
+    layers = read_manifest(folder).to_json()["layers"]
     heads = preset_config("tiny-gemma3").num_attention_heads
     producers = {out: node for node in graph.node for out in node.output}
     assert len(nodes) == len(layers) and all(n.domain == "com.microsoft" for n in nodes)
@@ -170,7 +170,7 @@ def test_norms_and_rotations_are_onnx_runtime_kernels(artifact, name, norms):
     assert ops["Transpose"] == 0
     graph = onnx.load(str(folder / "model.onnx"), load_external_data=False).graph
     rotating = [n for n in graph.node if n.op_type == "GroupQueryAttention" and _attributes(n).get("do_rotary") == 1]
-    assert len(rotating) == len(read_manifest(folder)["layers"])
+    assert len(rotating) == len(read_manifest(folder).layers)
 
 
 @pytest.mark.parametrize("name, layer_type", [("tiny-llama", None), ("tiny-gemma3", "full_attention")])
@@ -208,7 +208,7 @@ def test_a_sliding_buffer_goes_to_group_query_attention_as_it_is(artifact):
     GroupQueryAttention node alone (its parity past the window: the first test)."""
     folder = artifact("tiny-gemma3", "onnx")
     graph = onnx.load(str(folder / "model.onnx"), load_external_data=False).graph
-    layers = read_manifest(folder)["layers"]
+    layers = read_manifest(folder).to_json()["layers"]
     rings = [f"past_key_values.{layer['index']}.{kv}" for layer in layers if layer["cache"] == "ring" for kv in ("key", "value")]
     readers = {name: [n.op_type for n in graph.node if name in n.input] for name in rings}
     assert rings and all(ops == ["GroupQueryAttention"] for ops in readers.values()), readers
@@ -225,8 +225,8 @@ def test_prefill_chunk_below_the_window_limits_each_call(tmp_path, artifact, mon
 
     folder = tmp_path / "chunk4"
     export_model(ExportOptions("tiny-gemma3", "onnx", folder, TEST_CACHE_LEN, prefill_chunk=4), Progress(quiet=True))
-    assert read_manifest(folder)["interface"]["max_tokens_per_call"] == 4
-    assert read_manifest(artifact("tiny-gemma3", "onnx"))["interface"]["max_tokens_per_call"] == TEST_CACHE_LEN
+    assert read_manifest(folder).max_tokens_per_call == 4
+    assert read_manifest(artifact("tiny-gemma3", "onnx")).max_tokens_per_call == TEST_CACHE_LEN
 
     calls = []
     original = OnnxProgram._call
