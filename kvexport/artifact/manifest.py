@@ -252,7 +252,8 @@ class Manifest:
 
     @property
     def max_tokens_per_call(self) -> int:
-        """The longest call the program takes (older artifacts: any the cache holds)."""
+        """The most tokens one forward call of the program takes; runners split longer prompts.
+        Artifacts written before ``--prefill-chunk`` took calls as long as the cache."""
         return (self.interface and self.interface.max_tokens_per_call) or self.max_cache_len
 
     @property

@@ -17,7 +17,6 @@ from pathlib import Path
 import numpy as np
 
 from ..artifact.manifest import Manifest
-from ..choices import Dtype
 from ..errors import InvalidOptionError, PromptTooLongError
 from ..models.architecture import text_config
 from ..runtime.cpu import xnnpack_sums_float16_in_float16
@@ -199,7 +198,7 @@ def holds_both(folder: Path, manifest: Manifest, model_name: str | None) -> bool
     if memory is None:
         return True
     source = sources.resolve(model_name) if model_name else sources.resolve_recorded(manifest.source)
-    eager = count_parameters(sources.load_config(source)).total * Dtype(manifest.dtype).bytes
+    eager = count_parameters(sources.load_config(source)).total * manifest.dtype.bytes
     artifact = manifest.files_bytes
     return BASE_BYTES[manifest.target] + eager + artifact <= memory
 

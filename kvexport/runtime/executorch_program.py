@@ -13,7 +13,6 @@ from ..errors import ArtifactError, InvalidOptionError, first_line
 from ..logs import native_stderr_quiet
 from .cpu import runtime_threads
 from .generation import check_call, check_verification
-from .programs import max_tokens_per_call
 
 
 class ExecuTorchProgram:
@@ -25,7 +24,7 @@ class ExecuTorchProgram:
         from executorch.runtime import Runtime
 
         self.manifest = manifest
-        self._chunk = max_tokens_per_call(manifest)
+        self._chunk = manifest.max_tokens_per_call
         self._next_start = 0
         # Speculative decoding: a call may start up to this many positions before the sequence's end.
         self.max_draft_tokens = manifest.max_draft_tokens
@@ -154,7 +153,7 @@ def check_against_program(manifest: Manifest, facts: dict) -> None:
         "get_eos_ids": ("eos_token_ids", sorted(manifest.eos_token_ids)),
     }
     if manifest.format_version >= 4:  # before, a .pte took calls as long as the cache, whatever it said
-        said["get_max_seq_len"] = ("interface.max_tokens_per_call", [max_tokens_per_call(manifest)])
+        said["get_max_seq_len"] = ("interface.max_tokens_per_call", [manifest.max_tokens_per_call])
     if manifest.bos_token_id is not None:
         said["get_bos_id"] = ("bos_token_id", [manifest.bos_token_id])
     for method, (field, value) in said.items():

@@ -31,7 +31,6 @@ from ..errors import ArtifactError, InvalidOptionError
 from .cpu import runtime_threads
 from .generation import check_call, check_verification
 from .onnx_artifact import GPU_HINT, LOGITS_INDICES, check_against_genai_config, check_runs_on_cuda
-from .programs import max_tokens_per_call
 
 # ONNX Runtime's element types of the manifest's dtypes.
 _ORT_TYPES = {"float32": "tensor(float)", "float16": "tensor(float16)", "bfloat16": "tensor(bfloat16)"}
@@ -248,7 +247,7 @@ class OnnxProgram:
             for n, spec in enumerate(buffer_layers(manifest.layers))
         ]
         # Tokens per call: the interface's limit (--prefill-chunk).
-        self._chunk = max_tokens_per_call(manifest)
+        self._chunk = manifest.max_tokens_per_call
         # Host memory for the small inputs and the logits: ONNX Runtime copies them across itself.
         self._tokens = np.zeros((1, self._max_cache_len), dtype=np.int64)
         self._mask = np.ones((1, self._max_cache_len), dtype=np.int64)  # a call binds its first P + T

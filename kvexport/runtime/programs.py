@@ -27,12 +27,6 @@ class Program(Protocol):
     def reset(self) -> None: ...
 
 
-def max_tokens_per_call(manifest: Manifest) -> int:
-    """The most tokens one forward call of the program takes; runners split longer prompts. Artifacts
-    written before ``--prefill-chunk`` took calls as long as the cache."""
-    return manifest.max_tokens_per_call
-
-
 _RUNNERS = {"executorch": "executorch_program", "onnx": "onnx_program"}
 # The package each target runs on (ExecuTorch's Python runtime brings torch).
 _RUNTIME_PACKAGE = {"executorch": "executorch", "onnx": "onnxruntime"}

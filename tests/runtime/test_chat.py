@@ -21,7 +21,7 @@ from kvexport.models.chat_templates import GEMMA3
 from kvexport.models.presets import char_tokenizer
 from kvexport.runtime.chat import Conversation
 from kvexport.runtime.generation import generate
-from kvexport.runtime.programs import load_program, max_tokens_per_call
+from kvexport.runtime.programs import load_program
 from kvexport.runtime.tokenizer import ArtifactTokenizer
 
 from tests.conftest import TEST_CACHE_LEN
@@ -115,7 +115,7 @@ def test_each_turn_feeds_only_its_new_tokens_and_replies_as_a_fresh_generation(
         # Only what is new is fed, from where the cache is: contiguous prefill calls, then one per token.
         assert not turn.reset
         assert turn.prefilled_tokens == len(expected) - cached
-        chunk = max_tokens_per_call(manifest)
+        chunk = manifest.max_tokens_per_call
         assert program.calls == [(start, min(chunk, len(expected) - start)) for start in range(cached, len(expected), chunk)] + [
             (position, 1) for position in range(len(expected), turn.conversation_tokens)
         ]
