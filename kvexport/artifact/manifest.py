@@ -257,6 +257,14 @@ class Manifest:
         return (self.interface and self.interface.max_tokens_per_call) or self.max_cache_len
 
     @property
+    def rewind(self) -> int:
+        """How many positions before the sequence's end a call may start (after drafted tokens were
+        rejected): any, where every layer's cache is a full one of its own (a call writes its rows
+        again and attention reads none past them), else a ring's spare slots (``max_draft_tokens``)."""
+        full = all(layer.cache in ("static", "none") for layer in self.layers)
+        return self.max_cache_len if full else self.max_draft_tokens
+
+    @property
     def files_bytes(self) -> int:
         return sum(entry.bytes for entry in self.files.values())
 

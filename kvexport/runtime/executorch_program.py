@@ -26,8 +26,10 @@ class ExecuTorchProgram:
         self.manifest = manifest
         self._chunk = manifest.max_tokens_per_call
         self._next_start = 0
-        # Speculative decoding: a call may start up to this many positions before the sequence's end.
+        # Speculative decoding: a verification takes this many drafted tokens at most, and a call may
+        # start up to ``_rewind`` positions before the sequence's end.
         self.max_draft_tokens = manifest.max_draft_tokens
+        self._rewind = manifest.rewind
         self._torch = torch
         self._path = path
         check_program_file(path, manifest)  # before forward loads: its memory is planned for the program
@@ -55,8 +57,9 @@ class ExecuTorchProgram:
     def forward(self, tokens: list[int], start: int) -> np.ndarray:
         torch = self._torch
         # A ring's slots are a function of the start: a call elsewhere than where the sequence is would
-        # read the wrong rows (up to max_draft_tokens back: a ring's spare slots hold what it needs).
-        check_call(tokens, start, self._next_start, self.manifest.max_cache_len, self.max_draft_tokens)
+        # read the wrong rows (up to max_draft_tokens back: a ring's spare slots hold what it needs;
+        # full layers only: anywhere back, the call writing its rows again).
+        check_call(tokens, start, self._next_start, self.manifest.max_cache_len, self._rewind)
         # Activation memory is planned for calls of at most `_chunk` tokens: a longer prompt takes several.
         for first in range(0, len(tokens), self._chunk):
             chunk = tokens[first : first + self._chunk]
@@ -75,7 +78,7 @@ class ExecuTorchProgram:
         check_verification(tokens, self.max_draft_tokens)
         verify = self._verify_method()
         most = self.max_draft_tokens + 1
-        check_call(tokens, start, self._next_start, self.manifest.max_cache_len, self.max_draft_tokens)
+        check_call(tokens, start, self._next_start, self.manifest.max_cache_len, self._rewind)
         if start + most > self.manifest.max_cache_len:
             return np.stack([self.forward([token], start + i) for i, token in enumerate(tokens)])
         padded = tokens + tokens[-1:] * (most - len(tokens))

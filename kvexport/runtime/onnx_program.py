@@ -266,8 +266,9 @@ class OnnxProgram:
         ]
         self._next_start = 0
         # Speculative decoding: a verification returns the logits of each of its positions, and a
-        # call may start up to max_draft_tokens positions before the sequence's end (``_start_at``).
+        # call may start up to ``Manifest.rewind`` positions before the sequence's end (``_start_at``).
         self.max_draft_tokens = manifest.max_draft_tokens
+        self._rewind = manifest.rewind
         if self.max_draft_tokens and device != "cpu":
             raise InvalidOptionError("--device cuda: artifacts that verify drafted tokens run on cpu in this version")
 
@@ -302,7 +303,7 @@ class OnnxProgram:
     def _start_at(self, tokens: list[int], start: int) -> None:
         """Check a call's start; where it is before the sequence's end (rejected drafted tokens),
         rebuild the sliding layers' buffers as they were at ``start``."""
-        check_call(tokens, start, self._next_start, self._max_cache_len, self.max_draft_tokens)
+        check_call(tokens, start, self._next_start, self._max_cache_len, self._rewind)
         if not self.max_draft_tokens:
             return
         for layer in self._layers:

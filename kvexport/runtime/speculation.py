@@ -61,14 +61,14 @@ def common_prefix_length(a: list[int], b: list[int]) -> int:
 class ModelDrafter:
     """Greedy drafts from another artifact's program. Its cache holds the tokens it was fed
     (``fed``, from position 0); a prefill or proposal feeds what the context has beyond their
-    common prefix, going back over drafts that were rejected (the program's ``max_draft_tokens``),
+    common prefix, going back over drafts that were rejected (``Manifest.rewind``),
     or from position 0 where it would have to go back further (a chat turn whose template renders
     the earlier ones differently)."""
 
     def __init__(self, program):
         self.program = program
         self.fed: list[int] = []
-        self.rewind = program.manifest.max_draft_tokens
+        self.rewind = program.manifest.rewind
         self.max_cache_len = program.manifest.max_cache_len
 
     def prefill(self, context: list[int]) -> None:

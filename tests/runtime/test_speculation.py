@@ -142,17 +142,55 @@ def test_check_with_prompt_lookup_and_with_a_4bit_drafter_finds_eager_tokens(art
         assert spec["verify_calls"] > 0 and 0 < spec["accepted"] <= spec["drafted"]
 
 
-def test_a_drafting_artifact_goes_back_over_its_own_rejected_drafts(artifact):
+def test_a_drafter_of_full_layers_needs_no_max_draft_tokens(artifact):
+    """``check --draft``: tiny Llama's 4-bit folder, exported plainly, drafts for its verifying
+    float32 one, and every token is eager's."""
+    drafter = artifact("tiny-llama", "onnx", quantize="int4")
+    report = run_check(artifact("tiny-llama", "onnx", max_draft_tokens=DRAFTS), [(PROMPT, 20)], draft=str(drafter), draft_tokens=3)
+    assert report.ok, report.prompts[0]
+    spec = report.prompts[0].speculation
+    assert spec["verify_calls"] > 0 and 0 < spec["accepted"] < spec["drafted"]
+
+
+@pytest.mark.parametrize(("preset", "drafts"), [("tiny-gemma3", DRAFTS), ("tiny-llama", 0)], ids=["ring", "full-layers"])
+def test_a_drafting_artifact_goes_back_over_its_own_rejected_drafts(artifact, preset, drafts):
     """A model drafter keeps its cache in step: after each verification it starts again after the
-    accepted tokens (within its own max_draft_tokens) and drafts what a fresh program would."""
-    folder = artifact("tiny-gemma3", "onnx", max_draft_tokens=DRAFTS)
+    accepted tokens (a ring within its own max_draft_tokens; full layers anywhere, exported without
+    it) and drafts what a fresh program would, never feeding the context from 0 again."""
+    folder = artifact(preset, "onnx", max_draft_tokens=drafts)
     drafter = ModelDrafter(load_program(folder))
+    starts = []
+    forward = drafter.program.forward
+    drafter.program.forward = lambda tokens, start: starts.append(start) or forward(tokens, start)
     context = list(range(10, 40))
     for accepted in (0, 2, 3, 1):
         drafts = drafter.propose(context, DRAFTS)
         fresh = ModelDrafter(load_program(folder)).propose(context, DRAFTS)
         assert drafts == fresh
         context = context + drafts[:accepted] + [(drafts[accepted] + 1) % 90 if accepted < DRAFTS else 5]
+    assert starts.count(0) == 1
+
+
+@pytest.mark.parametrize("target", ["executorch", "onnx"])
+@pytest.mark.parametrize("kv_cache", ["float", "int8"])
+def test_full_layers_go_back_anywhere_without_max_draft_tokens(artifact, target, kv_cache):
+    """An artifact whose layers are all full ones (tiny Llama) goes back without
+    ``--max-draft-tokens``: a call from an earlier position writes its rows again and attention reads
+    none past them, so it gives what a program that never went further gives (the same bits, where
+    the rows before the call came from the same calls)."""
+    folder = artifact("tiny-llama", target, kv_cache=kv_cache)
+    program, fresh = load_program(folder), load_program(folder)
+    assert program.manifest.max_draft_tokens == 0 and program.manifest.rewind == program.manifest.max_cache_len
+    tokens = list(range(10, 40))
+    program.forward(tokens[:12], 0)
+    program.forward([(t * 7 + 1) % 97 for t in tokens[12:20]], 12)  # another sequence's tokens, then back
+    fresh.forward(tokens[:12], 0)
+    np.testing.assert_array_equal(program.forward(tokens[12:16], 12), fresh.forward(tokens[12:16], 12))
+    # Further back, into rows a longer call wrote: as a fresh program's, within XNNPACK's reordering
+    # of a call of another length.
+    fresh = load_program(folder)
+    fresh.forward(tokens[:3], 0)
+    np.testing.assert_allclose(program.forward(tokens[3:10], 3), fresh.forward(tokens[3:10], 3), atol=FP32_LOGIT_ATOL, rtol=0)
 
 
 def test_genai_runs_a_verifying_folder_as_a_plain_one(artifact):
@@ -178,7 +216,7 @@ def test_draft_options_are_checked_in_one_line(artifact, tmp_path, capsys):
                          ((folder, "--temperature", 0.7), "greedily")]:
         code, _, err = run_cli(capsys, "run", *args, "-p", "hi", "--draft", "ngram")
         assert_one_line_error(code, err, phrase)
-    program = load_program(folder)
+    program = load_program(artifact("tiny-gemma3", "onnx", max_draft_tokens=DRAFTS))  # a ring's spare slots
     program.forward([5, 6, 7, 8, 9, 10, 11, 12], 0)
     with pytest.raises(InvalidOptionError, match="up to 4 positions before"):
         program.forward([5], 2)  # further back than any verification reaches
