@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from kvexport.artifact.manifest import read_manifest
 from kvexport.checker.check import smallest_window
 from kvexport.cli import main
 from kvexport.models import sources
@@ -105,7 +106,7 @@ def long_generation(folder: Path) -> int:
     """New tokens after the short prompt: 64 past the smallest window (Gemma 3's 512), as `kvexport
     check`'s own first prompt; SmolLM2 has no window, and every step of its cache is the same code,
     so a shorter run proves as much for it."""
-    window = smallest_window(json.loads((folder / "kvexport.json").read_text()))
+    window = smallest_window(read_manifest(folder))
     return window + 64 if window else 128
 
 
