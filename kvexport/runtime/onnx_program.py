@@ -83,7 +83,7 @@ def _check_against_graph(session, manifest: Manifest) -> None:
     if "logits" not in outputs:
         raise program_mismatch("the graph has", "an output logits", "none")
     expected_type = _ORT_TYPES[manifest.dtype]
-    cache_dtype = _cache_dtype(manifest)
+    cache_dtype = manifest.kv_cache_dtype
     cache_type = _ORT_TYPES.get(cache_dtype, f"tensor({cache_dtype})")
     if outputs["logits"].type != expected_type:
         raise program_mismatch("its dtype is", manifest.dtype, f"logits of {outputs['logits'].type}")
@@ -110,11 +110,6 @@ def _check_against_graph(session, manifest: Manifest) -> None:
             if graph[name].type != _ORT_TYPES[dtype or manifest.dtype]:
                 raise program_mismatch(f"{name}'s dtype is", dtype or manifest.dtype, graph[name].type)
             _check_shape(name, shape, graph[name].shape, f"layers[{layer.index}]'s channels, slots and state")
-
-
-def _cache_dtype(manifest: Manifest) -> str:
-    """The buffers' element type: the export's dtype, or ``kv_cache.dtype`` (``--kv-cache int8``)."""
-    return manifest.kv_cache_dtype
 
 
 def _cache_name(kind: str, kv: str, index) -> str:
@@ -241,7 +236,7 @@ class OnnxProgram:
         if manifest.genai_config is not None:
             check_against_genai_config(folder, manifest)
         self._dtype = np.dtype(manifest.dtype)
-        self._cache_dtype = np.dtype(_cache_dtype(manifest))
+        self._cache_dtype = np.dtype(manifest.kv_cache_dtype)
         self._layers = [
             _Layer(ort, n, spec, self._max_cache_len, self._cache_dtype, device)
             for n, spec in enumerate(buffer_layers(manifest.layers))
