@@ -265,6 +265,13 @@ class Manifest:
         return self.max_cache_len if full else self.max_draft_tokens
 
     @property
+    def rows_by_position(self) -> bool:
+        """Whether every cache holds rows by position that a call writes again (a full layer's, or a
+        ring's that is not a chunk's): what a call starting before the sequence's end needs, with a
+        ring's evicted rows kept somewhere. A state has moved on, a shared layer reads another's."""
+        return all(layer.cache in ("static", "none") or (layer.cache == "ring" and not layer.chunk) for layer in self.layers)
+
+    @property
     def files_bytes(self) -> int:
         return sum(entry.bytes for entry in self.files.values())
 

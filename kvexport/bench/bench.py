@@ -205,8 +205,9 @@ def plan_jobs(options: BenchOptions, manifests: dict[str, Manifest], gguf: str |
             for draft in options.draft if manifest.max_draft_tokens else []:
                 drafter = draft if draft == "ngram" else Path(draft).name
                 for k in (k for k in options.draft_tokens if k <= manifest.max_draft_tokens):
-                    jobs.append({"path": "run", "label": f"kvexport run · {name}, drafts {drafter} k={k}",
-                                 "artifact": folder, "draft": draft, "draft_tokens": k, "python": sys.executable})
+                    jobs.append({"path": "run", "label": f"kvexport run · {name}, drafts {drafter} k={k}", "artifact": folder,
+                                 "draft": draft if draft == "ngram" else str(Path(draft).resolve()), "draft_tokens": k,
+                                 "python": sys.executable})
         if "textllm" in wanted and manifest.target == "executorch":
             jobs.append({"path": "textllm", "label": f"ExecuTorch TextLLMRunner · {name} ({describe(manifest)})",
                          "artifact": folder, "python": sys.executable})

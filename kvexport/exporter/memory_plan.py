@@ -194,7 +194,7 @@ def _holds_less(plan) -> str:
     if plan.defers_weights:
         return "a smaller --max-cache-len (the KV cache's share)"
     if o.target == Target.ONNX and plan.source.kind != "preset":
-        return "export in float32 with a float KV cache (each weight is then read from the checkpoint as it is written)"
+        return "export with a float KV cache (each weight is then read from the checkpoint as it is written)"
     if o.dtype == "float32":
         return "export in --dtype float16 (half the weights' bytes)"
     return "a smaller --max-cache-len (the KV cache's share)"

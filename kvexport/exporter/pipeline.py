@@ -114,12 +114,12 @@ class ExportPlan:
     def defers_weights(self) -> bool:
         """Whether the model loads with its large weights left in the checkpoint
         (``models/deferred_weights``): where the target writes each weight on its own, or quantizes
-        each before export, and nothing runs the model before that (a calibrated int8 KV cache and
-        the float16 probe do)."""
+        each before export, and nothing runs the whole model before that (a calibrated int8 KV cache
+        does; the half-precision probe reads each weight as its module runs)."""
         o = self.options
         target = get_target(o.target)
         runs_before = o.kv_cache != KvCache.FLOAT and target.CALIBRATES_KV_CACHE
-        deferrable = o.dtype == "float32" and not runs_before and self.source.kind != "preset"
+        deferrable = not runs_before and self.source.kind != "preset"
         return deferrable and (target.DEFERS_WEIGHTS or (target.QUANTIZES_MODULE and bool(o.quantization)))
 
     def slots(self, spec) -> int:
@@ -303,7 +303,7 @@ def export_model(options: ExportOptions, progress: Progress | None = None) -> Ex
             model, tokenizer = sources.load_model(plan.source, options.dtype, compact=compact)
     if options.dtype != "float32":
         with progress.step("probe", f"eager {options.dtype} on {_PROBE_PROMPT!r}"):
-            _refuse_if_it_overflows(model, tokenizer, options.dtype)
+            deferred = _probe(model, tokenizer, options.dtype, deferred)
     info = _manifest_info(plan, model, tokenizer)
     spec = _program_spec(plan, info)
     if quantization and target.QUANTIZES_MODULE:
@@ -371,6 +371,25 @@ def plan_footprint(plan: ExportPlan) -> memory_plan.Footprint | None:
 # silently. One forward pass of eager in the dtype on a short prompt finds that before anything is
 # written.
 _PROBE_PROMPT = "The capital of France is"
+
+
+def _probe(model, tokenizer, dtype: str, deferred):
+    """``_refuse_if_it_overflows``, each deferred weight read as its module runs; where the model
+    reads a weight otherwise (the run fails on its stand-in), every weight is read into the model
+    first and the export goes on from the loaded model. Returns the deferred weights left."""
+    if deferred is None:
+        _refuse_if_it_overflows(model, tokenizer, dtype)
+        return None
+    try:
+        with deferred.read_while_running(model):
+            _refuse_if_it_overflows(model, tokenizer, dtype)
+        return deferred
+    except InvalidOptionError:
+        raise
+    except Exception:  # a weight read outside its module's call: the meta stand-in refuses it
+        deferred.fill_all(model)
+        _refuse_if_it_overflows(model, tokenizer, dtype)
+        return None
 
 
 def _refuse_if_it_overflows(model, tokenizer, dtype: str) -> None:

@@ -88,6 +88,39 @@ class DeferredWeights:
                     filled[address] = torch.nn.Parameter(self.read(entry), requires_grad=False)
                 module.weight = filled[address]
 
+    @contextlib.contextmanager
+    def read_while_running(self, model):
+        """While ``model`` runs eagerly (the half-precision probe): each placeholder weight read
+        from the checkpoint just before its module runs and let go after it, so the run holds one
+        weight read at a time. Between calls a weight is a meta tensor, so a forward that reads one
+        other than through its module's call fails instead of reading a placeholder's unwritten memory."""
+        import torch
+
+        placeholders = {}  # module -> its placeholder weight
+        for module in model.modules():
+            weight = getattr(module, "weight", None)
+            if type(weight) in (torch.Tensor, torch.nn.Parameter) and self.source_of(weight) is not None:
+                placeholders[module] = weight
+
+        def stand_in(module) -> None:
+            weight = placeholders[module]
+            module.weight = torch.nn.Parameter(torch.empty_like(weight, device="meta"), requires_grad=False)
+
+        def before(module, args) -> None:
+            module.weight = torch.nn.Parameter(self.read(self.source_of(placeholders[module])), requires_grad=False)
+
+        handles = []
+        for module in placeholders:
+            stand_in(module)
+            handles += [module.register_forward_pre_hook(before), module.register_forward_hook(lambda m, a, o: stand_in(m))]
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+            for module, weight in placeholders.items():
+                module.weight = weight
+
     def check_loaded(self, model) -> None:
         """Every placeholder must be a parameter of ``model`` as it was made: one that transformers
         converted while loading would be exported with values nobody wrote."""

@@ -12,7 +12,7 @@ from ..artifact.manifest import Manifest, program_mismatch
 from ..errors import ArtifactError, InvalidOptionError, first_line
 from ..logs import native_stderr_quiet
 from .cpu import runtime_threads
-from .generation import check_call, check_verification
+from .generation import check_call, check_rows_by_position, check_verification
 
 
 class ExecuTorchProgram:
@@ -85,6 +85,18 @@ class ExecuTorchProgram:
         logits = verify.execute([torch.tensor([padded], dtype=torch.long), torch.tensor([start], dtype=torch.long)])[0]
         self._next_start = start + len(tokens)
         return logits[0, : len(tokens)].to(torch.float32, copy=True).numpy()
+
+    def draft_rewind(self, positions: int) -> bool:
+        """As a drafter: let a call start up to ``positions`` before the sequence's end. True where
+        its cache then holds what such a call reads (``Manifest.rewind``); False where a ring has
+        fewer spare slots: past its window, the rows the rejected drafts wrote stand in for the
+        oldest of the window for a while (the drafts may differ from exact ones; what a verification
+        keeps never does)."""
+        if positions <= self._rewind:
+            return True
+        check_rows_by_position(self.manifest)
+        self._rewind = positions
+        return False
 
     def write_event_trace(self, path: Path) -> None:
         """Write the ETDump of every call so far (needs ``trace_events=True``)."""

@@ -103,6 +103,15 @@ def check_call(tokens: list[int], start: int, next_start: int, max_cache_len: in
         )
 
 
+def check_rows_by_position(manifest) -> None:
+    """Refuse to draft with an artifact that cannot go back over rejected drafts at all."""
+    if not manifest.rows_by_position:
+        raise InvalidOptionError(
+            "--draft: the drafting artifact holds a state, another layer's cache or a chunked-attention ring, "
+            "which cannot go back over rejected drafts; draft with an artifact of full or sliding layers, or ngram"
+        )
+
+
 def check_verification(tokens: list[int], max_draft_tokens: int) -> None:
     """A verification a program takes: the last chosen token and at most ``max_draft_tokens`` drafted ones."""
     if not max_draft_tokens:

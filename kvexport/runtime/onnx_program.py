@@ -29,7 +29,7 @@ import numpy as np
 from ..artifact.manifest import MANIFEST, Layer, Manifest, buffer_layers, program_mismatch, state_layers
 from ..errors import ArtifactError, InvalidOptionError
 from .cpu import runtime_threads
-from .generation import check_call, check_verification
+from .generation import check_call, check_rows_by_position, check_verification
 from .onnx_artifact import GPU_HINT, LOGITS_INDICES, check_against_genai_config, check_runs_on_cuda
 
 # ONNX Runtime's element types of the manifest's dtypes.
@@ -264,6 +264,7 @@ class OnnxProgram:
         # call may start up to ``Manifest.rewind`` positions before the sequence's end (``_start_at``).
         self.max_draft_tokens = manifest.max_draft_tokens
         self._rewind = manifest.rewind
+        self._ring_rewind = manifest.max_draft_tokens  # how far back the copies of evicted ring rows reach
         if self.max_draft_tokens and device != "cpu":
             raise InvalidOptionError("--device cuda: artifacts that verify drafted tokens run on cpu in this version")
 
@@ -299,17 +300,28 @@ class OnnxProgram:
         """Check a call's start; where it is before the sequence's end (rejected drafted tokens),
         rebuild the sliding layers' buffers as they were at ``start``."""
         check_call(tokens, start, self._next_start, self._max_cache_len, self._rewind)
-        if not self.max_draft_tokens:
+        if not self._ring_rewind:
             return
         for layer in self._layers:
             if 0 < start < self._next_start:
                 layer.rewind(self._next_start, start)
-            # A later call goes back to max_draft_tokens before this one's end at most, and reads a window before that.
-            layer.forget_before(start + len(tokens) - self.max_draft_tokens - layer.shape[2] if start else self._max_cache_len)
+            # A later call goes back _ring_rewind positions before this one's end at most, and reads a window before that.
+            layer.forget_before(start + len(tokens) - self._ring_rewind - layer.shape[2] if start else self._max_cache_len)
+
+    def draft_rewind(self, positions: int) -> bool:
+        """As a drafter: let a call start up to ``positions`` before the sequence's end, exactly: the
+        sliding buffers are rebuilt from copies of what the calls evict, kept that far back (host
+        memory: ``positions`` rows a layer). True."""
+        if positions > self._rewind:
+            check_rows_by_position(self.manifest)
+            if self._device != "cpu" and any(layer.ring for layer in self._layers):
+                raise InvalidOptionError("--draft: a drafting artifact with sliding layers runs on cpu in this version")
+            self._rewind = self._ring_rewind = positions
+        return True
 
     def _call(self, tokens: list[int], start: int) -> None:
         n = len(tokens)
-        if self.max_draft_tokens:
+        if self._ring_rewind:
             for layer in self._layers:
                 layer.keep_evictable(start, n)
         self._tokens[0, :n] = tokens

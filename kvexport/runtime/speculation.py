@@ -61,7 +61,7 @@ def common_prefix_length(a: list[int], b: list[int]) -> int:
 class ModelDrafter:
     """Greedy drafts from another artifact's program. Its cache holds the tokens it was fed
     (``fed``, from position 0); a prefill or proposal feeds what the context has beyond their
-    common prefix, going back over drafts that were rejected (``Manifest.rewind``),
+    common prefix, going back over drafts that were rejected (``reach_back``),
     or from position 0 where it would have to go back further (a chat turn whose template renders
     the earlier ones differently)."""
 
@@ -69,7 +69,15 @@ class ModelDrafter:
         self.program = program
         self.fed: list[int] = []
         self.rewind = program.manifest.rewind
+        self.exact = True  # whether going back leaves the cache as a program that never went further has it
         self.max_cache_len = program.manifest.max_cache_len
+
+    def reach_back(self, rejected: int) -> None:
+        """Go back over up to ``rejected`` drafts after a verification: exactly where the program
+        can (``draft_rewind``), else as near as a ring without spare slots does."""
+        if rejected > self.rewind:
+            self.exact = self.program.draft_rewind(rejected)
+            self.rewind = rejected
 
     def prefill(self, context: list[int]) -> None:
         """Feed the prompt, before the first proposal (which then feeds the tokens after it only)."""
@@ -155,11 +163,7 @@ def check_drafter(program, drafter, draft_tokens: int | None) -> int:
                 f"--draft: the drafting artifact's vocabulary ({drafter.program.manifest.vocab_size} tokens) is not "
                 f"this artifact's ({program.manifest.vocab_size}); draft with a model of the same tokenizer"
             )
-        if drafter.rewind < draft_tokens - 1:
-            raise InvalidOptionError(
-                f"--draft: the drafting artifact goes back over {drafter.rewind} rejected drafts at most; export it "
-                f"with --max-draft-tokens {draft_tokens} or more"
-            )
+        drafter.reach_back(draft_tokens - 1)
     return draft_tokens
 
 

@@ -210,3 +210,17 @@ def test_a_step_reads_the_weights_and_the_rows_each_layer_attends_to():
     assert got[4]["share_of_limit"] == pytest.approx(1.0)
     assert got[40]["limit_tokens_per_s"] == pytest.approx(50.0 * first / second)
     assert got[40]["share_of_limit"] == pytest.approx(20.0 / (50.0 * first / second))
+
+
+def test_a_drafter_given_by_a_relative_path_is_found_by_the_runs(artifact, monkeypatch):
+    """Each run works in a folder of its own: a ``--draft`` folder relative to where bench was started
+    reaches it as an absolute path."""
+    from kvexport.artifact.manifest import read_manifest
+    from kvexport.bench.bench import plan_jobs
+
+    folder = artifact("tiny-llama", "onnx", max_draft_tokens=4)
+    drafter = artifact("tiny-llama", "onnx", quantize="int4")
+    monkeypatch.chdir(drafter.parent)
+    options = BenchOptions("tiny-llama", [folder], paths=["run"], draft=["ngram", drafter.name], draft_tokens=[2])
+    jobs = plan_jobs(options, {str(folder): read_manifest(folder)}, None, None)
+    assert [job["draft"] for job in jobs if "draft" in job] == ["ngram", str(drafter.resolve())]

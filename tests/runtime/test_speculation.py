@@ -152,13 +152,17 @@ def test_a_drafter_of_full_layers_needs_no_max_draft_tokens(artifact):
     assert spec["verify_calls"] > 0 and 0 < spec["accepted"] < spec["drafted"]
 
 
-@pytest.mark.parametrize(("preset", "drafts"), [("tiny-gemma3", DRAFTS), ("tiny-llama", 0)], ids=["ring", "full-layers"])
+@pytest.mark.parametrize(("preset", "drafts"), [("tiny-gemma3", DRAFTS), ("tiny-gemma3", 0), ("tiny-llama", 0)],
+                         ids=["ring-spare-slots", "ring", "full-layers"])
 def test_a_drafting_artifact_goes_back_over_its_own_rejected_drafts(artifact, preset, drafts):
     """A model drafter keeps its cache in step: after each verification it starts again after the
-    accepted tokens (a ring within its own max_draft_tokens; full layers anywhere, exported without
-    it) and drafts what a fresh program would, never feeding the context from 0 again."""
+    accepted tokens (a ring within its own max_draft_tokens, or, exported without them, from the
+    evicted rows the ONNX runner keeps; full layers anywhere) and drafts what a fresh program would,
+    never feeding the context from 0 again."""
     folder = artifact(preset, "onnx", max_draft_tokens=drafts)
     drafter = ModelDrafter(load_program(folder))
+    drafter.reach_back(DRAFTS - 1)
+    assert drafter.exact
     starts = []
     forward = drafter.program.forward
     drafter.program.forward = lambda tokens, start: starts.append(start) or forward(tokens, start)
@@ -191,6 +195,30 @@ def test_full_layers_go_back_anywhere_without_max_draft_tokens(artifact, target,
     fresh = load_program(folder)
     fresh.forward(tokens[:3], 0)
     np.testing.assert_allclose(program.forward(tokens[3:10], 3), fresh.forward(tokens[3:10], 3), atol=FP32_LOGIT_ATOL, rtol=0)
+
+
+def test_a_pte_ring_drafter_without_spare_slots_drafts_on_and_check_finds_eager_tokens(artifact):
+    """tiny Gemma 3's plain 8da4w ``.pte`` (a ring of 6 slots, none spare) drafts for its verifying
+    float32 one past the window: it goes back over rejected drafts without feeding from 0 again,
+    inexactly (``exact`` False: the drafts may differ, the tokens kept may not), and every token is eager's."""
+    drafter = artifact("tiny-gemma3", "executorch", quantize="8da4w")
+    program = ModelDrafter(load_program(drafter))
+    program.reach_back(DRAFTS - 1)
+    assert not program.exact and program.rewind == DRAFTS - 1
+    report = run_check(artifact("tiny-gemma3", "executorch", max_draft_tokens=DRAFTS), [(PROMPT, 20)], draft=str(drafter),
+                       draft_tokens=DRAFTS)
+    assert report.ok, report.prompts[0]
+    spec = report.prompts[0].speculation
+    assert spec["verify_calls"] > 0 and 0 < spec["accepted"] < spec["drafted"]
+
+
+@pytest.mark.parametrize("target", ["executorch", "onnx"])
+def test_a_drafter_that_cannot_go_back_is_refused_in_one_line(artifact, target):
+    """A drafting artifact with a state (tiny LFM2's convolutions) cannot forget rejected drafts."""
+    drafter = ModelDrafter(load_program(artifact("tiny-lfm2", target)))
+    drafter.reach_back(0)  # one draft a verification: nothing to go back over
+    with pytest.raises(InvalidOptionError, match="cannot go back over rejected drafts"):
+        drafter.reach_back(DRAFTS - 1)
 
 
 def test_genai_runs_a_verifying_folder_as_a_plain_one(artifact):

@@ -43,6 +43,76 @@ def test_weights_read_as_written_give_the_loaded_model_s_bytes(tmp_path, monkeyp
     assert files[True] == files[False]
 
 
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-gemma3"])
+def test_a_float16_export_reads_each_weight_as_its_module_runs_and_as_it_is_written(tmp_path, monkeypatch, name):
+    """``--dtype float16`` defers its weights too: the eager probe reads each as its module runs
+    (one at a time, and no weight is left read after it), the graph each as it is written; the
+    files equal, byte for byte, those of the export that loads every weight first."""
+    from kvexport.models.deferred_weights import DeferredWeights
+
+    model, tokenizer = presets.build_preset(name)
+    model.to(torch.bfloat16).save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    options = dict(target="onnx", max_cache_len=32, dtype="float16")
+    assert pipeline.plan_export(pipeline.ExportOptions(str(tmp_path / "model"), out=tmp_path / "plan", **options)).defers_weights
+    read, most_held = [0], [0]
+    plain_read = DeferredWeights.read
+
+    def counted(weights, entry, keep_bfloat16=False):
+        read[0] += 1
+        return plain_read(weights, entry, keep_bfloat16)
+
+    probe = pipeline._refuse_if_it_overflows
+
+    def probe_counting_weights_held(model, tokenizer, dtype):
+        def held(module, args):
+            most_held[0] = max(most_held[0], sum(p.device.type == "cpu" for m in model.modules()
+                                                 if isinstance(m, (torch.nn.Linear, torch.nn.Embedding)) for p in [m.weight]))
+        handles = [m.register_forward_pre_hook(held) for m in model.modules()]
+        probe(model, tokenizer, dtype)
+        for handle in handles:
+            handle.remove()
+
+    monkeypatch.setattr(DeferredWeights, "read", counted)
+    monkeypatch.setattr(pipeline, "_refuse_if_it_overflows", probe_counting_weights_held)
+    files = {}
+    for deferred in (True, False):
+        monkeypatch.setattr(pipeline.ExportPlan, "defers_weights", property(lambda plan, deferred=deferred: deferred))
+        out = tmp_path / f"deferred-{deferred}"
+        pipeline.export_model(pipeline.ExportOptions(str(tmp_path / "model"), out=out, **options))
+        files[deferred] = [_sha256(out / f) for f in (target.PROGRAM_FILE, target.DATA_FILE)]
+        if deferred:
+            assert read[0] > 0 and most_held[0] <= 1, (read, most_held)
+    assert files[True] == files[False]
+
+
+def test_a_probe_that_reads_a_weight_outside_its_module_loads_the_model_first(tmp_path, monkeypatch):
+    """A model whose forward reads a deferred weight other than by calling its module fails on the
+    weight's stand-in, never on a placeholder's unwritten memory: the export reads every weight then,
+    and writes the loaded model's bytes."""
+    model, tokenizer = presets.build_preset("tiny-llama")
+    model.to(torch.bfloat16).save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    probe = pipeline._refuse_if_it_overflows
+    seen = []
+
+    def probe_reading_the_table(model, tokenizer, dtype):
+        seen.append(model.get_input_embeddings().weight.device.type)
+        model.get_input_embeddings().weight[0, :1] + torch.ones(1)  # not through the module's call
+        probe(model, tokenizer, dtype)
+
+    monkeypatch.setattr(pipeline, "_refuse_if_it_overflows", probe_reading_the_table)
+    out = tmp_path / "out"
+    pipeline.export_model(pipeline.ExportOptions(str(tmp_path / "model"), "onnx", out, max_cache_len=32, dtype="float16"))
+    monkeypatch.setattr(pipeline, "_refuse_if_it_overflows", probe)
+    monkeypatch.setattr(pipeline.ExportPlan, "defers_weights", property(lambda plan: False))
+    loaded = tmp_path / "loaded"
+    pipeline.export_model(pipeline.ExportOptions(str(tmp_path / "model"), "onnx", loaded, max_cache_len=32, dtype="float16"))
+    assert seen == ["meta", "cpu"]
+    assert [_sha256(out / f) for f in (target.PROGRAM_FILE, target.DATA_FILE)] == \
+        [_sha256(loaded / f) for f in (target.PROGRAM_FILE, target.DATA_FILE)]
+
+
 def test_a_transpose_folds_lazily_with_its_permutation(tmp_path):
     """Transpose(weight), and a transpose of that, fold into initializers read when written, with the
     values onnxscript's own folding computes."""
