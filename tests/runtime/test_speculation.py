@@ -202,9 +202,18 @@ def test_a_pte_ring_drafter_without_spare_slots_drafts_on_and_check_finds_eager_
     float32 one past the window: it goes back over rejected drafts without feeding from 0 again,
     inexactly (``exact`` False: the drafts may differ, the tokens kept may not), and every token is eager's."""
     drafter = artifact("tiny-gemma3", "executorch", quantize="8da4w")
-    program = ModelDrafter(load_program(drafter))
-    program.reach_back(DRAFTS - 1)
-    assert not program.exact and program.rewind == DRAFTS - 1
+    drafting = ModelDrafter(load_program(drafter))
+    drafting.reach_back(DRAFTS - 1)
+    assert not drafting.exact and drafting.rewind == DRAFTS - 1
+    starts = []
+    forward = drafting.program.forward
+    drafting.program.forward = lambda tokens, start: starts.append(start) or forward(tokens, start)
+    context = list(range(10, 40))
+    for accepted in (0, 2, 3, 1):
+        drafts = drafting.propose(context, DRAFTS)
+        assert len(drafts) == DRAFTS
+        context = context + drafts[:accepted] + [(drafts[accepted] + 1) % 90]
+    assert starts.count(0) == 1
     report = run_check(artifact("tiny-gemma3", "executorch", max_draft_tokens=DRAFTS), [(PROMPT, 20)], draft=str(drafter),
                        draft_tokens=DRAFTS)
     assert report.ok, report.prompts[0]
