@@ -2,12 +2,15 @@
 profiler over kvexport's runner, each node's time summed by the model module it came from (the
 exporter's ``pkg.torch.onnx.name_scopes``: ``layers.3.linear_attn``, ``layers.3.mlp``, ...).
 
-    python scripts/onnx_decode_profile.py FOLDER [--positions 128,4000] [--steps 16] [--threads 2]
+    python scripts/onnx_decode_profile.py FOLDER [--positions 128,4000] [--steps 16] [--threads 2] [--by module|op]
 
 For each position P: a prompt of P token ids, then ``--steps`` one-token decode calls; the table
 gives each kind of module's milliseconds per decode step (the mean over those calls) and its
 share of the step, so one sees which part grows with the position. Nodes ONNX Runtime made by
-fusing others have no module and count as ``fused``. A timing: compare within one run.
+fusing others have no module and count as ``fused``. ``--by op``: by the kind of operation
+instead, a 4-bit and an 8-bit ``MatMulNBits`` apart, and the nodes ``--quantize int4`` adds to
+keep a source's grid (each projection's block sums and offset product) as ``offsets``: what the
+exact scheme costs beyond the symmetric one. A timing: compare within one run.
 """
 
 import argparse
@@ -39,10 +42,28 @@ def module_kinds(model_path: Path) -> dict[str, str]:
     return kinds
 
 
-def profile(folder: Path, position: int, steps: int, threads: int) -> dict[str, float]:
-    """Milliseconds per decode step by module kind, after a prompt of ``position`` ids."""
+# The nodes kvexport/exporter/onnx/quantize.py adds for a projection's per-block offsets, by name.
+OFFSET_NODES = ("_blocks", "_block_sums", "_offset", "_add_offset")
+
+
+def op_kinds(model_path: Path) -> dict[str, str]:
+    """Node name -> its operation (``MatMulNBits`` with its bits, ``offsets`` for the offset nodes)."""
+    kinds = {}
+    for node in onnx.load(str(model_path), load_external_data=False).graph.node:
+        kind = node.op_type
+        if kind == "MatMulNBits":
+            bits = next((a.i for a in node.attribute if a.name == "bits"), 4)
+            kind = f"MatMulNBits {bits}-bit"
+        elif node.name.endswith(OFFSET_NODES):
+            kind = "offsets"
+        kinds[node.name] = kind
+    return kinds
+
+
+def profile(folder: Path, position: int, steps: int, threads: int, by: str = "module") -> dict[str, float]:
+    """Milliseconds per decode step by module kind (or by operation), after a prompt of ``position`` ids."""
     manifest = read_manifest(folder)
-    kinds = module_kinds(folder / manifest.program)
+    kinds = (op_kinds if by == "op" else module_kinds)(folder / manifest.program)
     plain_options = ort.SessionOptions
     with tempfile.TemporaryDirectory() as tmp:
 
@@ -70,7 +91,8 @@ def profile(folder: Path, position: int, steps: int, threads: int) -> dict[str, 
         if not any(run["ts"] <= event["ts"] <= run["ts"] + run["dur"] for run in runs):
             continue
         node = event["name"].removesuffix("_kernel_time")
-        per_kind[kinds.get(node, "fused")] += event["dur"] / 1000 / steps
+        fused = event.get("args", {}).get("op_name", "fused") if by == "op" else "fused"  # a node ONNX Runtime made
+        per_kind[kinds.get(node, fused)] += event["dur"] / 1000 / steps
     per_kind["step (wall)"] = sum(run["dur"] for run in runs) / 1000 / steps
     return dict(per_kind)
 
@@ -81,12 +103,13 @@ def main() -> None:
     parser.add_argument("--positions", default="128,4000")
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--by", choices=("module", "op"), default="module")
     args = parser.parse_args()
     positions = [int(p) for p in args.positions.split(",")]
-    results = {p: profile(args.folder, p, args.steps, args.threads) for p in positions}
+    results = {p: profile(args.folder, p, args.steps, args.threads, args.by) for p in positions}
     kinds = {k for r in results.values() for k in r if k != "step (wall)"}
     kinds = sorted(kinds, key=lambda k: -results[positions[0]].get(k, 0))
-    print("| module | " + " | ".join(f"ms/step at {p} (share)" for p in positions) + " |")
+    print(f"| {args.by} | " + " | ".join(f"ms/step at {p} (share)" for p in positions) + " |")
     print("|---|" + "---:|" * len(positions))
     for kind in [*kinds, "step (wall)"]:
         cells = []

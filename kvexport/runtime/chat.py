@@ -195,9 +195,14 @@ class Conversation:
             )
             if on_notice is not None:
                 on_notice(notices[-1])
-        if cached and not dropped and len(ids) > len(cached) and ids[: len(cached)] == cached:
-            start, reset = len(cached), False
-        else:  # a first turn, or earlier turns rendered differently: never rewound to a middle position
+        common = 0 if dropped else common_prefix_length(cached, ids)
+        # Earlier turns rendered differently (Gemma's template trims a reply): a program whose layers
+        # are all full ones goes back to where the ids part (``Manifest.rewind``); one with rings or
+        # states, whose cache cannot go back that far, feeds the conversation again from position 0.
+        goes_back = common == len(cached) or self.manifest.rewind >= self.max_cache_len
+        if 0 < common < len(ids) and goes_back:
+            start, reset = common, False
+        else:  # a first turn, or a cache that cannot go back to where the ids part
             start = 0
             self._cache.clear()
 

@@ -9,12 +9,13 @@ import os
 import shutil
 import signal
 import sys
+from dataclasses import replace
 
 import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
-from kvexport.artifact.manifest import read_manifest, write_manifest
+from kvexport.artifact.manifest import Layer, read_manifest, write_manifest
 from kvexport.cli.chat import StopOnCtrlC
 from kvexport.errors import PromptTooLongError
 from kvexport.models.chat_templates import GEMMA3
@@ -220,7 +221,8 @@ def test_a_conversation_that_outgrows_the_cache_starts_over_keeping_the_system_p
 
 class ScriptedProgram:
     """Replies ``reply`` (token ids, then EOS), whatever it is fed; refuses calls that are not
-    contiguous, as the ONNX runner does; records every call."""
+    contiguous or going back as far as its manifest's ``rewind`` (no layers: all full, any
+    position), as the runners do; records every call."""
 
     def __init__(self, reply: list[int], max_cache_len=TEST_CACHE_LEN, vocab=100):
         self.manifest = fake_manifest(max_cache_len=max_cache_len, eos_token_ids=(97,))
@@ -231,7 +233,7 @@ class ScriptedProgram:
         self.fail_at: int | None = None  # raise KeyboardInterrupt on the call that reaches this position
 
     def forward(self, tokens, start):
-        assert start in (0, self.next_start), (start, self.next_start)
+        assert start == 0 or self.next_start - self.manifest.rewind <= start <= self.next_start, (start, self.next_start)
         if self.fail_at is not None and start + len(tokens) > self.fail_at:
             self.fail_at = None
             raise KeyboardInterrupt
@@ -279,9 +281,11 @@ def test_the_end_of_turn_token_a_reply_stops_at_is_fed_first_in_the_next_turn(tm
 
 def test_a_template_that_renders_the_history_differently_starts_over_at_position_zero(tmp_path):
     """Gemma's template trims a reply: one ending in a space re-renders without it, so the ids no
-    longer start with the cache's and the whole conversation is fed again from position 0."""
+    longer start with the cache's, and a program with a ring, which cannot go back to where they
+    part, is fed the whole conversation again from position 0."""
     tokenizer, _ = scripted_tokenizer(tmp_path, GEMMA_LIKE)
     program = ScriptedProgram(char_ids(tokenizer, "ok "))
+    program.manifest = replace(program.manifest, layers=(Layer(0, "sliding_attention", "ring", window=8, slots=8),))
     conversation = Conversation(program, tokenizer, max_new_tokens=5)
     first = conversation.say("Hi")
     assert first.text == "ok " and first.stopped_by == "eos"
@@ -290,6 +294,24 @@ def test_a_template_that_renders_the_history_differently_starts_over_at_position
     assert second.reset and second.prefilled_tokens == len(second.prompt_ids)
     assert program.calls[0] == (0, len(second.prompt_ids))
     assert second.notices == []  # nothing was dropped: no need to tell the user
+
+
+def test_a_program_of_full_layers_goes_back_to_where_a_re_rendered_history_parts(tmp_path):
+    """The same re-rendered reply with a program whose layers are all full ones (its manifest's
+    ``rewind`` reaches any position): the next turn starts where the ids part from the cache's,
+    feeding only what follows, as one from position 0 would have been fed past that point."""
+    tokenizer, reference = scripted_tokenizer(tmp_path, GEMMA_LIKE)
+    program = ScriptedProgram(char_ids(tokenizer, "ok "))
+    program.manifest = replace(program.manifest, layers=(Layer(0, "full_attention", "static"),))
+    conversation = Conversation(program, tokenizer, max_new_tokens=5)
+    first = conversation.say("Hi")
+    cached = conversation.ids[: first.conversation_tokens]
+    program.calls, program.fed = [], []
+    second = conversation.say("Hi")
+    part = next(i for i, (a, b) in enumerate(zip(cached, second.prompt_ids)) if a != b)
+    assert 0 < part < first.conversation_tokens and not second.reset
+    assert program.calls[0] == (part, len(second.prompt_ids) - part) and second.prefilled_tokens == len(second.prompt_ids) - part
+    assert program.fed[0] == second.prompt_ids[part:]
 
 
 def test_a_reply_stopped_by_the_caller_keeps_its_text_and_the_next_turn_goes_on(tmp_path):
