@@ -152,6 +152,14 @@ def test_a_drafter_of_full_layers_needs_no_max_draft_tokens(artifact):
     assert spec["verify_calls"] > 0 and 0 < spec["accepted"] < spec["drafted"]
 
 
+def recorded_starts(drafter: ModelDrafter) -> list[int]:
+    """The start of every call the drafter's program gets from now on, appended as it is made."""
+    starts = []
+    forward = drafter.program.forward
+    drafter.program.forward = lambda tokens, start: starts.append(start) or forward(tokens, start)
+    return starts
+
+
 @pytest.mark.parametrize(("preset", "drafts"), [("tiny-gemma3", DRAFTS), ("tiny-gemma3", 0), ("tiny-llama", 0)],
                          ids=["ring-spare-slots", "ring", "full-layers"])
 def test_a_drafting_artifact_goes_back_over_its_own_rejected_drafts(artifact, preset, drafts):
@@ -163,9 +171,7 @@ def test_a_drafting_artifact_goes_back_over_its_own_rejected_drafts(artifact, pr
     drafter = ModelDrafter(load_program(folder))
     drafter.reach_back(DRAFTS - 1)
     assert drafter.exact
-    starts = []
-    forward = drafter.program.forward
-    drafter.program.forward = lambda tokens, start: starts.append(start) or forward(tokens, start)
+    starts = recorded_starts(drafter)
     context = list(range(10, 40))
     for accepted in (0, 2, 3, 1):
         drafts = drafter.propose(context, DRAFTS)
@@ -205,9 +211,7 @@ def test_a_pte_ring_drafter_without_spare_slots_drafts_on_and_check_finds_eager_
     drafting = ModelDrafter(load_program(drafter))
     drafting.reach_back(DRAFTS - 1)
     assert not drafting.exact and drafting.rewind == DRAFTS - 1
-    starts = []
-    forward = drafting.program.forward
-    drafting.program.forward = lambda tokens, start: starts.append(start) or forward(tokens, start)
+    starts = recorded_starts(drafting)
     context = list(range(10, 40))
     for accepted in (0, 2, 3, 1):
         drafts = drafting.propose(context, DRAFTS)
