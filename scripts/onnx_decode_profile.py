@@ -10,7 +10,9 @@ share of the step, so one sees which part grows with the position. Nodes ONNX Ru
 fusing others have no module and count as ``fused``. ``--by op``: by the kind of operation
 instead, a 4-bit and an 8-bit ``MatMulNBits`` apart, and the nodes ``--quantize int4`` adds to
 keep a source's grid (each projection's block sums and offset product) as ``offsets``: what the
-exact scheme costs beyond the symmetric one. A timing: compare within one run.
+exact scheme costs beyond the symmetric one. A timing: compare within one run. The profiler adds
+its own time to every node it times, so many small nodes look costlier than they are; take a
+step's time from ``kvexport bench``.
 """
 
 import argparse

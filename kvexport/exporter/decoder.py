@@ -96,7 +96,7 @@ class ExportableDecoder(nn.Module):
         # The bound is stated here rather than in a bounded export Dim: a named Dim with a max
         # makes torch.export reject a spurious guard from transformers' repeat_kv reshape.
         torch._check(tokens.shape[1] <= self.max_tokens_per_call)
-        call = CallState(self.caches, positions, self.max_cache_len, self.states, self.specs, self.verifying)
+        call = CallState(self.caches, positions, self.max_cache_len, self.states, self.specs)
         with attention.running(call):
             out = self.model(
                 input_ids=tokens,
@@ -124,9 +124,7 @@ def example_inputs(max_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def export_verifier(decoder: ExportableDecoder, tokens: int) -> torch.export.ExportedProgram:
     """The call that returns every position's logits (``verifying``), of exactly ``tokens`` tokens:
-    a verification of drafted tokens, which its runner pads to that length. A fixed length lets an
-    attention kernel that is fast for one query run once per query (``CallState.one_query_at_a_time``:
-    ExecuTorch's ``custom_sdpa`` takes much longer for 2 queries than twice 1)."""
+    a verification of drafted tokens, which its runner pads to that length."""
     decoder.verifying = True
     try:
         with torch.no_grad():

@@ -381,12 +381,8 @@ class CallState:
     no data-dependent integer in them.
     """
 
-    def __init__(self, layers, positions: torch.Tensor, max_cache_len: int, states=None, specs=None,
-                 one_query_at_a_time: bool = False):
+    def __init__(self, layers, positions: torch.Tensor, max_cache_len: int, states=None, specs=None):
         self.layers = layers
-        # A call of a few tokens whose length is fixed at export (a verification of drafted tokens):
-        # a fused kernel that is fast for one query and slow for a few runs once per query.
-        self.one_query_at_a_time = one_query_at_a_time
         self.specs = specs
         self.states = layers if states is None else states
         self.positions = positions

@@ -224,7 +224,9 @@ def import_runtime() -> None:
     __import__(_PORTABLE_LIB)  # imported above, or the plain way
 
 
-def load(folder: Path, manifest: Manifest, device: str, trace_events: bool = False) -> ExecuTorchProgram:
+def load(folder: Path, manifest: Manifest, device: str, trace_events: bool = False, drafter: bool = False) -> ExecuTorchProgram:
+    """``drafter`` changes nothing: ExecuTorch's threadpool is the process's one, which the
+    verifying program shares."""
     if device != "cpu":
         raise InvalidOptionError("ExecuTorch artifacts run on the CPU (XNNPACK); use --device cpu")
     weights = folder / manifest.weights if manifest.weights else None

@@ -152,6 +152,28 @@ def test_a_drafter_of_full_layers_needs_no_max_draft_tokens(artifact):
     assert spec["verify_calls"] > 0 and 0 < spec["accepted"] < spec["drafted"]
 
 
+def test_an_onnx_drafter_leaves_the_cores_to_the_verifying_program_between_its_calls(artifact):
+    """A drafter's ONNX Runtime threads sleep between its calls: spin-waiting, they take the cores
+    from the verifying program, which runs between them (docs/speculative.md); a program that is
+    not a drafter keeps ONNX Runtime's default."""
+    import contextlib
+
+    from kvexport.runtime.speculation import load_drafter
+
+    folder = artifact("tiny-llama", "onnx", quantize="int4")
+
+    def spinning(program) -> str | None:
+        """The session's own setting; None where it has none (ONNX Runtime's default: spin)."""
+        try:
+            return program._session.get_session_options().get_session_config_entry("session.intra_op.allow_spinning")
+        except RuntimeError:  # "SessionOptions does not have configuration with key"
+            return None
+
+    with contextlib.ExitStack() as stack:
+        assert spinning(load_drafter(str(folder), stack).program) == "0"
+    assert spinning(load_program(folder)) is None
+
+
 def recorded_starts(drafter: ModelDrafter) -> list[int]:
     """The start of every call the drafter's program gets from now on, appended as it is made."""
     starts = []

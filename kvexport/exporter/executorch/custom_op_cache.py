@@ -31,11 +31,12 @@ def _to_seq_major(x: torch.Tensor) -> torch.Tensor:
 
 
 class CustomOpStaticCache(nn.Module):
-    """Full attention: slot i holds position i."""
+    """Full attention: slot i holds position i. One slot more than ``max_len``, never written:
+    ``custom_sdpa``'s extra query row reads it."""
 
     def __init__(self, batch: int, kv_heads: int, max_len: int, head_dim: int, dtype: torch.dtype):
         super().__init__()
-        shape = (batch, max_len, kv_heads, head_dim)
+        shape = (batch, max_len + 1, kv_heads, head_dim)
         self.register_buffer("k", torch.zeros(shape, dtype=dtype), persistent=False)
         self.register_buffer("v", torch.zeros(shape, dtype=dtype), persistent=False)
 
@@ -43,7 +44,7 @@ class CustomOpStaticCache(nn.Module):
         torch.ops.llama.update_cache(_to_seq_major(key), self.k, call.start)
         torch.ops.llama.update_cache(_to_seq_major(value), self.v, call.start)
         if plain_softmax_attention(kwargs):
-            return custom_sdpa(query, self.k, self.v, call.start, None, scaling, call.one_query_at_a_time), None
+            return custom_sdpa(query, self.k, self.v, call.start, None, scaling), None
         end = call.start + query.shape[2]
         keys, values = _to_seq_major(self.k[:, :end]), _to_seq_major(self.v[:, :end])
         return family_eager_attention(module)(module, query, keys, values, mask[..., :end], scaling=scaling, **kwargs)
@@ -56,7 +57,7 @@ class CustomOpStaticCache(nn.Module):
         end = call.start + call.positions.shape[0]
         if plain_softmax_attention(kwargs):
             start = end - query.shape[2]
-            return torch.ops.llama.custom_sdpa(_to_seq_major(query), self.k, self.v, start, None, 0.0, True, scaling), None
+            return custom_sdpa(query, self.k, self.v, start, None, scaling), None
         keys, values = _to_seq_major(self.k[:, :end]), _to_seq_major(self.v[:, :end])
         mask = additive_mask(torch.arange(end), last_positions(call, query), None, query.dtype)
         return family_eager_attention(module)(module, query, keys, values, mask, scaling=scaling, **kwargs)
@@ -78,7 +79,7 @@ class CustomOpRingCache(nn.Module):
         k_new, v_new = _to_seq_major(key), _to_seq_major(value)
         keys = torch.cat([self.k, k_new], dim=1)
         values = torch.cat([self.v, v_new], dim=1)
-        result = self._attention(module, query, keys, values, mask, scaling, kwargs, call.one_query_at_a_time)
+        result = self._attention(module, query, keys, values, mask, scaling, kwargs)
         call.attended[self] = keys, values  # for layers that share this ring
         newest, slots = call.ring_writes(self.slots)
         torch.ops.llama.update_cache_with_indices(k_new.index_select(1, newest), self.k, 0, slots[None])
@@ -91,7 +92,7 @@ class CustomOpRingCache(nn.Module):
         keys, values = call.attended[self]
         return self._attention(module, query, keys, values, shared_ring_mask(call, query, self.slots, self.window), scaling, kwargs)
 
-    def _attention(self, module, query, keys, values, mask, scaling, kwargs, one_query_at_a_time=False):
+    def _attention(self, module, query, keys, values, mask, scaling, kwargs):
         """Attention of ``query`` over sequence-major ``keys``/``values`` under ``mask``."""
         if not plain_softmax_attention(kwargs):
             return family_eager_attention(module)(
@@ -101,26 +102,27 @@ class CustomOpRingCache(nn.Module):
             # Runs inside the delegate; custom_sdpa is a call out of it (docs/performance.md).
             return window_attention(query, keys, values, mask, scaling), None
         # The kernel takes a float32 mask whatever the activations' dtype (float16 ones fail at run time).
-        return custom_sdpa(query, keys, values, 0, mask[0, 0].float(), scaling, one_query_at_a_time), None
+        return custom_sdpa(query, keys, values, 0, mask[0, 0].float(), scaling), None
 
     def key_positions(self, positions: torch.Tensor) -> torch.Tensor:
         return ring_key_positions(positions, self.slots)
 
 
-def custom_sdpa(query, keys, values, start, mask, scaling, one_query_at_a_time=False) -> torch.Tensor:
+def custom_sdpa(query, keys, values, start, mask, scaling) -> torch.Tensor:
     """``llama::custom_sdpa`` of ``query [1, H, T, D]`` over sequence-major ``keys``/``values``:
     causal from ``start`` (reading positions ``[0, start + T)``) where ``mask`` is None, else under
-    ``mask [T, K]``. Returns ``[1, T, H, D]``. ``one_query_at_a_time`` (``T`` fixed at export): one
-    call per query, each the kernel's one-query path; for 2 to 9 queries its flash-attention path
-    takes several times as long as that many one-query calls (docs/speculative.md)."""
+    ``mask [T, K]``. Returns ``[1, T, H, D]``.
+
+    The kernel is given the call's query rows and one more, a copy of the last (with a copy of its
+    mask row), whose output is dropped: with one query row its products go through the BLAS's
+    matrix-vector path, several times slower than a two-row product, and a decode step is one row
+    (docs/performance.md#attention-in-a-pte). Causal, the extra row reads one key past the call's
+    end: a static buffer has one slot more than the positions it holds."""
     q = _to_seq_major(query)
-    if not one_query_at_a_time:
-        return torch.ops.llama.custom_sdpa(q, keys, values, start, mask, 0.0, mask is None, scaling)
-    return torch.cat([
-        torch.ops.llama.custom_sdpa(q[:, i : i + 1], keys, values, start + i if mask is None else start,
-                                    None if mask is None else mask[i : i + 1], 0.0, mask is None, scaling)
-        for i in range(q.shape[1])
-    ], dim=1)  # fmt: skip
+    q = torch.cat([q, q[:, -1:]], dim=1)
+    if mask is not None:
+        mask = torch.cat([mask, mask[-1:]])
+    return torch.ops.llama.custom_sdpa(q, keys, values, start, mask, 0.0, mask is None, scaling)[:, :-1]
 
 
 def window_attention(query, keys, values, mask, scaling=None) -> torch.Tensor:

@@ -1,0 +1,70 @@
+"""How ExecuTorch's ``llama::custom_sdpa`` times by query rows on this machine: one call, causal,
+over a cache filled to each length, for 1, 2 and ``--rows`` query rows.
+
+    python scripts/custom_sdpa_rows.py [--heads 9] [--kv-heads 3] [--head-dim 64] [--keys 128,1024,4096]
+        [--rows 9] [--threads 2]
+
+kvexport's `.pte` gives the kernel one query row more than a call has
+(``exporter/executorch/custom_op_cache.custom_sdpa``): with ExecuTorch's pip wheel (its products
+through libtorch's MKL) a one-row call takes several times as long as a two-row one. Another
+build links another BLAS; this prints whether that still holds there (the same C++ kernel, called
+through its PyTorch op). Microseconds per call, the median of repeated calls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+
+def time_call(call, repeats: int) -> float:
+    """Median microseconds of ``call()`` after a few warm-up calls."""
+    for _ in range(5):
+        call()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e6
+
+
+def sdpa_times(heads: int, kv_heads: int, head_dim: int, keys: list[int], rows: list[int], repeats: int = 50) -> dict:
+    """``{(keys, rows): µs}``: one causal call whose last row attends to ``keys`` positions."""
+    import executorch.extension.llm.custom_ops.custom_ops  # noqa: F401  (registers torch.ops.llama.*)
+    import torch
+
+    cache = max(keys) + max(rows)
+    k, v = torch.randn(1, cache, kv_heads, head_dim), torch.randn(1, cache, kv_heads, head_dim)
+    times = {}
+    for n in keys:
+        for t in rows:
+            q = torch.randn(1, t, heads, head_dim)
+            times[n, t] = time_call(lambda: torch.ops.llama.custom_sdpa(q, k, v, n - t, None, 0.0, True, None), repeats)
+    return times
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--heads", type=int, default=9)
+    parser.add_argument("--kv-heads", type=int, default=3)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--keys", default="128,1024,4096")
+    parser.add_argument("--rows", type=int, default=9, help="the most query rows timed (a verification of K drafts: K + 1)")
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args(argv)
+    import torch
+
+    torch.set_num_threads(args.threads)
+    keys = [int(n) for n in args.keys.split(",")]
+    rows = sorted({1, 2, args.rows})
+    times = sdpa_times(args.heads, args.kv_heads, args.head_dim, keys, rows)
+    print("| keys | " + " | ".join(f"{t} row{'s' if t > 1 else ''} µs" for t in rows) + " |")
+    print("|---:|" + "---:|" * len(rows))
+    for n in keys:
+        print(f"| {n:,} | " + " | ".join(f"{times[n, t]:.0f}" for t in rows) + " |")
+
+
+if __name__ == "__main__":
+    main()
