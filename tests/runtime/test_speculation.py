@@ -4,6 +4,8 @@ rejected drafts, as exact as plain decoding."""
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -14,7 +16,7 @@ from kvexport.errors import InvalidOptionError, UnsupportedModelError
 from kvexport.exporter.pipeline import ExportOptions, plan_export
 from kvexport.runtime.generation import generate
 from kvexport.runtime.programs import load_program
-from kvexport.runtime.speculation import ModelDrafter, PromptLookup, generate_with_draft
+from kvexport.runtime.speculation import ModelDrafter, PromptLookup, generate_with_draft, load_drafter
 
 from tests.conftest import PROMPT
 from tests.helpers import FP32_LOGIT_ATOL, assert_one_line_error, fake_manifest, run_cli
@@ -156,10 +158,6 @@ def test_an_onnx_drafter_leaves_the_cores_to_the_verifying_program_between_its_c
     """A drafter's ONNX Runtime threads sleep between its calls: spin-waiting, they take the cores
     from the verifying program, which runs between them (docs/speculative.md); a program that is
     not a drafter keeps ONNX Runtime's default."""
-    import contextlib
-
-    from kvexport.runtime.speculation import load_drafter
-
     folder = artifact("tiny-llama", "onnx", quantize="int4")
 
     def spinning(program) -> str | None:
