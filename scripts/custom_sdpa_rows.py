@@ -1,14 +1,19 @@
 """How ExecuTorch's ``llama::custom_sdpa`` times by query rows on this machine: one call, causal,
-over a cache filled to each length, for 1, 2 and ``--rows`` query rows.
+over a cache filled to each length, for 1, 2 and ``--rows`` query rows, and a one-token call as
+kvexport makes it where query heads share a KV head (each group stacked as one head's rows).
 
     python scripts/custom_sdpa_rows.py [--heads 9] [--kv-heads 3] [--head-dim 64] [--keys 128,1024,4096]
         [--rows 9] [--threads 2]
 
 kvexport's `.pte` gives the kernel one query row more than a call has
-(``exporter/executorch/custom_op_cache.custom_sdpa``): with ExecuTorch's pip wheel (its products
+(``exporter/executorch/custom_op_cache``): with ExecuTorch's pip wheel (its products
 through libtorch's MKL) a one-row call takes several times as long as a two-row one. Another
 build links another BLAS; this prints whether that still holds there (the same C++ kernel, called
 through its PyTorch op). Microseconds per call, the median of repeated calls.
+
+The kernel splits its work by query head, reading a KV head's rows once per query head of its
+group; the stacked call reads them once (``custom_op_cache.causal_sdpa``). Compare its column with
+the 2-row one, the call a one-token step would make otherwise.
 """
 
 from __future__ import annotations
@@ -35,6 +40,8 @@ def sdpa_times(heads: int, kv_heads: int, head_dim: int, keys: list[int], rows: 
     import executorch.extension.llm.custom_ops.custom_ops  # noqa: F401  (registers torch.ops.llama.*)
     import torch
 
+    from kvexport.exporter.executorch.custom_op_cache import last_row_by_group
+
     cache = max(keys) + max(rows)
     k, v = torch.randn(1, cache, kv_heads, head_dim), torch.randn(1, cache, kv_heads, head_dim)
     times = {}
@@ -42,6 +49,9 @@ def sdpa_times(heads: int, kv_heads: int, head_dim: int, keys: list[int], rows: 
         for t in rows:
             q = torch.randn(1, t, heads, head_dim)
             times[n, t] = time_call(lambda: torch.ops.llama.custom_sdpa(q, k, v, n - t, None, 0.0, True, None), repeats)
+        if heads > kv_heads:
+            q = torch.randn(1, 2, heads, head_dim)  # a one-token call and its extra row
+            times[n, "grouped"] = time_call(lambda: last_row_by_group(q, k, v, n, None), repeats)
     return times
 
 
@@ -60,10 +70,11 @@ def main(argv=None) -> None:
     keys = [int(n) for n in args.keys.split(",")]
     rows = sorted({1, 2, args.rows})
     times = sdpa_times(args.heads, args.kv_heads, args.head_dim, keys, rows)
-    print("| keys | " + " | ".join(f"{t} row{'s' if t > 1 else ''} µs" for t in rows) + " |")
-    print("|---:|" + "---:|" * len(rows))
+    columns = rows + (["grouped"] if (keys[0], "grouped") in times else [])
+    print("| keys | " + " | ".join(f"{t} row{'s' if t > 1 else ''} µs" if t != "grouped" else "1 token grouped µs" for t in columns) + " |")
+    print("|---:|" + "---:|" * len(columns))
     for n in keys:
-        print(f"| {n:,} | " + " | ".join(f"{times[n, t]:.0f}" for t in rows) + " |")
+        print(f"| {n:,} | " + " | ".join(f"{times[n, t]:.0f}" for t in columns) + " |")
 
 
 if __name__ == "__main__":

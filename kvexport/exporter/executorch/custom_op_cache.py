@@ -44,7 +44,7 @@ class CustomOpStaticCache(nn.Module):
         torch.ops.llama.update_cache(_to_seq_major(key), self.k, call.start)
         torch.ops.llama.update_cache(_to_seq_major(value), self.v, call.start)
         if plain_softmax_attention(kwargs):
-            return custom_sdpa(query, self.k, self.v, call.start, None, scaling), None
+            return causal_sdpa(query, self.k, self.v, call.positions[:1], scaling), None
         end = call.start + query.shape[2]
         keys, values = _to_seq_major(self.k[:, :end]), _to_seq_major(self.v[:, :end])
         return family_eager_attention(module)(module, query, keys, values, mask[..., :end], scaling=scaling, **kwargs)
@@ -56,8 +56,8 @@ class CustomOpStaticCache(nn.Module):
         """A shared layer's queries, the call's last ``query.shape[2]``, over the buffer this call wrote."""
         end = call.start + call.positions.shape[0]
         if plain_softmax_attention(kwargs):
-            start = end - query.shape[2]
-            return custom_sdpa(query, self.k, self.v, start, None, scaling), None
+            first = call.positions[-query.shape[2]:][:1]
+            return causal_sdpa(query, self.k, self.v, first, scaling), None
         keys, values = _to_seq_major(self.k[:, :end]), _to_seq_major(self.v[:, :end])
         mask = additive_mask(torch.arange(end), last_positions(call, query), None, query.dtype)
         return family_eager_attention(module)(module, query, keys, values, mask, scaling=scaling, **kwargs)
@@ -102,27 +102,74 @@ class CustomOpRingCache(nn.Module):
             # Runs inside the delegate; custom_sdpa is a call out of it (docs/performance.md).
             return window_attention(query, keys, values, mask, scaling), None
         # The kernel takes a float32 mask whatever the activations' dtype (float16 ones fail at run time).
-        return custom_sdpa(query, keys, values, 0, mask[0, 0].float(), scaling), None
+        return masked_sdpa(query, keys, values, mask[0, 0].float(), scaling), None
 
     def key_positions(self, positions: torch.Tensor) -> torch.Tensor:
         return ring_key_positions(positions, self.slots)
 
 
-def custom_sdpa(query, keys, values, start, mask, scaling) -> torch.Tensor:
-    """``llama::custom_sdpa`` of ``query [1, H, T, D]`` over sequence-major ``keys``/``values``:
-    causal from ``start`` (reading positions ``[0, start + T)``) where ``mask`` is None, else under
-    ``mask [T, K]``. Returns ``[1, T, H, D]``.
+def masked_sdpa(query, keys, values, mask, scaling) -> torch.Tensor:
+    """``llama::custom_sdpa`` of ``query [1, H, T, D]`` over sequence-major ``keys``/``values``
+    under ``mask [T, K]``. Returns ``[1, T, H, D]``.
 
     The kernel is given the call's query rows and one more, a copy of the last (with a copy of its
     mask row), whose output is dropped: with one query row its products go through the BLAS's
     matrix-vector path, several times slower than a two-row product, and a decode step is one row
-    (docs/performance.md#attention-in-a-pte). Causal, the extra row reads one key past the call's
-    end: a static buffer has one slot more than the positions it holds."""
+    (docs/performance.md#attention-in-a-pte)."""
     q = _to_seq_major(query)
     q = torch.cat([q, q[:, -1:]], dim=1)
-    if mask is not None:
-        mask = torch.cat([mask, mask[-1:]])
-    return torch.ops.llama.custom_sdpa(q, keys, values, start, mask, 0.0, mask is None, scaling)[:, :-1]
+    mask = torch.cat([mask, mask[-1:]])
+    return torch.ops.llama.custom_sdpa(q, keys, values, 0, mask, 0.0, False, scaling)[:, :-1]
+
+
+def causal_sdpa(query, keys, values, first, scaling) -> torch.Tensor:
+    """``llama::custom_sdpa`` of ``query [1, H, T, D]`` over a static buffer's ``keys``/``values``,
+    causal from position ``first`` (a one-element tensor; the kernel reads positions
+    ``[0, first + T)`` only). Returns ``[1, T, H, D]``.
+
+    The kernel splits its work by query head, so each KV head's rows are read once per query head
+    of its group. A one-token call (a decode step) with groups stacks each group's query heads as
+    the rows of one query over its KV head, attending to every filled position (for that one
+    token, causal is everything so far): each cached row is read once a step. Longer calls
+    (prefill, verification) need the causal mask row by row and stay one query row per head. One
+    program serves both, so the choice is a ``torch.cond`` on the call's length.
+
+    Either way the kernel never gets a single query row (``masked_sdpa``'s extra row; a group is at
+    least two rows); causal, the extra row reads one key past the call's end, which is why a
+    static buffer has one slot more than the positions it holds."""
+    q = _to_seq_major(query)
+    tokens, heads, kv_heads = q.shape[1], q.shape[2], keys.shape[2]
+    q = torch.cat([q, q[:, -1:]], dim=1)
+
+    def row_by_row(q, keys, values, first):
+        return torch.ops.llama.custom_sdpa(q, keys, values, _item(first), None, 0.0, True, scaling)
+
+    def grouped(q, keys, values, first):
+        return last_row_by_group(q, keys, values, _item(first) + q.shape[1] - 1, scaling)
+
+    operands = (q, keys, values, first)
+    if heads > kv_heads and isinstance(tokens, torch.SymInt):
+        return torch.cond(tokens == 1, grouped, row_by_row, operands)[:, :-1]
+    return (grouped if heads > kv_heads and tokens == 1 else row_by_row)(*operands)[:, :-1]
+
+
+def _item(first: torch.Tensor):
+    start = first.item()
+    torch._check(start >= 0)
+    return start
+
+
+def last_row_by_group(q, keys, values, end, scaling):
+    """Attention of ``q``'s last row over positions ``[0, end)``, each group of query heads the
+    rows of one query over its KV head, non-causal; returned for every row of ``q`` (a one-token
+    call's two rows are the same token)."""
+    _, rows, heads, d = q.shape
+    kv_heads = keys.shape[2]
+    group = heads // kv_heads
+    stacked = q[:, -1].reshape(1, kv_heads, group, d).transpose(1, 2)  # [1, group, kv_heads, D]
+    # Non-causal, the kernel reads positions [0, start + group): start may be negative.
+    out = torch.ops.llama.custom_sdpa(stacked, keys, values, end - group, None, 0.0, False, scaling)
+    return out.transpose(1, 2).reshape(1, 1, heads, d).expand(1, rows, heads, d).contiguous()
 
 
 def window_attention(query, keys, values, mask, scaling=None) -> torch.Tensor:

@@ -71,7 +71,8 @@ def quantized_sdpa(query, rows, start, mask, scaling):
     and zero points of K, then of V, sequence-major): causal from ``start`` where ``mask`` is None
     (reading positions ``[0, start + T)`` only), else under ``mask [T, K]``. Returns ``[1, T, H, D]``.
     Its products are torchao's int8 kernels, which take a one-row call in about half a two-row
-    call's time: no extra query row, unlike ``custom_op_cache.custom_sdpa``."""
+    call's time: no extra query row, unlike ``custom_op_cache.masked_sdpa``, and no stacked
+    query-head groups (slower here too)."""
     q, q_scales, q_zero_points = quantize_rows(_to_seq_major(query))
     k, k_scales, k_zero_points, v, v_scales, v_zero_points = rows
     out = torch.ops.llama.custom_quantized_sdpa(

@@ -9,30 +9,78 @@ import torch
 from kvexport.exporter.decoder import ExportableDecoder, export_decoder, export_verifier
 from kvexport.exporter.executorch.custom_op_cache import CUSTOM_OP_CACHES
 from kvexport.models.presets import build_preset
+from kvexport.runtime.programs import load_program
 
-from tests.conftest import TEST_CACHE_LEN
+from tests.conftest import NEW_TOKENS, TEST_CACHE_LEN
+from tests.helpers import FP32_LOGIT_ATOL, assert_generation_matches, eager_reference, greedy_with
 
 DRAFTS = 4
 
 
-def sdpa_query_rows(program: torch.export.ExportedProgram) -> list:
-    """The query rows (a number, or the call length's expression) of each ``custom_sdpa`` call."""
-    return [node.args[0].meta["val"].shape[1] for node in program.graph.nodes if node.target == torch.ops.llama.custom_sdpa.default]
+def sdpa_calls(graph: torch.fx.Graph) -> list[tuple]:
+    """``(query rows, query heads, causal)`` of each ``custom_sdpa`` call in ``graph`` (rows: a
+    number, or the call length's expression)."""
+    calls = []
+    for node in graph.nodes:
+        if node.target == torch.ops.llama.custom_sdpa.default:
+            _, rows, heads, _ = node.args[0].meta["val"].shape
+            calls.append((rows, heads, node.args[6]))
+    return calls
 
 
-@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-mistral"], ids=["causal", "ring-with-mask"])
-def test_custom_sdpa_is_given_one_query_row_more_than_the_call(preset):
-    """Every kernel call gets the call's query rows and one more, so a decode step is never a
-    one-row product (several times slower: docs/performance.md#attention-in-a-pte), and a
-    verification of ``K`` drafts is one kernel call of ``K + 2`` rows per layer."""
-    model, _ = build_preset(preset)
+def cond_branches(program: torch.export.ExportedProgram) -> list[tuple[torch.fx.Graph, torch.fx.Graph]]:
+    """The (true, false) graphs of each ``torch.cond`` in ``program``."""
+    module = program.graph_module
+    conds = [n for n in program.graph.nodes if n.target == torch.ops.higher_order.cond]
+    return [(getattr(module, n.args[1].target).graph, getattr(module, n.args[2].target).graph) for n in conds]
+
+
+def call_tokens(program: torch.export.ExportedProgram):
+    return next(n for n in program.graph.nodes if n.op == "placeholder" and n.name == "tokens").meta["val"].shape[1]
+
+
+def test_a_ring_s_kernel_call_gets_one_query_row_more_than_the_call():
+    """A ring with several KV heads attends under its mask: the kernel gets the call's query rows and
+    one more, so a decode step is never a one-row product (several times slower:
+    docs/performance.md#attention-in-a-pte)."""
+    model, _ = build_preset("tiny-mistral")
+    decoder = ExportableDecoder(model, TEST_CACHE_LEN, CUSTOM_OP_CACHES)
+    forward = export_decoder(decoder)
+    heads = model.config.num_attention_heads
+    assert {(str(rows), h, causal) for rows, h, causal in sdpa_calls(forward.graph)} == {(str(call_tokens(forward) + 1), heads, False)}
+    assert len(sdpa_calls(forward.graph)) == model.config.num_hidden_layers
+
+
+def test_a_decode_step_reads_each_kv_head_once_for_its_group():
+    """Full layers with query-head groups: a one-token call stacks each group's query heads as the
+    rows of one query over its KV head (each cached row read once a step, not once per query head),
+    longer calls stay causal row by row with one extra row, and a verification of ``K`` drafts is one
+    causal call of ``K + 2`` rows per layer."""
+    model, _ = build_preset("tiny-llama")
+    config = model.config
+    heads, kv_heads, layers = config.num_attention_heads, config.num_key_value_heads, config.num_hidden_layers
+    assert heads > kv_heads
     decoder = ExportableDecoder(model, TEST_CACHE_LEN, CUSTOM_OP_CACHES, spare_slots=DRAFTS)
-    layers = model.config.num_hidden_layers
 
     forward = export_decoder(decoder)
-    tokens = next(n for n in forward.graph.nodes if n.op == "placeholder" and n.name == "tokens").meta["val"].shape[1]
-    rows = sdpa_query_rows(forward)
-    assert len(rows) == layers
-    assert {str(r) for r in rows} == {str(tokens + 1)}
+    assert sdpa_calls(forward.graph) == []
+    branches = cond_branches(forward)
+    assert len(branches) == layers
+    for one_token, longer in branches:
+        assert sdpa_calls(one_token) == [(heads // kv_heads, kv_heads, False)]
+        [(rows, h, causal)] = sdpa_calls(longer)
+        assert (h, causal) == (heads, True) and str(rows) == str(call_tokens(forward) + 1)
 
-    assert sdpa_query_rows(export_verifier(decoder, DRAFTS + 1)) == [DRAFTS + 2] * layers
+    assert sdpa_calls(export_verifier(decoder, DRAFTS + 1).graph) == [(DRAFTS + 2, heads, True)] * layers
+
+
+@pytest.mark.parametrize("prompt_tokens", [1, 2, 5])
+def test_grouped_decode_from_the_first_positions_matches_eager(artifact, prompt_tokens):
+    """The stacked call's start lies before position 0 while the filled length is under a group
+    (the kernel reads ``[0, start + group)``): generation from the shortest prompts equals eager's."""
+    model, tokenizer = build_preset("tiny-llama")
+    ids = tokenizer("The quick brown fox jumps over the lazy dog").input_ids[:prompt_tokens]
+    assert len(ids) == prompt_tokens
+    program = load_program(artifact("tiny-llama"))
+    got = greedy_with(program.forward, ids, NEW_TOKENS)
+    assert_generation_matches(got, eager_reference(model, ids, NEW_TOKENS), FP32_LOGIT_ATOL, f"{prompt_tokens}-token prompt")

@@ -71,9 +71,9 @@ def test_tied_embedding_is_stored_once(artifact):
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     embedding_bytes = model.get_input_embeddings().weight.numel() * 4
     # All weights are in model.ptd, the embedding once (a second copy would add embedding_bytes);
-    # model.pte holds the program alone.
+    # model.pte holds the program alone (a copy of the embedding there would take it past the bound).
     assert weight_bytes <= (folder / "model.ptd").stat().st_size < weight_bytes + embedding_bytes
-    assert (folder / "model.pte").stat().st_size < 0.1 * weight_bytes
+    assert (folder / "model.pte").stat().st_size < 0.15 * weight_bytes < (folder / "model.pte").stat().st_size + embedding_bytes
 
 
 def test_a_quantized_artifact_s_weights_are_all_in_the_data_file(artifact):
