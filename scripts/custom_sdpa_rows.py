@@ -51,7 +51,7 @@ def sdpa_times(heads: int, kv_heads: int, head_dim: int, keys: list[int], rows: 
             times[n, t] = time_call(lambda: torch.ops.llama.custom_sdpa(q, k, v, n - t, None, 0.0, True, None), repeats)
         if heads > kv_heads:
             q = torch.randn(1, 2, heads, head_dim)  # a one-token call and its extra row
-            times[n, "grouped"] = time_call(lambda: last_row_by_group(q, k, v, n, None), repeats)
+            times[n, "grouped"] = time_call(lambda: last_row_by_group(q, k, v, None, end=n), repeats)
     return times
 
 

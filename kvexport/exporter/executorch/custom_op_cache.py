@@ -112,14 +112,17 @@ def masked_sdpa(query, keys, values, mask, scaling) -> torch.Tensor:
     """``llama::custom_sdpa`` of ``query [1, H, T, D]`` over sequence-major ``keys``/``values``
     under ``mask [T, K]``. Returns ``[1, T, H, D]``.
 
-    The kernel is given the call's query rows and one more, a copy of the last (with a copy of its
-    mask row), whose output is dropped: with one query row its products go through the BLAS's
-    matrix-vector path, several times slower than a two-row product, and a decode step is one row
-    (docs/performance.md#attention-in-a-pte)."""
-    q = _to_seq_major(query)
-    q = torch.cat([q, q[:, -1:]], dim=1)
-    mask = torch.cat([mask, mask[-1:]])
-    return torch.ops.llama.custom_sdpa(q, keys, values, 0, mask, 0.0, False, scaling)[:, :-1]
+    A one-token call with query-head groups reads each row once, as ``causal_sdpa``'s does, the
+    mask's one row given to each row of the group."""
+    q, mask = _with_extra_row(query), torch.cat([mask, mask[-1:]])
+
+    def row_by_row(q, keys, values, mask):
+        return torch.ops.llama.custom_sdpa(q, keys, values, 0, mask, 0.0, False, scaling)
+
+    def grouped(q, keys, values, mask):
+        return last_row_by_group(q, keys, values, scaling, mask_row=mask[-1:])
+
+    return _by_call_length(query, keys, grouped, row_by_row, (q, keys, values, mask))[:, :-1]
 
 
 def causal_sdpa(query, keys, values, first, scaling) -> torch.Tensor:
@@ -131,26 +134,37 @@ def causal_sdpa(query, keys, values, first, scaling) -> torch.Tensor:
     of its group. A one-token call (a decode step) with groups stacks each group's query heads as
     the rows of one query over its KV head, attending to every filled position (for that one
     token, causal is everything so far): each cached row is read once a step. Longer calls
-    (prefill, verification) need the causal mask row by row and stay one query row per head. One
-    program serves both, so the choice is a ``torch.cond`` on the call's length.
+    (prefill, verification) need the causal mask row by row and stay one query row per head.
 
-    Either way the kernel never gets a single query row (``masked_sdpa``'s extra row; a group is at
-    least two rows); causal, the extra row reads one key past the call's end, which is why a
+    Causal, the extra row (``_with_extra_row``) reads one key past the call's end, which is why a
     static buffer has one slot more than the positions it holds."""
-    q = _to_seq_major(query)
-    tokens, heads, kv_heads = q.shape[1], q.shape[2], keys.shape[2]
-    q = torch.cat([q, q[:, -1:]], dim=1)
 
     def row_by_row(q, keys, values, first):
         return torch.ops.llama.custom_sdpa(q, keys, values, _item(first), None, 0.0, True, scaling)
 
     def grouped(q, keys, values, first):
-        return last_row_by_group(q, keys, values, _item(first) + q.shape[1] - 1, scaling)
+        return last_row_by_group(q, keys, values, scaling, end=_item(first) + q.shape[1] - 1)
 
-    operands = (q, keys, values, first)
-    if heads > kv_heads and isinstance(tokens, torch.SymInt):
-        return torch.cond(tokens == 1, grouped, row_by_row, operands)[:, :-1]
-    return (grouped if heads > kv_heads and tokens == 1 else row_by_row)(*operands)[:, :-1]
+    return _by_call_length(query, keys, grouped, row_by_row, (_with_extra_row(query), keys, values, first))[:, :-1]
+
+
+def _with_extra_row(query: torch.Tensor) -> torch.Tensor:
+    """``query [1, H, T, D]`` sequence-major with one row more, a copy of its last (whose output
+    the caller drops): given one query row, the kernel's products go through the BLAS's
+    matrix-vector path, several times slower than a two-row product
+    (docs/performance.md#attention-in-a-pte). A stacked group is at least two rows already."""
+    q = _to_seq_major(query)
+    return torch.cat([q, q[:, -1:]], dim=1)
+
+
+def _by_call_length(query, keys, one_token, longer, operands):
+    """``one_token(*operands)`` for a one-token call whose query heads share KV heads, else
+    ``longer(*operands)``. One program serves calls of every length, so where the length is
+    symbolic the choice is a ``torch.cond`` on it (a fixed-length method takes its branch)."""
+    tokens, grouped = query.shape[2], query.shape[1] > keys.shape[2]
+    if grouped and isinstance(tokens, torch.SymInt):
+        return torch.cond(tokens == 1, one_token, longer, operands)
+    return (one_token if grouped and tokens == 1 else longer)(*operands)
 
 
 def _item(first: torch.Tensor):
@@ -159,16 +173,19 @@ def _item(first: torch.Tensor):
     return start
 
 
-def last_row_by_group(q, keys, values, end, scaling):
-    """Attention of ``q``'s last row over positions ``[0, end)``, each group of query heads the
-    rows of one query over its KV head, non-causal; returned for every row of ``q`` (a one-token
-    call's two rows are the same token)."""
+def last_row_by_group(q, keys, values, scaling, end=None, mask_row=None):
+    """Attention of ``q``'s last row (``q`` sequence-major) over positions ``[0, end)``, or under
+    ``mask_row [1, K]``, each group of query heads the rows of one query over its KV head,
+    non-causal; returned for every row of ``q`` (a one-token call's two rows are the same token)."""
     _, rows, heads, d = q.shape
     kv_heads = keys.shape[2]
     group = heads // kv_heads
     stacked = q[:, -1].reshape(1, kv_heads, group, d).transpose(1, 2)  # [1, group, kv_heads, D]
-    # Non-causal, the kernel reads positions [0, start + group): start may be negative.
-    out = torch.ops.llama.custom_sdpa(stacked, keys, values, end - group, None, 0.0, False, scaling)
+    if mask_row is None:
+        # Non-causal, the kernel reads positions [0, start + group): start may be negative.
+        out = torch.ops.llama.custom_sdpa(stacked, keys, values, end - group, None, 0.0, False, scaling)
+    else:
+        out = torch.ops.llama.custom_sdpa(stacked, keys, values, 0, mask_row.expand(group, -1).contiguous(), 0.0, False, scaling)
     return out.transpose(1, 2).reshape(1, 1, heads, d).expand(1, rows, heads, d).contiguous()
 
 

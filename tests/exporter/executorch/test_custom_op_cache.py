@@ -39,24 +39,14 @@ def call_tokens(program: torch.export.ExportedProgram):
     return next(n for n in program.graph.nodes if n.op == "placeholder" and n.name == "tokens").meta["val"].shape[1]
 
 
-def test_a_ring_s_kernel_call_gets_one_query_row_more_than_the_call():
-    """A ring with several KV heads attends under its mask: the kernel gets the call's query rows and
-    one more, so a decode step is never a one-row product (several times slower:
-    docs/performance.md#attention-in-a-pte)."""
-    model, _ = build_preset("tiny-mistral")
-    decoder = ExportableDecoder(model, TEST_CACHE_LEN, CUSTOM_OP_CACHES)
-    forward = export_decoder(decoder)
-    heads = model.config.num_attention_heads
-    assert {(str(rows), h, causal) for rows, h, causal in sdpa_calls(forward.graph)} == {(str(call_tokens(forward) + 1), heads, False)}
-    assert len(sdpa_calls(forward.graph)) == model.config.num_hidden_layers
-
-
-def test_a_decode_step_reads_each_kv_head_once_for_its_group():
-    """Full layers with query-head groups: a one-token call stacks each group's query heads as the
-    rows of one query over its KV head (each cached row read once a step, not once per query head),
-    longer calls stay causal row by row with one extra row, and a verification of ``K`` drafts is one
-    causal call of ``K + 2`` rows per layer."""
-    model, _ = build_preset("tiny-llama")
+@pytest.mark.parametrize("preset, causal", [("tiny-llama", True), ("tiny-mistral", False)], ids=["static", "ring-with-mask"])
+def test_a_decode_step_reads_each_kv_head_once_for_its_group(preset, causal):
+    """Layers with query-head groups: a one-token call stacks each group's query heads as the rows
+    of one query over its KV head (each cached row read once a step, not once per query head);
+    longer calls go row by row with one extra row, so that no call is a one-row product (several
+    times slower: docs/performance.md#attention-in-a-pte); a verification of ``K`` drafts is one
+    call of ``K + 2`` rows per layer. A static buffer's calls are causal, a ring's masked."""
+    model, _ = build_preset(preset)
     config = model.config
     heads, kv_heads, layers = config.num_attention_heads, config.num_key_value_heads, config.num_hidden_layers
     assert heads > kv_heads
@@ -68,10 +58,10 @@ def test_a_decode_step_reads_each_kv_head_once_for_its_group():
     assert len(branches) == layers
     for one_token, longer in branches:
         assert sdpa_calls(one_token) == [(heads // kv_heads, kv_heads, False)]
-        [(rows, h, causal)] = sdpa_calls(longer)
-        assert (h, causal) == (heads, True) and str(rows) == str(call_tokens(forward) + 1)
+        [(rows, h, is_causal)] = sdpa_calls(longer)
+        assert (h, is_causal) == (heads, causal) and str(rows) == str(call_tokens(forward) + 1)
 
-    assert sdpa_calls(export_verifier(decoder, DRAFTS + 1).graph) == [(DRAFTS + 2, heads, True)] * layers
+    assert sdpa_calls(export_verifier(decoder, DRAFTS + 1).graph) == [(DRAFTS + 2, heads, causal)] * layers
 
 
 @pytest.mark.parametrize("prompt_tokens", [1, 2, 5])
