@@ -168,6 +168,8 @@ def _by_call_length(query, keys, one_token, longer, operands):
 
 
 def _item(first: torch.Tensor):
+    """The call's first position as the kernel's start, read inside a ``torch.cond`` branch (an
+    integer traced from a tensor cannot be an operand of one, nor be closed over)."""
     start = first.item()
     torch._check(start >= 0)
     return start
