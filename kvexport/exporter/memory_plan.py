@@ -4,12 +4,13 @@ memory limit included) is refused in one line.
 
 The peak is the process's resident memory: what the runtime libraries take, plus the weights as
 the export holds them, plus the KV cache. How much of the weights it holds at once is measured per
-target and per scheme (docs/performance.md#export-memory): a float export holds the model in its
-dtype, and lowering a copy of about a quarter of it on ExecuTorch; ``--quantize 8da4w`` loads a
-bfloat16 checkpoint's linear weights (and its embedding tables, with ``--quantize-embedding``) in
+target and per scheme (docs/performance.md#export-memory): a float export of a preset holds the model
+in its dtype, and lowering a copy of about a quarter of it on ExecuTorch; ``--quantize 8da4w`` loads
+a bfloat16 checkpoint's linear weights (and its embedding tables, with ``--quantize-embedding``) in
 bfloat16 and quantizes them before export, from a checkpoint reading each just before it is
-quantized; an ONNX export from a checkpoint leaves the large weights in it and writes them one at a
-time (``models/deferred_weights``), and int4 rewrites the written graph's weights one at a time.
+quantized; a float export from a checkpoint leaves the large weights in it and reads each as it is
+written (ONNX) or serialized (ExecuTorch; ``models/deferred_weights``), and ONNX's int4 rewrites the
+written graph's weights one at a time.
 """
 
 from __future__ import annotations
@@ -107,6 +108,13 @@ def footprint(plan, parameters: Parameters, checkpoint_bytes_per_value: int = 2)
         kept = sum(getattr(parameters, kind) * dtype_bytes for kind in ("embedding", "other") if kind not in compact)
         read = max(parameters.largest[kind] for kind in compact) * (checkpoint_bytes_per_value + dtype_bytes)
         held = max(int(quantized + kept + read), int(artifact * WEIGHT_FACTOR[target]))
+    elif plan.defers_weights and target == Target.EXECUTORCH:
+        # The large weights stay in the checkpoint, each read as XNNPACK serializes it (converted
+        # from its stored dtype), which copies it once more before it goes to disk; a table the
+        # lookup reads outside the delegate is read again before the program is written. The other
+        # weights load.
+        table = parameters.largest["embedding"] * (checkpoint_bytes_per_value + 2 * dtype_bytes)
+        held = int(parameters.other * dtype_bytes + max(table, parameters.largest["linear"] * 2 * dtype_bytes))
     elif plan.defers_weights:
         # The large weights stay in the checkpoint, each read as it is written: a table in its
         # stored dtype, then converted; a linear weight converted, then transposed (the graph

@@ -1,8 +1,9 @@
 """A model whose large weights stay in the checkpoint until the artifact is written.
 
 An export traces the model's operations, not its weights' values; a target that writes each
-weight on its own (the ONNX target's external data) can read each one from the checkpoint when it
-writes it, and never hold the model in its export dtype: an 8B model's float32 weights are 32 GB.
+weight on its own (the ONNX target's external data, XNNPACK's serialized weights) can read each one
+from the checkpoint when it writes it, and never hold the model in its export dtype: an 8B model's
+float32 weights are 32 GB.
 A target that quantizes the model before export (ExecuTorch's 8da4w) reads each weight as it
 quantizes it (``fill``), so it never holds more than one weight unquantized.
 While transformers loads, every ``Linear`` and ``Embedding`` weight that the checkpoint stores

@@ -67,12 +67,13 @@ def test_parameters_are_counted_once_each_without_weights(name):
     assert counted.embedding == sum(unique[i] for i in embeddings)
 
 
-@pytest.mark.parametrize("target, quantize", [("onnx", ()), ("executorch", ("--quantize", "8da4w", "--quantize-embedding", "int8"))],
-                         ids=["onnx", "executorch-8da4w"])
+@pytest.mark.parametrize("target, quantize", [("onnx", ()), ("executorch", ()),
+                                               ("executorch", ("--quantize", "8da4w", "--quantize-embedding", "int8"))],
+                         ids=["onnx", "executorch", "executorch-8da4w"])
 def test_the_memory_plan_is_within_a_quarter_of_what_an_export_measures(tmp_path, target, quantize):
     """A small model (tens of MB of weights, saved in bfloat16 as checkpoints ship) exported in a
-    process of its own, each weight read from the checkpoint as it is written (ONNX) or quantized
-    (ExecuTorch): its peak resident memory against the plan's estimate."""
+    process of its own, each weight read from the checkpoint as it is written (ONNX), serialized
+    (ExecuTorch) or quantized (8da4w): its peak resident memory against the plan's estimate."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.for_model("llama", hidden_size=256, intermediate_size=1024, num_hidden_layers=4,

@@ -256,7 +256,8 @@ def _stop_after_the_plan(monkeypatch):
     """Exports stop where the weights would load (exit 130): the plan, the download included, is done."""
     from kvexport.exporter import pipeline
 
-    monkeypatch.setattr(pipeline.sources, "load_model", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt()))
+    for load in ("load_model", "load_model_deferred"):
+        monkeypatch.setattr(pipeline.sources, load, lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt()))
 
 
 @pytest.mark.parametrize("target", ["onnx", "executorch"])

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from ...choices import EmbeddingScheme, KvCache, LmHeadScheme
-from ...errors import UnsupportedModelError
+from ...errors import KvexportError, UnsupportedModelError
 from ...models.deferred_weights import DeferredWeights
 from ...progress import report
 from ..decoder import ExportableDecoder, export_decoder, export_verifier
@@ -29,9 +29,10 @@ SPILL_MIN_BYTES = 1 << 20
 RUNTIME_PACKAGES = ("executorch",)
 # --quantize applies to the module before export.
 QUANTIZES_MODULE = True
-# ExecuTorch's lowering reads the weights (XNNPACK packs them): they are all in the model by then
-# (a quantized model's read from the checkpoint one at a time by quantize_model).
-DEFERS_WEIGHTS = False
+# A float export from a checkpoint reads each weight as XNNPACK serializes it, and the weights left
+# outside the delegate (a lookup's table) before the program is written (lower's ``deferred``); a
+# quantized model's are read one at a time by quantize_model.
+DEFERS_WEIGHTS = True
 # --kv-cache int8 quantizes each row as it is written: nothing runs the model at export.
 CALIBRATES_KV_CACHE = False
 # --kv-cache int8: each row has a float32 scale and an int8 zero point.
@@ -174,10 +175,11 @@ def _constant_methods(spec: ProgramSpec) -> dict:
 
 
 def lower(program: torch.export.ExportedProgram | dict[str, torch.export.ExportedProgram], spec: ProgramSpec,
-          out_dir: Path, deferred: None = None) -> dict:
+          out_dir: Path, deferred: DeferredWeights | None = None) -> dict:
     """Lower to XNNPACK and write ``model.pte`` (one method, ``forward``, or each of a dict's, their
-    mutable buffers shared by name); return facts for ``kvexport.json``. ``deferred``: always None
-    (``DEFERS_WEIGHTS``)."""
+    mutable buffers shared by name); return facts for ``kvexport.json``. ``deferred``: the program's
+    weights that are placeholders, each read from the checkpoint as it is serialized
+    (``_weights_read_when_serialized``)."""
     from executorch.exir import EdgeCompileConfig, ExecutorchBackendConfig, to_edge_transform_and_lower
     from executorch.exir.passes import MemoryPlanningPass
     from executorch.exir.passes.sym_shape_eval_pass import ConstraintBasedSymShapeEvalPass
@@ -196,7 +198,8 @@ def lower(program: torch.export.ExportedProgram | dict[str, torch.export.Exporte
     # XNNPACK's serialized weights wait here (inside the staged artifact) until model.ptd is written.
     with tempfile.TemporaryDirectory(dir=out_dir, prefix=".weights-") as spill:
         with (_weights_shared_on_deepcopy(programs), _serialized_weights_on_disk(Path(spill)), only_the_passes_that_apply(),
-              functionalized_already(programs), operator_rewrites_chained(), merge_checks_by_set_overlap()):
+              functionalized_already(programs), operator_rewrites_chained(), merge_checks_by_set_overlap(),
+              _weights_read_when_serialized(deferred, programs) as read_outside_the_delegate):
             edge = to_edge_transform_and_lower(
                 methods,
                 transform_passes=[XnnpackFriendlyShapes()],
@@ -204,6 +207,7 @@ def lower(program: torch.export.ExportedProgram | dict[str, torch.export.Exporte
                 compile_config=EdgeCompileConfig(_check_ir_validity=False),
                 constant_methods=_constant_methods(spec),
             )
+            read_outside_the_delegate([edge.exported_program(name) for name in methods])
         # A quantized embedding is still torchao's dequantize + embedding: make it ExecuTorch's kernel.
         fused = fuse_quantized_embeddings(edge.exported_program("forward"))
         for name in methods.keys() - {"forward"}:
@@ -260,6 +264,58 @@ def _weights_shared_on_deepcopy(programs: list[torch.export.ExportedProgram]):
     finally:
         for t in tensors:
             t.__dict__.pop("__deepcopy__", None)
+
+
+@contextlib.contextmanager
+def _weights_read_when_serialized(deferred: DeferredWeights | None, programs: list[torch.export.ExportedProgram]):
+    """With ``deferred``: while XNNPACK lowers, each placeholder weight it serializes is read from the
+    checkpoint then, and let go once its bytes are on disk (``_serialized_weights_on_disk``), so the
+    lowering never holds the float model. Yields the step to run on the lowered programs before they
+    are written: their weights left outside the delegate (an embedding lookup's table, where a tied
+    lm_head's copy went into the delegate) read too, one tensor per weight across the methods.
+    Every placeholder of ``programs`` must have been read by one or the other: one a pass copied
+    before it was read would be written as memory nobody wrote, and is refused instead."""
+    if deferred is None:
+        yield lambda lowered: None
+        return
+    from executorch.backends.xnnpack.operators import node_visitor
+
+    held = {t.data_ptr(): deferred.source_of(t) for p in programs for t in (*p.state_dict.values(), *p.constants.values())
+            if isinstance(t, torch.Tensor) and deferred.source_of(t) is not None}
+    read: set[int] = set()
+    get_param_tensor = node_visitor.get_param_tensor
+
+    def read_if_placeholder(exported_program, node):
+        tensor = get_param_tensor(exported_program, node)
+        entry = deferred.source_of(tensor) if isinstance(tensor, torch.Tensor) else None
+        if entry is None:
+            return tensor
+        read.add(tensor.data_ptr())
+        return deferred.read(entry)
+
+    def read_outside_the_delegate(lowered: list[torch.export.ExportedProgram]) -> None:
+        values: dict[int, torch.Tensor] = {}
+        for p in lowered:
+            for tensors in (p.state_dict, p.constants):
+                for name, tensor in tensors.items():
+                    entry = deferred.source_of(tensor) if isinstance(tensor, torch.Tensor) else None
+                    if entry is not None:
+                        address = tensor.data_ptr()
+                        if address not in values:
+                            values[address] = deferred.read(entry).requires_grad_(tensor.requires_grad)
+                        tensors[name] = values[address]
+        unread = set(held) - read - set(values)
+        if unread:
+            raise KvexportError(
+                f"lowering to ExecuTorch never read the checkpoint's {held[min(unread)].key} (and {len(unread) - 1} more) "
+                "although the program holds it: please report it (the export would write memory nobody wrote)"
+            )
+
+    node_visitor.get_param_tensor = read_if_placeholder
+    try:
+        yield read_outside_the_delegate
+    finally:
+        node_visitor.get_param_tensor = get_param_tensor
 
 
 @contextlib.contextmanager
