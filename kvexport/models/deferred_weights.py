@@ -136,13 +136,18 @@ class DeferredWeights:
 
 
 def checkpoint_index(folder: Path) -> dict[str, Path]:
-    """Each tensor's safetensors file in a model folder (read from the files' headers)."""
-    from safetensors import safe_open
+    """Each tensor's safetensors file in a model folder (read from the files' headers). A file whose
+    header cannot be read defers nothing: transformers' load then meets it and says what is wrong
+    with it in one line, as for a model loaded whole (``loading.load_folder``)."""
+    from safetensors import SafetensorError, safe_open
 
     index = {}
     for file in sorted(folder.glob("*.safetensors")):
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            index.update(dict.fromkeys(f.keys(), file))
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                index.update(dict.fromkeys(f.keys(), file))
+        except (OSError, SafetensorError):
+            continue
     return index
 
 

@@ -20,17 +20,23 @@ decomposes in one retrace, keeping whole every operator XNNPACK might take; with
 and its decomposition afterwards runs only if the check turned an operator down (it looks for
 operators left to decompose first).
 
-``merge_checks_by_set_overlap`` speeds up one step of ExecuTorch's partitioning itself: before
-merging two partitions, ``GroupBasedPartitioner._can_merge_partitions`` asks of every outside user
-of their nodes whether anything downstream of it is in them, by walking the user's whole downstream
-set (most of the program, for a node early in it) once per user and per pair of partitions. The
-same question asked as "do the two sets overlap" walks the smaller set. Same answers, so the same
-partitions (upstream's own cut of this loop's work: pytorch/executorch#12798).
+``merge_checks_by_set_overlap`` cuts one step of ExecuTorch's partitioning itself: before merging
+two partitions, ``GroupBasedPartitioner._can_merge_partitions`` asks of every outside user of their
+nodes whether anything downstream of it is in them, by walking the user's whole downstream set
+(most of the program, for a node early in it) once per user and per pair of partitions. The same
+question asked as "do the two overlap" is one AND of two bitsets. And the sets themselves, every
+node's transitive users and inputs (built twice: torch.fx's partitioner builds the users first,
+then ExecuTorch's both, and only the users are ever asked for), held a few GB at a billion-parameter
+model's export peak; ``Downstreams`` keeps each node's users as one bitset over the graph's order
+(n²/8 bytes). Same answers, so the same partitions (upstream's own cut of this loop's work:
+pytorch/executorch#12798).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import operator
 
 import torch
 from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
@@ -97,23 +103,66 @@ def functionalized_already(programs: list[torch.export.ExportedProgram]):
         torch.export.ExportedProgram.run_decompositions = original
 
 
+class Downstreams:
+    """Each node's transitive users, as one bitset over the graph's nodes in order: what the
+    partitioners' dependency viewers hold as a set per node."""
+
+    def __init__(self, graph_module: torch.fx.GraphModule):
+        self.index = {node: i for i, node in enumerate(graph_module.graph.nodes)}
+        self.bits: dict[torch.fx.Node, int] = {}
+        for node in reversed(graph_module.graph.nodes):
+            bits = 0
+            for user in node.users:
+                bits |= (1 << self.index[user]) | self.bits[user]
+            self.bits[node] = bits
+
+    def mask(self, nodes) -> int | None:
+        """``nodes`` as a bitset, or None where one is not of the graph this was built on."""
+        if any(node not in self.index for node in nodes):
+            return None
+        return functools.reduce(operator.or_, (1 << self.index[node] for node in nodes), 0)
+
+    def downstreams_of(self, node: torch.fx.Node) -> set[torch.fx.Node]:
+        """The viewers' answer, as a set (made now: ``mask`` is the quick question)."""
+        bits, nodes = self.bits.get(node, 0), list(self.index)
+        return {nodes[i] for i in range(bits.bit_length()) if bits >> i & 1}
+
+
 def _can_merge_partitions(self, p1, p2, partitions_by_id) -> bool:
-    """``GroupBasedPartitioner._can_merge_partitions``'s answer, its overlap test made on sets."""
+    """``GroupBasedPartitioner._can_merge_partitions``'s answer, its overlap test one AND of bitsets."""
     from torch.fx.passes.utils.fuser_utils import validate_partition
 
     combined = set(partitions_by_id[p1].nodes) | set(partitions_by_id[p2].nodes)
     outside_users = {user for node in combined for user in node.users if user not in combined}
-    if any(not combined.isdisjoint(self.dependency_viewer.downstreams_of(user)) for user in outside_users):
-        return False  # merging would make a cycle through that user
+    viewer = self.dependency_viewer
+    mask = viewer.mask(combined) if isinstance(viewer, Downstreams) else None
+    if mask is not None:
+        if any(viewer.bits.get(user, 0) & mask for user in outside_users):
+            return False  # merging would make a cycle through that user
+    elif any(not combined.isdisjoint(viewer.downstreams_of(user)) for user in outside_users):
+        return False
     return validate_partition(list(combined))
 
 
 @contextlib.contextmanager
 def merge_checks_by_set_overlap():
-    """Within the block, ExecuTorch's group partitioner checks merges with ``_can_merge_partitions``."""
-    original = GroupBasedPartitioner._can_merge_partitions
-    GroupBasedPartitioner._can_merge_partitions = _can_merge_partitions
+    """Within the block, ExecuTorch's group partitioner is built with ``Downstreams`` for both
+    viewers and checks merges with ``_can_merge_partitions``."""
+    from executorch.exir.backend.canonical_partitioners import group_partitioner
+    from torch.fx.passes.infra import partitioner as fx_partitioner
+
+    build, check = GroupBasedPartitioner.__init__, GroupBasedPartitioner._can_merge_partitions
+
+    def built_with_bitsets(self, *args, **kwargs):
+        viewers = fx_partitioner._DependencyViewer, group_partitioner._DependencyViewer
+        fx_partitioner._DependencyViewer = group_partitioner._DependencyViewer = Downstreams
+        try:
+            build(self, *args, **kwargs)
+        finally:
+            fx_partitioner._DependencyViewer, group_partitioner._DependencyViewer = viewers
+
+    GroupBasedPartitioner.__init__, GroupBasedPartitioner._can_merge_partitions = built_with_bitsets, _can_merge_partitions
     try:
         yield
     finally:
-        GroupBasedPartitioner._can_merge_partitions = original
+        GroupBasedPartitioner.__init__, GroupBasedPartitioner._can_merge_partitions = build, check

@@ -70,7 +70,7 @@ def test_a_weight_lowering_copied_before_reading_it_is_refused(tmp_path, monkeyp
     out = tmp_path / "out"
     options = pipeline.ExportOptions(str(tmp_path / "model"), target="executorch", out=out, max_cache_len=32)
     assert pipeline.plan_export(options).defers_weights
-    with pytest.raises(KvexportError, match="never read the checkpoint's .*weight \(and \d+ more\)"):
+    with pytest.raises(KvexportError, match=r"never read the checkpoint's .*weight \(and \d+ more\)"):
         pipeline.export_model(options)
     assert not out.exists()
 

@@ -72,12 +72,12 @@ def test_kvexport_s_lowering_shortcuts_give_executorch_s_own_program(artifact, t
     tables, so its bytes do not follow the hash seed): the same .pte and .ptd bytes as the session's
     artifact when lowered as ExecuTorch lowers on its own, every XNNPACK pass run on every partition,
     XNNPACK's partitioner as it is (its keep-whole check made node by node, three decompositions,
-    the first functionalizing), its merge check walking each downstream set, and the edge passes
+    the first functionalizing), its merge check walking each downstream set of its own dependency
+    viewers, and the edge passes
     each in a retrace of its own."""
     import contextlib
 
     from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
-    from executorch.exir.backend.canonical_partitioners.group_partitioner import GroupBasedPartitioner
 
     from kvexport.exporter.executorch import edge_passes, xnnpack_partitioner
     from kvexport.exporter.executorch.xnnpack_rewrites import partitioner_configs
@@ -87,7 +87,7 @@ def test_kvexport_s_lowering_shortcuts_give_executorch_s_own_program(artifact, t
     monkeypatch.setattr(xnnpack_partitioner, "xnnpack_partitioner", lambda bfloat16: XnnpackPartitioner(configs=partitioner_configs()))
     monkeypatch.setattr(xnnpack_partitioner, "decomposed_once", lambda program, partitioner: program)
     monkeypatch.setattr(xnnpack_partitioner, "functionalized_already", lambda program: contextlib.nullcontext())
-    monkeypatch.setattr(xnnpack_partitioner, "_can_merge_partitions", GroupBasedPartitioner._can_merge_partitions)
+    monkeypatch.setattr(xnnpack_partitioner, "merge_checks_by_set_overlap", contextlib.nullcontext)
     monkeypatch.setattr(edge_passes, "operator_rewrites_chained", contextlib.nullcontext)
     as_executorch_lowers = tmp_path / "as-executorch-lowers"
     export_model(ExportOptions("tiny-mistral", "executorch", as_executorch_lowers, TEST_CACHE_LEN), Progress(quiet=True))
@@ -125,15 +125,16 @@ def test_an_operator_the_check_takes_only_in_part_is_left_to_executorch_s_node_b
             assert (ops, got_check) == (([linear] if takes else []), None)
 
 
-def test_the_set_overlap_merge_check_answers_as_executorch_s_for_every_pair():
+def test_the_bitset_merge_check_answers_as_executorch_s_for_every_pair():
     """On a graph where some merges would make a cycle (a node outside both partitions between
-    them) and others would not, every pair of single-node partitions gets ExecuTorch's answer."""
+    them) and others would not, every pair of single-node partitions gets ExecuTorch's answer
+    from a partitioner built with ``Downstreams``, whose users of each node are ExecuTorch's."""
     import torch
     from executorch.exir.backend.canonical_partitioners.group_partitioner import GroupBasedPartitioner
     from torch.fx.passes.infra.partitioner import Partition
     from torch.fx.passes.operator_support import create_op_support
 
-    from kvexport.exporter.executorch.xnnpack_partitioner import _can_merge_partitions
+    from kvexport.exporter.executorch.xnnpack_partitioner import Downstreams, _can_merge_partitions, merge_checks_by_set_overlap
 
     def f(x, y):
         a = torch.relu(x)
@@ -144,7 +145,13 @@ def test_the_set_overlap_merge_check_answers_as_executorch_s_for_every_pair():
         return torch.tanh(e) + a
 
     graph_module = torch.fx.symbolic_trace(f)
-    partitioner = GroupBasedPartitioner(graph_module, create_op_support(lambda submodules, node: True))
+    support = create_op_support(lambda submodules, node: True)
+    executorch_s = GroupBasedPartitioner(graph_module, support)
+    with merge_checks_by_set_overlap():
+        partitioner = GroupBasedPartitioner(graph_module, support)
+    assert isinstance(partitioner.dependency_viewer, Downstreams)
+    for node in graph_module.graph.nodes:
+        assert partitioner.dependency_viewer.downstreams_of(node) == executorch_s.dependency_viewer.downstreams_of(node)
     nodes = [n for n in graph_module.graph.nodes if n.op == "call_function"]
     partitions = {i: Partition(id=i, nodes=[n]) for i, n in enumerate(nodes)}
     answers = {}
@@ -152,7 +159,7 @@ def test_the_set_overlap_merge_check_answers_as_executorch_s_for_every_pair():
         for p2 in partitions:
             if p1 != p2:
                 ours = _can_merge_partitions(partitioner, p1, p2, partitions)
-                assert ours == GroupBasedPartitioner._can_merge_partitions(partitioner, p1, p2, partitions), (nodes[p1], nodes[p2])
+                assert ours == GroupBasedPartitioner._can_merge_partitions(executorch_s, p1, p2, partitions), (nodes[p1], nodes[p2])
                 answers[ours] = answers.get(ours, 0) + 1
     assert answers.get(True) and answers.get(False)  # both answers were given
 
