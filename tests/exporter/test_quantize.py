@@ -154,6 +154,19 @@ def test_8da4w_keeps_each_weight_on_its_grid():
     assert_on_grid(layers[name], asymmetric_int4(original[name]))
 
 
+@pytest.mark.parametrize("grid", ["exact", "symmetric"])
+def test_8da4w_counts_the_linear_layers_on_the_step_s_status_line(monkeypatch, grid):
+    """The quantize step (minutes at 8B parameters) says how many linear layers it has done."""
+    from kvexport.exporter.executorch import quantize
+
+    reported = []
+    monkeypatch.setattr(quantize, "report", reported.append)
+    model, _ = build_preset("tiny-llama")
+    linears = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+    quantize_model(model, Quantization("8da4w", grid=None if grid == "exact" else "symmetric"))
+    assert reported == [f"{done} of {linears} linear layers" for done in range(linears)]
+
+
 def test_an_int4_lm_head_is_rounded_like_a_float_weight_and_its_tied_table_stays_8_bit():
     """``--quantize-lm-head int4``: the lm_head spans each block's min..max in 16 levels (its source
     here is float), while the embedding it is tied to keeps its own 8-bit table."""

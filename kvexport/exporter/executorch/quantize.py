@@ -21,6 +21,7 @@ import torch
 
 from ...allocator import return_freed_memory
 from ...choices import EmbeddingScheme, LmHeadScheme
+from ...progress import report
 from ..quantization import EMBEDDING_SCHEMES, Quantization
 from ..weight_grids import BLOCK
 
@@ -146,9 +147,11 @@ def _grouped_linears(model: torch.nn.Module, skipped: list[str], fill=None):
     """The model's linear layers whose input width is a multiple of the group, with their names,
     each given its weight's values first (``fill``); the others' names go to ``skipped`` (they
     stay float). Found by name as they come: a layer the caller replaces is then held by nothing,
-    its float weight freed with it, rather than kept by a list of modules until the last."""
+    its float weight freed with it, rather than kept by a list of modules until the last. The
+    running step's status line counts them (``progress.report``)."""
     names = [name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)]
-    for name in names:
+    for done, name in enumerate(names):
+        report(f"{done:,} of {len(names):,} linear layers")
         module = model.get_submodule(name)
         if module.in_features % GROUP_SIZE:
             skipped.append(name)

@@ -17,6 +17,20 @@ from dataclasses import dataclass
 
 from ...errors import KvexportError
 from ...models.deferred_weights import CheckpointTensor, DeferredWeights
+from ...progress import report
+
+
+class _Count:
+    """The lazy initializers read so far (a few are read twice as the file is written), on the
+    running step's status line (``progress.report``)."""
+
+    def __init__(self, total: int):
+        self.total, self.read = total, set()
+
+    def one_more(self, initializer) -> None:
+        if initializer not in self.read:
+            self.read.add(initializer)
+            report(f"{len(self.read):,} of {self.total:,} weights read from the checkpoint")
 
 
 @dataclass(frozen=True)
@@ -26,11 +40,14 @@ class _Read:
     weights: DeferredWeights
     entry: CheckpointTensor
     perm: tuple[int, ...] | None = None
+    count: _Count | None = None
 
     def __call__(self):
         import numpy as np
         import onnx_ir as ir
 
+        if self.count is not None:
+            self.count.one_more((self.entry.key, self.perm))
         values = self.weights.read(self.entry).numpy()
         if self.perm is not None:
             values = np.ascontiguousarray(np.transpose(values, self.perm))
@@ -42,14 +59,13 @@ def read_weights_when_written(model, weights: DeferredWeights) -> int:
     read of its weight; return how many. Every placeholder of the model must be one."""
     import onnx_ir as ir
 
-    lazy = 0
-    for value in model.graph.initializers.values():
-        if (entry := _placeholder_of(value, weights)) is None:
-            continue
+    placeholders = {value: entry for value in model.graph.initializers.values()
+                    if (entry := _placeholder_of(value, weights)) is not None}
+    count = _Count(len(placeholders))
+    for value, entry in placeholders.items():
         tensor = value.const_value
-        value.const_value = ir.LazyTensor(_Read(weights, entry), tensor.dtype, tensor.shape, name=tensor.name)
-        lazy += 1
-    return lazy
+        value.const_value = ir.LazyTensor(_Read(weights, entry, count=count), tensor.dtype, tensor.shape, name=tensor.name)
+    return len(placeholders)
 
 
 def check_no_placeholder_left(model, weights: DeferredWeights) -> None:
@@ -105,7 +121,7 @@ def _fold_lazy_transpose(node, op, state):
     if read.perm is not None:  # a transpose of a transpose: one permutation of the stored weight
         perm = tuple(read.perm[p] for p in perm)
     name = node.outputs[0].name
-    folded = ir.LazyTensor(_Read(read.weights, read.entry, perm), tensor.dtype, shape, name=name)
+    folded = ir.LazyTensor(_Read(read.weights, read.entry, perm, read.count), tensor.dtype, shape, name=name)
     value = ir.Value(name=name, type=ir.TensorType(tensor.dtype), shape=shape, const_value=folded)
     node.graph.register_initializer(value)
     return Replacement([value], [])

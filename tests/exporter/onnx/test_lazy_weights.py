@@ -33,6 +33,8 @@ def test_weights_read_as_written_give_the_loaded_model_s_bytes(tmp_path, monkeyp
         return made_lazy[-1]
 
     monkeypatch.setattr(target, "read_weights_when_written", counted)
+    reported = []
+    monkeypatch.setattr(lazy_weights, "report", reported.append)
     files = {}
     for deferred in (False, True):
         monkeypatch.setattr(pipeline.ExportPlan, "defers_weights", property(lambda plan, deferred=deferred: deferred))
@@ -41,6 +43,8 @@ def test_weights_read_as_written_give_the_loaded_model_s_bytes(tmp_path, monkeyp
         files[deferred] = [_sha256(out / f) for f in (target.PROGRAM_FILE, target.DATA_FILE)]
     assert made_lazy == [len(large)]
     assert files[True] == files[False]
+    # The status line counted each weight as it was read.
+    assert reported == [f"{done} of {len(large)} weights read from the checkpoint" for done in range(1, len(large) + 1)]
 
 
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-gemma3"])
