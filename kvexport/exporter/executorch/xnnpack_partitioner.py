@@ -26,9 +26,10 @@ nodes whether anything downstream of it is in them, by walking the user's whole 
 (most of the program, for a node early in it) once per user and per pair of partitions. The same
 question asked as "do the two overlap" is one AND of two bitsets. And the sets themselves, every
 node's transitive users and inputs (built twice: torch.fx's partitioner builds the users first,
-then ExecuTorch's both, and only the users are ever asked for), held a few GB at a billion-parameter
-model's export peak; ``Downstreams`` keeps each node's users as one bitset over the graph's order
-(n²/8 bytes). Same answers, so the same partitions (upstream's own cut of this loop's work:
+then ExecuTorch's both, and only the users are ever asked for), grow with the square of the graph's
+nodes, and at a billion parameters they made most of an 8da4w export's peak beyond its weights
+(docs/performance.md#export-memory); ``Downstreams`` keeps each node's users as one bitset over the
+graph's order (n²/8 bytes). Same answers, so the same partitions (upstream's own cut of this loop's work:
 pytorch/executorch#12798).
 """
 
