@@ -34,6 +34,19 @@ def _counting_reads(monkeypatch) -> list[str]:
     return reads
 
 
+def _exported_both_ways(tmp_path, monkeypatch, **options) -> dict[bool, dict]:
+    """The sha256 of the `.pte` and `.ptd` exported from the checkpoint with the model loaded first
+    (False) and with its weights read as they are needed (True)."""
+    files = {}
+    for deferred in (False, True):
+        monkeypatch.setattr(pipeline.ExportPlan, "defers_weights", property(lambda plan, deferred=deferred: deferred))
+        out = tmp_path / f"deferred-{deferred}"
+        pipeline.export_model(pipeline.ExportOptions(str(tmp_path / "model"), target="executorch", out=out,
+                                                     max_cache_len=32, **options))
+        files[deferred] = _sha256(out)
+    return files
+
+
 def _large_weights(model) -> list[str]:
     return [f"{n}.weight" for n, m in model.named_modules() if isinstance(m, (torch.nn.Linear, torch.nn.Embedding))]
 
@@ -47,13 +60,7 @@ def test_float_weights_read_as_serialized_give_the_loaded_model_s_bytes(tmp_path
     float16, whose probe reads each weight as its module runs (Qwen 3)."""
     model = _checkpoint(tmp_path, name)
     reads = _counting_reads(monkeypatch)
-    files = {}
-    for deferred in (False, True):
-        monkeypatch.setattr(pipeline.ExportPlan, "defers_weights", property(lambda plan, deferred=deferred: deferred))
-        out = tmp_path / f"deferred-{deferred}"
-        pipeline.export_model(pipeline.ExportOptions(str(tmp_path / "model"), target="executorch", out=out,
-                                                     max_cache_len=32, **options))
-        files[deferred] = _sha256(out)
+    files = _exported_both_ways(tmp_path, monkeypatch, **options)
     assert files[True] == files[False] and "model.pte" in files[True]
     assert set(reads) == set(deferred_weights.checkpoint_index(tmp_path / "model")) & set(_large_weights(model))
 
@@ -84,15 +91,8 @@ def test_weights_read_as_quantized_give_the_loaded_model_s_bytes(tmp_path, monke
     checkpoint."""
     model = _checkpoint(tmp_path, name)
     reads = _counting_reads(monkeypatch)
-    files = {}
-    for deferred in (False, True):
-        monkeypatch.setattr(pipeline.ExportPlan, "defers_weights", property(lambda plan, deferred=deferred: deferred))
-        out = tmp_path / f"deferred-{deferred}"
-        options = pipeline.ExportOptions(str(tmp_path / "model"), target="executorch", out=out, max_cache_len=32,
-                                         quantize="8da4w", quantize_embedding=embedding, quantize_lm_head=lm_head,
-                                         kv_cache=kv_cache)
-        pipeline.export_model(options)
-        files[deferred] = _sha256(out)
+    files = _exported_both_ways(tmp_path, monkeypatch, quantize="8da4w", quantize_embedding=embedding,
+                                quantize_lm_head=lm_head, kv_cache=kv_cache)
     large = _large_weights(model)
     stored = set(deferred_weights.checkpoint_index(tmp_path / "model")) & set(large)
     # Each module's weight read once (a tied lm_head reads its table's again), nothing else.
