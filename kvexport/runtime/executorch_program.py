@@ -224,9 +224,7 @@ def import_runtime() -> None:
     __import__(_PORTABLE_LIB)  # imported above, or the plain way
 
 
-def load(folder: Path, manifest: Manifest, device: str, trace_events: bool = False, drafter: bool = False) -> ExecuTorchProgram:
-    """``drafter`` changes nothing: ExecuTorch's threadpool is the process's one, which the
-    verifying program shares."""
+def load(folder: Path, manifest: Manifest, device: str, trace_events: bool = False) -> ExecuTorchProgram:
     if device != "cpu":
         raise InvalidOptionError("ExecuTorch artifacts run on the CPU (XNNPACK); use --device cpu")
     weights = folder / manifest.weights if manifest.weights else None

@@ -200,11 +200,11 @@ class _State:
 
 
 class OnnxProgram:
-    def __init__(self, folder: Path, manifest: Manifest, device: str, threads: int | None = None, spin: bool = True):
+    def __init__(self, folder: Path, manifest: Manifest, device: str, threads: int | None = None):
         """``threads``: ONNX Runtime's intra-op threads (default: ``KVEXPORT_THREADS``, else its own
-        choice, one per physical core). ``spin=False`` (a drafter's program): its threads sleep
-        between calls instead of spin-waiting, which would take the cores from the program that
-        verifies the drafts, run between them (docs/speculative.md)."""
+        choice, one per physical core). The threads spin-wait between the parallel parts of a call
+        and stop when it returns (``session.force_spinning_stop``): between calls the cores belong
+        to whatever runs next, a drafter's calls or the program verifying them (docs/speculative.md)."""
         import onnxruntime as ort
 
         if device not in ("cpu", "cuda"):
@@ -223,8 +223,7 @@ class OnnxProgram:
         providers = ["CUDAExecutionProvider", "CPUExecutionProvider"] if device == "cuda" else ["CPUExecutionProvider"]
         options = ort.SessionOptions()
         options.log_severity_level = 3  # errors only
-        if not spin:
-            options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        options.add_session_config_entry("session.force_spinning_stop", "1")
         threads = threads if threads is not None else runtime_threads()
         if threads is not None:
             options.intra_op_num_threads = threads
@@ -343,5 +342,5 @@ class OnnxProgram:
         self._next_start = 0
 
 
-def load(folder: Path, manifest: Manifest, device: str, drafter: bool = False) -> OnnxProgram:
-    return OnnxProgram(Path(folder), manifest, device, spin=not drafter)
+def load(folder: Path, manifest: Manifest, device: str) -> OnnxProgram:
+    return OnnxProgram(Path(folder), manifest, device)

@@ -32,11 +32,9 @@ _RUNNERS = {"executorch": "executorch_program", "onnx": "onnx_program"}
 _RUNTIME_PACKAGE = {"executorch": "executorch", "onnx": "onnxruntime"}
 
 
-def load_program(folder: Path, manifest: Manifest | None = None, device: str = "cpu", runner: str = "kvexport",
-                 drafter: bool = False) -> Program:
+def load_program(folder: Path, manifest: Manifest | None = None, device: str = "cpu", runner: str = "kvexport") -> Program:
     """``runner``: ``kvexport`` (this package's runner for the artifact's target) or ``genai``
-    (onnxruntime-genai, ONNX artifacts). ``drafter``: the program drafts for another in this
-    process (an ONNX one then leaves the cores to it between its calls)."""
+    (onnxruntime-genai, ONNX artifacts)."""
     folder = Path(folder)
     manifest = manifest or read_manifest(folder)
     target = manifest.target
@@ -46,7 +44,7 @@ def load_program(folder: Path, manifest: Manifest | None = None, device: str = "
         return genai_program.load(folder, manifest, device)
     module = importlib.import_module(f"{__package__}.{_RUNNERS[target]}")
     try:
-        return module.load(folder, manifest, device, drafter=drafter)
+        return module.load(folder, manifest, device)
     except ModuleNotFoundError as e:  # a device that has only the other target's runtime
         if (e.name or "").split(".")[0] not in ("torch", "executorch", "onnxruntime"):
             raise

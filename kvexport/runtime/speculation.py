@@ -143,7 +143,7 @@ def load_drafter(draft: str, stack: contextlib.ExitStack, device: str = "cpu"):
     if not path.exists():
         raise InvalidOptionError(f"--draft {draft}: give 'ngram' (prompt lookup) or an artifact folder or archive")
     folder, manifest = stack.enter_context(open_artifact(path))
-    return ModelDrafter(load_program(folder, manifest, device, drafter=True))
+    return ModelDrafter(load_program(folder, manifest, device))
 
 
 def check_drafter(program, drafter, draft_tokens: int | None) -> int:
