@@ -13,6 +13,7 @@ from ..errors import ArtifactError, InvalidOptionError, first_line
 from ..logs import native_stderr_quiet
 from .cpu import runtime_threads
 from .generation import check_call, check_rows_by_position, check_verification
+from .xnnpack_options import WEIGHT_CACHE, set_bool
 
 
 class ExecuTorchProgram:
@@ -21,6 +22,7 @@ class ExecuTorchProgram:
 
         register_kernels()
         threads_as_asked()
+        set_bool(WEIGHT_CACHE, True)  # forward and verify pack each weight once (xnnpack_options)
         from executorch.runtime import Runtime
 
         self.manifest = manifest

@@ -1,9 +1,11 @@
-"""ExecuTorch's Python runtime, imported without its exporter."""
+"""ExecuTorch's Python runtime: imported without its exporter; XNNPACK's weight cache."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
+
+import numpy as np
 
 _RUNTIME_THEN_EXPORTER = """
 import sys
@@ -23,3 +25,28 @@ def test_the_runtime_loads_without_the_exporter_which_a_later_import_gets_whole(
     is gone after: the same process can still export."""
     done = subprocess.run([sys.executable, "-c", _RUNTIME_THEN_EXPORTER], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
+
+
+def test_forward_and_verify_share_packed_weights_with_the_same_results(artifact, monkeypatch):
+    """A `.pte` runs with XNNPACK's weight cache on (``xnnpack_options``: its two methods pack each
+    weight once), and gives the same logits, bit for bit, as one loaded with it off."""
+    from kvexport.runtime import executorch_program, xnnpack_options
+    from kvexport.runtime.programs import load_program
+
+    folder = artifact("tiny-gemma3", "executorch", max_draft_tokens=4)
+    prompt = [5, 17, 3, 42, 9, 11]
+
+    def logits() -> np.ndarray:
+        program = load_program(folder)
+        return np.concatenate([program.forward(prompt, 0)[None], program.verify([8, 1, 2], len(prompt))])
+
+    shared = logits()
+    assert xnnpack_options.get_bool(xnnpack_options.WEIGHT_CACHE) is True
+    assert xnnpack_options.set_bool(xnnpack_options.WEIGHT_CACHE, False)
+    monkeypatch.setattr(executorch_program, "set_bool", lambda key, value: False)  # the program leaves it off
+    try:
+        apart = logits()
+        assert xnnpack_options.get_bool(xnnpack_options.WEIGHT_CACHE) is False
+    finally:
+        xnnpack_options.set_bool(xnnpack_options.WEIGHT_CACHE, True)
+    np.testing.assert_array_equal(shared, apart)
