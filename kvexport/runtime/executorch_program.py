@@ -22,7 +22,9 @@ class ExecuTorchProgram:
 
         register_kernels()
         threads_as_asked()
-        set_bool(WEIGHT_CACHE, True)  # forward and verify pack each weight once (xnnpack_options)
+        # forward and verify pack each weight once (xnnpack_options); a bfloat16 program's delegates
+        # crash ExecuTorch 1.5.1's runtime as they load with the cache on, and pack their own.
+        set_bool(WEIGHT_CACHE, manifest.dtype != "bfloat16")
         from executorch.runtime import Runtime
 
         self.manifest = manifest

@@ -5,7 +5,8 @@ XNNPACK packs each weight for its kernels when a method loads. A `.pte` exported
 weights: without XNNPACK's weight cache each method packs its own copy, and speculative decoding
 holds the packed weights twice. With the cache (``weight_cache_enabled``), a weight packed once is
 found by name and shared; a program's packed weights are freed with it. The packing, and so every
-result, is the same.
+result, is the same. The option is read as each delegate loads, so a program can be loaded with it
+off (``executorch_program``: bfloat16 programs, whose delegates crash the runtime as they load with it on).
 
 ExecuTorch's runtime has the option (``executorch::runtime::set_option("XnnpackBackend", ...)``,
 process-wide, read as each delegate loads) but its Python bindings do not expose it, hence ctypes on

@@ -50,3 +50,15 @@ def test_forward_and_verify_share_packed_weights_with_the_same_results(artifact,
     finally:
         xnnpack_options.set_bool(xnnpack_options.WEIGHT_CACHE, True)
     np.testing.assert_array_equal(shared, apart)
+
+
+def test_a_bfloat16_pte_loads_with_the_weight_cache_off(artifact):
+    """ExecuTorch 1.5.1's runtime crashes loading a bfloat16 `.pte`'s delegates with XNNPACK's weight
+    cache on: such a program is loaded with it off (in a subprocess, which a crash would end)."""
+    folder = artifact("tiny-gemma3", "executorch", dtype="bfloat16")
+    code = (
+        "import sys; from kvexport.runtime.programs import load_program; from kvexport.runtime import xnnpack_options as x;"
+        f"p = load_program({str(folder)!r}); p.forward([5, 6, 7], 0); sys.exit(0 if x.get_bool(x.WEIGHT_CACHE) is False else 3)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
