@@ -38,9 +38,9 @@ one short warm-up generation, then the measured one. Metrics, all from the measu
 - peak RSS: the subprocess's VmHWM (Linux), loading included.
 
 ``--prompt-tokens`` may list several lengths (``128,1024,4096``): every path runs at each, a table
-per length, then one of decode tokens/s by length for each path of a kvexport artifact beside its
-memory-traffic limit there (``kvexport.bench.traffic``: the weights and the cache rows a step reads,
-over the bandwidth the path reached at the shortest length) and the share of it reached.
+per length, then one of decode tokens/s by length for each path but llama.cpp and the speculative
+runs beside its memory-traffic limit there (``kvexport.bench.traffic``: the weights and the cache rows
+a step reads, over the bandwidth the path reached at the shortest length) and the share of it reached.
 
 The table also gives each path's decode tokens/s as a multiple of eager's and of llama.cpp's
 (medians of the same run), and kvexport run's against TextLLMRunner's on the same ``.pte``: the

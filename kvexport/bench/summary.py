@@ -7,7 +7,7 @@ import statistics
 from pathlib import Path
 
 from ..artifact.manifest import Manifest
-from .traffic import limits
+from .traffic import limits, other_program_bytes
 
 METRICS = (  # key, column title, digits
     ("ttft_ms", "TTFT ms", 0),
@@ -97,15 +97,29 @@ def _by_round(run: dict, textllm: dict) -> float | None:
 
 
 def traffic_by_path(contexts: dict[int, list[dict]], manifests: dict[str, Manifest], new_tokens: int) -> dict:
-    """For each path that runs a kvexport artifact (not another exporter's program, not eager or
-    llama.cpp, whose bytes kvexport does not know, not a speculative run, whose steps each read the
-    weights once for several tokens): its decode by prompt length beside the memory-traffic limit there."""
-    decode = {}  # label -> {prompt length: decode tokens/s}
+    """For each path but llama.cpp and the speculative runs (whose steps each read the weights once
+    for several tokens): its decode by prompt length beside the memory-traffic limit there. A path of
+    another program of the model (eager, another exporter's) reads its own weights and the cache rows
+    of the first artifact's layers in float32 (``traffic``'s docstring)."""
+    first = next(iter(manifests))
+    decode = {}  # label -> (manifest, weights or None, element bytes or None, {prompt length: decode tokens/s})
     for n, jobs in contexts.items():
         for job in jobs:
-            if (job.get("skipped") or job.get("pte") or job.get("genai_folder") or job.get("draft")
-                    or job.get("artifact") not in manifests):
+            if job.get("skipped") or job.get("draft") or job["path"] == "llama":
+                continue
+            other = job.get("pte") or job.get("genai_folder")
+            if job["path"] == "eager":
+                weights = next((r["weight_bytes"] for r in job.get("runs", []) if r.get("weight_bytes")), None)
+                if weights is None:
+                    continue
+                entry = (first, weights, job["runs"][0].get("kv_element_bytes", 4))
+            elif other:
+                entry = (job["artifact"], other_program_bytes(Path(other)), 4)
+            elif job.get("artifact") in manifests:
+                entry = (job["artifact"], None, None)
+            else:
                 continue
             summary = job.get("summary", {}).get("decode_tokens_per_s")
-            decode.setdefault(job["label"], (job["artifact"], {}))[1][n] = summary["median"] if summary else None
-    return {label: limits(manifests[artifact], by_length, new_tokens) for label, (artifact, by_length) in decode.items()}
+            decode.setdefault(job["label"], (*entry, {}))[3][n] = summary["median"] if summary else None
+    return {label: limits(manifests[artifact], by_length, new_tokens, weights=weights, element_bytes=element)
+            for label, (artifact, weights, element, by_length) in decode.items()}

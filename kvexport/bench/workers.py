@@ -77,7 +77,17 @@ def work_eager(spec: dict) -> dict:
     new_ids = greedy_generate(model, ids, n, on_logits=lambda step, _: stamps.append(time.perf_counter()))
     end = time.perf_counter()
     return {**_timed(ids, n, t0, stamps[0], end, len(new_ids)), "prefill_s": stamps[0] - t0, "load_s": load_s,
-            "new_ids": new_ids}
+            "new_ids": new_ids, "weight_bytes": parameter_bytes(model), "kv_element_bytes": model.dtype.itemsize}
+
+
+def parameter_bytes(model) -> int:
+    """Bytes of a torch model's parameters and buffers, each storage once (a tied lm_head is the
+    embedding's)."""
+    storages = {}
+    for tensor in (*model.parameters(), *model.buffers()):
+        storage = tensor.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
 
 
 def work_run(spec: dict) -> dict:

@@ -297,7 +297,7 @@ class OnnxProgram:
             self._binding.bind_input(LOGITS_INDICES, "cpu", 0, np.int64, [1], self._last_row.ctypes.data)
             self._binding.bind_output("logits", "cpu", 0, self._dtype, list(self._logits.shape), self._logits.ctypes.data)
         self._next_start = start + n
-        return logits[0].astype(np.float32)
+        return logits[0].astype(np.float32, copy=False)
 
     def _start_at(self, tokens: list[int], start: int) -> None:
         """Check a call's start; where it is before the sequence's end (rejected drafted tokens),

@@ -168,11 +168,22 @@ def test_bench_measures_each_prompt_length_and_its_traffic_limit(artifact, tmp_p
     for context in report["contexts"]:
         (run,) = next(p for p in context["paths"] if p["path"] == "run")["runs"]
         assert run["prompt_tokens"] == context["prompt_tokens"] and run["decode_steps"] == 5
-    (label,) = report["traffic"]  # kvexport run; eager's bytes are not an artifact's
-    short, long = report["traffic"][label]["4"], report["traffic"][label]["20"]
-    assert short["share_of_limit"] == pytest.approx(1.0)
-    # 20 positions read more of the 64-slot buffer than 4 do (the 6-slot ring the same): a lower limit.
-    assert long["step_bytes"] > short["step_bytes"] and long["limit_tokens_per_s"] < short["decode_tokens_per_s"]
+    eager, run = sorted(report["traffic"])  # eager's label sorts first
+    assert eager.startswith("eager") and run.startswith("kvexport run")
+    for label in (eager, run):
+        short, long = report["traffic"][label]["4"], report["traffic"][label]["20"]
+        assert short["share_of_limit"] == pytest.approx(1.0)
+        # 20 positions read more of the 64-slot buffer than 4 do (the 6-slot ring the same): a lower limit.
+        assert long["step_bytes"] > short["step_bytes"] and long["limit_tokens_per_s"] < short["decode_tokens_per_s"]
+    # Eager reads its own float32 parameters: the tiny model's, counted once where tied.
+    from kvexport.models import sources
+
+    model, _ = sources.load_model(sources.resolve("tiny-gemma3"))
+    weights = sum(t.numel() * t.element_size() for t in {t.data_ptr(): t for t in (*model.parameters(), *model.buffers())}.values())
+    from kvexport.bench import traffic
+    from kvexport.artifact.manifest import read_manifest
+
+    assert report["traffic"][eager]["4"]["step_bytes"] == weights + traffic.cache_bytes_read(read_manifest(pte), 4 + 3, 4)
     assert "4-token prompt:" in table and "20-token prompt:" in table and "| 4 tokens | 20 tokens |" in table
 
 
@@ -210,6 +221,24 @@ def test_a_step_reads_the_weights_and_the_rows_each_layer_attends_to():
     assert got[4]["share_of_limit"] == pytest.approx(1.0)
     assert got[40]["limit_tokens_per_s"] == pytest.approx(50.0 * first / second)
     assert got[40]["share_of_limit"] == pytest.approx(20.0 / (50.0 * first / second))
+    # Another program of the model: its own weights, the same rows at its own bytes per element.
+    assert traffic.cache_bytes_read(manifest, 10, element_bytes=2) == (10 + 6) * row // 2
+    other = traffic.limits(manifest, {4: 50.0, 40: 20.0}, new_tokens=8, weights=500, element_bytes=2)
+    assert other[40]["step_bytes"] == 500 + (44 + 6) * row // 2
+
+
+def test_another_exporters_program_counts_its_program_files(tmp_path):
+    from kvexport.bench.traffic import other_program_bytes
+
+    (tmp_path / "model.pte").write_bytes(b"p" * 300)
+    (tmp_path / "model.ptd").write_bytes(b"d" * 700)
+    (tmp_path / "other.ptd").write_bytes(b"x" * 5)  # another program's data
+    assert other_program_bytes(tmp_path / "model.pte") == 1000
+    genai = tmp_path / "genai"
+    genai.mkdir()
+    for name, size in (("model.onnx", 40), ("model.onnx.data", 960), ("genai_config.json", 9), ("tokenizer.json", 99)):
+        (genai / name).write_bytes(b"g" * size)
+    assert other_program_bytes(genai) == 1000
 
 
 def test_a_drafter_given_by_a_relative_path_is_found_by_the_runs(artifact, monkeypatch):
@@ -224,3 +253,31 @@ def test_a_drafter_given_by_a_relative_path_is_found_by_the_runs(artifact, monke
     options = BenchOptions("tiny-llama", [folder], paths=["run"], draft=["ngram", drafter.name], draft_tokens=[2])
     jobs = plan_jobs(options, {str(folder): read_manifest(folder)}, None, None)
     assert [job["draft"] for job in jobs if "draft" in job] == ["ngram", str(drafter.resolve())]
+
+
+def test_every_path_but_llama_and_drafts_gets_a_traffic_limit(tmp_path):
+    """kvexport's artifacts at their manifest's bytes; eager at the parameters it reported and its
+    dtype; another exporter's program at its files, float32 rows; llama.cpp and drafted runs none."""
+    from kvexport.artifact.manifest import FileEntry, Layer
+    from kvexport.bench.summary import traffic_by_path
+
+    (tmp_path / "other.pte").write_bytes(b"p" * 2000)
+    manifest = fake_manifest(files={"model.onnx": FileEntry("0" * 64, 1000)},
+                             layers=(Layer(0, cache="static", slots=64, kv_heads=1, head_dim=8),),
+                             kv_cache_bytes=64 * 2 * 8)  # an int8 cache: one byte an element
+
+    def job(path, label, speeds, **extra):
+        return {"path": path, "label": label, "runs": [{"weight_bytes": 3000, "kv_element_bytes": 2}],
+                "summary": {"decode_tokens_per_s": {"median": speeds}}, **extra}
+
+    contexts = {n: [job("eager", "eager", 100.0 / i), job("run", "run", 90.0 / i, artifact="a"),
+                    job("textllm", "other", 80.0 / i, artifact="a", pte=str(tmp_path / "other.pte")),
+                    job("run", "drafted", 70.0 / i, artifact="a", draft="ngram"), job("llama", "llama", 60.0 / i)]
+                for i, n in ((1, 4), (2, 36))}
+    got = traffic_by_path(contexts, {"a": manifest}, new_tokens=8)
+    assert set(got) == {"eager", "run", "other"}
+    row = 2 * 8  # keys and values of one position, in elements
+    assert got["run"][36]["step_bytes"] == 1000 + 40 * row
+    assert got["eager"][36]["step_bytes"] == 3000 + 40 * row * 2
+    assert got["other"][36]["step_bytes"] == 2000 + 40 * row * 4
+    assert got["other"][4]["share_of_limit"] == pytest.approx(1.0)

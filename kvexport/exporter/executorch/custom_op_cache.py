@@ -140,10 +140,10 @@ def causal_sdpa(query, keys, values, first, scaling) -> torch.Tensor:
     static buffer has one slot more than the positions it holds."""
 
     def row_by_row(q, keys, values, first):
-        return torch.ops.llama.custom_sdpa(q, keys, values, _item(first), None, 0.0, True, scaling)
+        return torch.ops.llama.custom_sdpa(q, keys, values, start_position(first), None, 0.0, True, scaling)
 
     def grouped(q, keys, values, first):
-        return last_row_by_group(q, keys, values, scaling, end=_item(first) + q.shape[1] - 1)
+        return last_row_by_group(q, keys, values, scaling, end=start_position(first) + q.shape[1] - 1)
 
     return _by_call_length(query, keys, grouped, row_by_row, (_with_extra_row(query), keys, values, first))[:, :-1]
 
@@ -159,15 +159,22 @@ def _with_extra_row(query: torch.Tensor) -> torch.Tensor:
 
 def _by_call_length(query, keys, one_token, longer, operands):
     """``one_token(*operands)`` for a one-token call whose query heads share KV heads, else
-    ``longer(*operands)``. One program serves calls of every length, so where the length is
-    symbolic the choice is a ``torch.cond`` on it (a fixed-length method takes its branch)."""
-    tokens, grouped = query.shape[2], query.shape[1] > keys.shape[2]
-    if grouped and isinstance(tokens, torch.SymInt):
+    ``longer(*operands)``."""
+    if query.shape[1] > keys.shape[2]:
+        return by_call_length(query.shape[2], one_token, longer, operands)
+    return longer(*operands)
+
+
+def by_call_length(tokens, one_token, longer, operands):
+    """``one_token(*operands)`` for a one-token call, else ``longer(*operands)``. One program serves
+    calls of every length, so where the length is symbolic the choice is a ``torch.cond`` on it (a
+    fixed-length method takes its branch)."""
+    if isinstance(tokens, torch.SymInt):
         return torch.cond(tokens == 1, one_token, longer, operands)
-    return (one_token if grouped and tokens == 1 else longer)(*operands)
+    return (one_token if tokens == 1 else longer)(*operands)
 
 
-def _item(first: torch.Tensor):
+def start_position(first: torch.Tensor):
     """The call's first position as the kernel's start, read inside a ``torch.cond`` branch (an
     integer traced from a tensor cannot be an operand of one, nor be closed over)."""
     start = first.item()

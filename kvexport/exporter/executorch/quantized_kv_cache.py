@@ -2,11 +2,13 @@
 
 Keys and values are stored as int8 with one scale (float32) and zero point (int8) per token and KV
 head, chosen from that row's min and max when it is written (``quantized_decomposed``'s per-token
-asymmetric ops, as ExecuTorch's ``QuantizedKVCache`` does). Attention is
-``llama::custom_quantized_sdpa``, which reads the int8 rows in place with their scales; it takes the
-query quantized the same way. The buffers keep the layout of ``custom_op_cache``'s float caches
-(sequence-major ``[1, slots, kv_heads, head_dim]``, scales ``[1, slots, kv_heads, 1]``), written by
-the same ``llama::update_cache`` ops, and a ring keeps ``window`` slots (and any spare ones, ``RingKVCache``).
+asymmetric ops, as ExecuTorch's ``QuantizedKVCache`` does). A one-token call (a decode step) attends
+with ``llama::custom_quantized_sdpa``, which reads the int8 rows in place with their scales and
+takes the query quantized the same way; a longer one (prefill, a verification) reads the rows it
+attends to dequantized, with ``llama::custom_sdpa`` (``by_length``). The buffers keep the layout of
+``custom_op_cache``'s float caches (sequence-major ``[1, slots, kv_heads, head_dim]``, scales
+``[1, slots, kv_heads, 1]``), written by the same ``llama::update_cache`` ops, and a ring keeps
+``window`` slots (and any spare ones, ``RingKVCache``).
 
 Keys and queries are first rotated by one orthonormal Hadamard matrix (``key_rotation``): q·k is
 unchanged, and the few channels in which a key is large are spread over all of them, so one scale
@@ -31,6 +33,7 @@ from torch.ao.quantization.fx._decomposed import quantized_decomposed_lib  # noq
 from ...models.architecture import RING, STATIC
 from ..attention import family_eager_attention, plain_softmax_attention
 from ..kv_cache import CacheKinds, CallState, additive_mask, last_positions, ring_key_positions, shared_ring_mask
+from .custom_op_cache import by_call_length, start_position
 
 INT8 = torch.int8
 QMIN, QMAX = torch.iinfo(INT8).min, torch.iinfo(INT8).max
@@ -73,13 +76,48 @@ def quantized_sdpa(query, rows, start, mask, scaling):
     Its products are torchao's int8 kernels, which take a one-row call in about half a two-row
     call's time: no extra query row, unlike ``custom_op_cache.masked_sdpa``, and no stacked
     query-head groups (slower here too)."""
-    q, q_scales, q_zero_points = quantize_rows(_to_seq_major(query))
+    return _int8_sdpa(*quantize_rows(_to_seq_major(query)), rows, start, mask, scaling).to(query.dtype)
+
+
+def _int8_sdpa(q, q_scales, q_zero_points, rows, start, mask, scaling):
     k, k_scales, k_zero_points, v, v_scales, v_zero_points = rows
-    out = torch.ops.llama.custom_quantized_sdpa(
+    return torch.ops.llama.custom_quantized_sdpa(
         q, k, v, start, mask, 0.0, mask is None, scaling,
         q_zero_points, q_scales, k_zero_points, k_scales, v_zero_points, v_scales, False,
     )
-    return out.to(query.dtype)
+
+
+def by_length(query, rows, scaling, first=None, mask=None):
+    """Attention of ``query [1, H, T, D]`` over int8 ``rows`` (as ``quantized_sdpa``'s), causal from
+    position ``first`` (a one-element tensor) or under ``mask [T, K]``. Returns ``[1, T, H, D]``.
+
+    A one-token call (a decode step) is ``quantized_sdpa``. A longer call (prefill, a verification)
+    attends with the float kernel, ``llama::custom_sdpa``, over the rows it reads (a full layer's up
+    to the call's end) dequantized and the query as the int8 kernel rounds it: a verification's rows
+    are then a one-token call's within float rounding, and torchao's int8 products, the quicker for
+    one query row, take several times as long as the float kernel and the dequantization together
+    for many (docs/performance.md#decode-by-context-length)."""
+
+    def one_token(q, q_scales, q_zero_points, bound, *rows):
+        start = start_position(bound) if mask is None else 0
+        return _int8_sdpa(q, q_scales, q_zero_points, rows, start, None if mask is None else bound, scaling)
+
+    def longer(q, q_scales, q_zero_points, bound, *rows):
+        start = 0
+        if mask is None:
+            start = start_position(bound)
+            end = start + q.shape[1]
+            torch._check(end <= rows[0].shape[1])
+            rows = tuple(r[:, :end] for r in rows)
+        k, k_scales, k_zero_points, v, v_scales, v_zero_points = rows
+        keys = dequantize_rows(k, k_scales, k_zero_points, torch.float32)
+        values = dequantize_rows(v, v_scales, v_zero_points, torch.float32)
+        query = dequantize_rows(q, q_scales, q_zero_points, torch.float32)
+        return torch.ops.llama.custom_sdpa(query, keys, values, start, None if mask is None else bound,
+                                           0.0, mask is None, scaling)
+
+    operands = (*quantize_rows(_to_seq_major(query)), first if mask is None else mask, *rows)
+    return by_call_length(query.shape[2], one_token, longer, operands).to(query.dtype)
 
 
 class _QuantizedRows(nn.Module):
@@ -125,7 +163,7 @@ class QuantizedStaticCache(_QuantizedRows):
         for rows, buffer in zip(new, self.buffers_in_order()):
             torch.ops.llama.update_cache(rows, buffer, call.start)
         if plain_softmax_attention(kwargs):
-            return quantized_sdpa(query, self.buffers_in_order(), call.start, None, scaling), None
+            return by_length(query, self.buffers_in_order(), scaling, first=call.positions[:1]), None
         end = call.start + query.shape[2]
         keys, values = self.dequantized(buffer[:, :end] for buffer in self.buffers_in_order())
         return family_eager_attention(module)(module, query, keys, values, mask[..., :end], scaling=scaling, **kwargs)
@@ -180,7 +218,7 @@ class QuantizedRingCache(_QuantizedRows):
         """Attention of ``query`` (rotated where the fused kernel attends) over int8 ``rows`` under ``mask``."""
         if plain_softmax_attention(kwargs):
             # The kernel takes a float32 mask whatever the activations' dtype.
-            return quantized_sdpa(query, rows, 0, mask[0, 0].float(), scaling), None
+            return by_length(query, rows, scaling, mask=mask[0, 0].float()), None
         keys, values = self.dequantized(rows)
         return family_eager_attention(module)(module, query, keys, values, mask, scaling=scaling, **kwargs)
 

@@ -63,3 +63,34 @@ def test_the_int8_pte_computes_what_its_module_computes(artifact):
     assert {cache.k.dtype for cache in module.caches} == {torch.int8}
     expected = greedy_with(torch_forward(module), ids, NEW_TOKENS)
     assert_generation_matches(greedy_with(program.forward, ids, NEW_TOKENS), expected, 1e-3, "tiny-gpt-oss int8 KV")
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_a_longer_call_attends_in_float_over_the_rows_the_one_token_kernel_reads(masked):
+    """A one-token call is the int8 kernel itself; a longer one (prefill, a verification) is softmax
+    attention over the dequantized rows with the query rounded as that kernel rounds it, causal from
+    the call's start or under its mask (9 query heads over 3 KV heads, as SmolLM2's)."""
+    from kvexport.exporter.executorch.quantized_kv_cache import by_length, dequantize_rows, quantize_rows, quantized_sdpa
+
+    torch.manual_seed(0)
+    slots, start, tokens, heads, kv_heads, d = 40, 13, 6, 9, 3, 16
+    rows = (*quantize_rows(torch.randn(1, slots, kv_heads, d)), *quantize_rows(torch.randn(1, slots, kv_heads, d)))
+    keys, values = (dequantize_rows(*rows[i:i + 3], torch.float32) for i in (0, 3))
+    visible = torch.arange(slots)[None] <= start + torch.arange(tokens)[:, None]  # causal from start
+    if masked:
+        visible &= torch.rand(tokens, slots) > 0.3
+        visible[:, 0] = True
+    mask = torch.zeros(tokens, slots).masked_fill(~visible, float("-inf"))
+    query = torch.randn(1, heads, tokens, d)
+    args = dict(mask=mask) if masked else dict(first=torch.tensor([start]))
+
+    got = by_length(query, rows, None, **args)
+    q = dequantize_rows(*quantize_rows(query.transpose(1, 2)), torch.float32).transpose(1, 2)
+    k, v = (x.transpose(1, 2).repeat_interleave(heads // kv_heads, dim=1) for x in (keys, values))
+    expected = torch.softmax(q @ k.transpose(-1, -2) / d**0.5 + mask, dim=-1) @ v
+    torch.testing.assert_close(got, expected.transpose(1, 2), atol=1e-5, rtol=1e-5)
+
+    one = query[:, :, -1:]
+    one_args = dict(mask=mask[-1:]) if masked else dict(first=torch.tensor([start + tokens - 1]))
+    kernel = quantized_sdpa(one, rows, 0 if masked else start + tokens - 1, mask[-1:] if masked else None, None)
+    assert torch.equal(by_length(one, rows, None, **one_args), kernel)
