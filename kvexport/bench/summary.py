@@ -109,10 +109,10 @@ def traffic_by_path(contexts: dict[int, list[dict]], manifests: dict[str, Manife
                 continue
             other = job.get("pte") or job.get("genai_folder")
             if job["path"] == "eager":
-                weights = next((r["weight_bytes"] for r in job.get("runs", []) if r.get("weight_bytes")), None)
-                if weights is None:
+                run = next((r for r in job.get("runs", []) if r.get("weight_bytes")), None)
+                if run is None:
                     continue
-                entry = (first, weights, job["runs"][0].get("kv_element_bytes", 4))
+                entry = (first, run["weight_bytes"], run["kv_element_bytes"])
             elif other:
                 entry = (job["artifact"], other_program_bytes(Path(other)), 4)
             elif job.get("artifact") in manifests:
