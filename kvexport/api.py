@@ -46,6 +46,7 @@ def export(
     quantize_lm_head: str | None = None,
     quantize_grid: str | None = None,
     kv_cache: str = "float",
+    sdpa_query: str = "auto",
     max_draft_tokens: int = 0,
     force: bool = False,
     quiet: bool = False,
@@ -63,7 +64,7 @@ def export(
     options = {
         "max_cache_len": max_cache_len, "prefill_chunk": prefill_chunk, "dtype": dtype, "quantize": quantize,
         "quantize_embedding": quantize_embedding, "quantize_lm_head": quantize_lm_head, "quantize_grid": quantize_grid,
-        "kv_cache": kv_cache,
+        "kv_cache": kv_cache, "sdpa_query": sdpa_query,
         "max_draft_tokens": max_draft_tokens, "force": force,
         "quiet": quiet, "revision": revision, "offline": offline, "gguf_file": gguf_file,
     }

@@ -58,6 +58,20 @@ class Grid(StrEnum):
     SYMMETRIC = "symmetric"
 
 
+class SdpaQuery(StrEnum):
+    """``--sdpa-query`` (executorch, float KV cache): the query rows a call gives ExecuTorch's
+    ``llama::custom_sdpa``. ``grouped`` stacks a decode step's query heads per KV head (each cached
+    row read once a step) and gives longer calls one row more, so that every product is a matrix
+    product; ``per-head`` is ExecuTorch's own call, one row per query head (a decode step's products
+    matrix-vector ones). Which is faster depends on the BLAS the runtime links and the CPU
+    (docs/performance.md#attention-in-a-pte); ``auto`` times both at the model's shape on the
+    exporting machine and keeps the faster."""
+
+    AUTO = "auto"
+    GROUPED = "grouped"
+    PER_HEAD = "per-head"
+
+
 def choose(kind: type[StrEnum], value, option: str) -> StrEnum:
     """``value`` as ``kind``'s member, or a one-line refusal naming ``option`` and the choices."""
     try:

@@ -12,8 +12,9 @@ build links another BLAS; this prints whether that still holds there (the same C
 through its PyTorch op). Microseconds per call, the median of repeated calls.
 
 The kernel splits its work by query head, reading a KV head's rows once per query head of its
-group; the stacked call reads them once (``custom_op_cache.causal_sdpa``). Compare its column with
-the 2-row one, the call a one-token step would make otherwise.
+group; the stacked call reads them once (``custom_op_cache.causal_sdpa``). Its column is a decode
+step's call with ``--sdpa-query grouped``, the 1-row one with ``per-head``; the last line times a
+step of each over several layers' buffers, as ``--sdpa-query auto`` does, and names the faster.
 """
 
 from __future__ import annotations
@@ -75,6 +76,14 @@ def main(argv=None) -> None:
     print("|---:|" + "---:|" * len(columns))
     for n in keys:
         print(f"| {n:,} | " + " | ".join(f"{times[n, t]:.0f}" for t in columns) + " |")
+    if args.heads > args.kv_heads:
+        from kvexport.exporter.executorch import sdpa_query
+
+        positions = min(max(keys), sdpa_query.TIMED_POSITIONS)
+        step = sdpa_query.step_microseconds(args.heads, args.kv_heads, args.head_dim, positions)
+        print(f"\nA decode step over {sdpa_query.TIMED_LAYERS} layers' buffers of {positions:,} positions: "
+              + ", ".join(f"{form} {us:,.0f} µs" for form, us in step.items())
+              + f". Export for this machine with --sdpa-query {sdpa_query.faster(step)} (what auto chooses here).")
 
 
 if __name__ == "__main__":

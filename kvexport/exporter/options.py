@@ -12,7 +12,7 @@ import importlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..choices import Dtype, EmbeddingScheme, Grid, KvCache, LmHeadScheme, Scheme, Target, choose
+from ..choices import Dtype, EmbeddingScheme, Grid, KvCache, LmHeadScheme, Scheme, SdpaQuery, Target, choose
 from ..errors import InvalidOptionError
 from .quantization import Quantization
 
@@ -26,6 +26,7 @@ class Accepts:
     quantize: Scheme  # the one --quantize scheme it runs
     quantize_embedding: bool  # whether it takes --quantize-embedding (else its scheme quantizes the embedding)
     kv_caches: tuple[KvCache, ...]
+    sdpa_query: bool = False  # whether it takes --sdpa-query (its attention calls ExecuTorch's custom_sdpa)
 
 
 def accepts(target: Target) -> Accepts:
@@ -83,6 +84,12 @@ class ExportOptions:
     kv_cache: KvCache = _option(
         KvCache.FLOAT, "float (the export's dtype) or int8, about a quarter of float32's bytes (executorch: a scale and "
         "zero point per token and KV head; onnx: a fixed scale per KV head and channel, calibrated at export)")
+    sdpa_query: SdpaQuery = _option(
+        SdpaQuery.AUTO, "executorch, float KV cache: the query rows attention gives llama::custom_sdpa: grouped (a decode "
+        "step's query heads stacked per KV head, each cached row read once; matrix products), per-head (one row per "
+        "query head, as ExecuTorch's own recipes; matrix-vector products at decode) or auto (the faster of the two on "
+        "this machine, timed at the model's shape; export on the device's kind of CPU, or pass what "
+        "scripts/custom_sdpa_rows.py finds there)")
     max_draft_tokens: int = _option(
         0, "speculative decoding (run --draft): most drafted tokens one call verifies (a .pte gets a verify method, an "
         "ONNX graph a logits_indices input); 0: none")
@@ -95,6 +102,7 @@ class ExportOptions:
         self.target = choose(Target, self.target, "target")
         self.dtype = choose(Dtype, self.dtype, "dtype")
         self.kv_cache = choose(KvCache, self.kv_cache, "--kv-cache")
+        self.sdpa_query = choose(SdpaQuery, self.sdpa_query, "--sdpa-query")
         if self.quantize is not None and self.quantize not in tuple(Scheme):
             schemes = ", ".join(f"{accepts(t).quantize} (--target {t})" for t in Target)
             raise InvalidOptionError(f"unknown --quantize '{self.quantize}'; choose one of: {schemes}")
@@ -138,6 +146,13 @@ class ExportOptions:
             others = " or ".join(f"--target {t}" for t in Target if self.kv_cache in accepts(t).kv_caches)
             raise InvalidOptionError(f"--kv-cache {self.kv_cache} is not available for --target {target} in this "
                                      f"version; {others} takes it")
+        if self.sdpa_query != SdpaQuery.AUTO:
+            if not takes.sdpa_query:
+                others = " or ".join(f"--target {t}" for t in Target if accepts(t).sdpa_query)
+                raise InvalidOptionError(f"--sdpa-query is for {others}; for --target {target} leave it out")
+            if self.kv_cache != KvCache.FLOAT:
+                raise InvalidOptionError(f"--sdpa-query goes with --kv-cache float: --kv-cache {self.kv_cache}'s decode "
+                                         "kernel takes one row per query head; leave --sdpa-query out")
         if dtype not in takes.dtypes:
             why = f" ({takes.dtypes_refused[dtype]})" if dtype in takes.dtypes_refused else ""
             raise InvalidOptionError(f"target {target} does not take --dtype {dtype}{why}; it takes {', '.join(takes.dtypes)}")

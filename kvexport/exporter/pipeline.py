@@ -285,6 +285,12 @@ def export_model(options: ExportOptions, progress: Progress | None = None) -> Ex
     plan = plan_export(options, progress)
     target = get_target(options.target)
     progress.info(plan.summary())
+    sdpa_query, timed = target.choose_sdpa_query(
+        options.sdpa_query, options.kv_cache, architecture.text_config(plan.config), plan.specs, plan.max_cache_len
+    )
+    if timed:
+        times = ", ".join(f"{form} {us:,.0f} µs" for form, us in timed.items())
+        progress.info(f"--sdpa-query auto: {sdpa_query} (a decode step's attention over a few layers here: {times})")
     needs = plan_footprint(plan)
     if needs:
         progress.info(f"memory plan: {needs.summary()} (the artifact {memory_plan.size(needs.artifact_bytes)})")
@@ -304,7 +310,7 @@ def export_model(options: ExportOptions, progress: Progress | None = None) -> Ex
     if options.dtype != "float32":
         with progress.step("probe", f"eager {options.dtype} on {_PROBE_PROMPT!r}"):
             deferred = _probe(model, tokenizer, options.dtype, deferred)
-    info = _manifest_info(plan, model, tokenizer)
+    info = _manifest_info(plan, model, tokenizer, sdpa_query)
     spec = _program_spec(plan, info)
     if quantization and target.QUANTIZES_MODULE:
         with progress.step("quantize", target.quantization_detail(quantization)):
@@ -319,7 +325,8 @@ def export_model(options: ExportOptions, progress: Progress | None = None) -> Ex
         with progress.step("export", f"torch.export, T {calls}"):
             calibration = calibration_ids(tokenizer) if options.kv_cache == KvCache.INT8 else None
             program = target.export(
-                model, plan.max_cache_len, plan.prefill_chunk, options.kv_cache, calibration, options.max_draft_tokens
+                model, plan.max_cache_len, plan.prefill_chunk, options.kv_cache, calibration, options.max_draft_tokens,
+                **({"sdpa_query": sdpa_query} if sdpa_query else {}),
             )
         with progress.step("lower", options.target):
             lowered = target.lower(program, spec, folder, deferred)
@@ -418,7 +425,7 @@ def _eos_ids(model, tokenizer) -> list[int]:
     return ids
 
 
-def _manifest_info(plan: ExportPlan, model, tokenizer) -> dict:
+def _manifest_info(plan: ExportPlan, model, tokenizer, sdpa_query: str | None = None) -> dict:
     import torch
     import transformers
 
@@ -430,8 +437,10 @@ def _manifest_info(plan: ExportPlan, model, tokenizer) -> dict:
         "target": plan.options.target,
         "source": plan.source.describe().to_json(),
         # What reproduces this artifact byte for byte, with the versions below (the output folder
-        # does not matter): `kvexport export MODEL --target T --dtype D --max-cache-len N --prefill-chunk C`.
-        "export_options": plan.options.recorded(max_cache_len=plan.max_cache_len, prefill_chunk=plan.prefill_chunk),
+        # does not matter): `kvexport export MODEL --target T --dtype D --max-cache-len N --prefill-chunk C`
+        # (and `--sdpa-query Q`, where --sdpa-query auto chose Q on the exporting machine).
+        "export_options": plan.options.recorded(max_cache_len=plan.max_cache_len, prefill_chunk=plan.prefill_chunk,
+                                                **({"sdpa_query": sdpa_query} if sdpa_query else {})),
         "model_type": config.model_type,
         "dtype": dtype,
         "max_cache_len": plan.max_cache_len,

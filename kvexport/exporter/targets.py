@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, cast
 
 from ..artifact.manifest import Layer
-from ..choices import KvCache
+from ..choices import KvCache, SdpaQuery
 from ..choices import Target as TargetName
 from ..errors import InvalidOptionError
 
@@ -59,13 +59,13 @@ class Target(Protocol):
 
     def export(
         self, model: torch.nn.Module, max_cache_len: int, max_tokens_per_call: int, kv_cache: KvCache,
-        calibration_ids: torch.Tensor | None, max_draft_tokens: int,
+        calibration_ids: torch.Tensor | None, max_draft_tokens: int, **choices,
     ) -> torch.export.ExportedProgram:
         """The model wrapped with the target's cache (its elements ``kv_cache``), traced with ``T``
         dynamic. ``calibration_ids``: for ``kv_cache`` int8, the tokens of the text a target with
         fixed scales measures them on (``kv_calibration``). ``max_draft_tokens``: the program also
         returns the logits of every position a verification asks for, and rings keep that many
-        spare slots."""  # fmt: skip
+        spare slots. ``choices``: what ``choose_sdpa_query`` chose (a target that has it)."""  # fmt: skip
 
     def lower(
         self, program: torch.export.ExportedProgram, spec: ProgramSpec, out_dir: Path, deferred: DeferredWeights | None
@@ -76,6 +76,11 @@ class Target(Protocol):
 
     def quantize_files(self, out_dir: Path, spec: ProgramSpec, quantization: Quantization) -> dict:
         """Quantize the written program's weights in place; return facts for ``kvexport.json``."""
+
+    def choose_sdpa_query(self, requested: SdpaQuery, kv_cache: KvCache, text_config, specs: list,
+                          max_cache_len: int) -> tuple[SdpaQuery | None, dict | None]:
+        """``--sdpa-query``'s form for this export (None: the target, cache or model has no such
+        choice; ``export`` then takes no ``sdpa_query``), and the timings ``auto`` chose it by."""
 
     def check_layers(self, specs: list, max_cache_len: int) -> None:
         """Refuse, before the model loads, a model whose layers this target cannot describe

@@ -116,6 +116,11 @@ FAMILIES = {
     # One KV head: a ring attends through window_attention (XNNPACK's matmuls); more: custom_sdpa.
     "custom_op": (CustomOpRingCache, CustomOpStaticCache, custom_op_attention, KV_HEADS),
     "custom_op_kv_heads_2": (CustomOpRingCache, CustomOpStaticCache, custom_op_attention, HEADS),
+    # --sdpa-query per-head: custom_sdpa's own call, one row per query head.
+    "custom_op_per_head": (partial(CustomOpRingCache, grouped=False), partial(CustomOpStaticCache, grouped=False),
+                           custom_op_attention, KV_HEADS),
+    "custom_op_per_head_kv_heads_2": (partial(CustomOpRingCache, grouped=False), partial(CustomOpStaticCache, grouped=False),
+                                      custom_op_attention, HEADS),
     # int8 rows: the reference attends over the query, keys and values quantized row by row.
     "int8": (partial(QuantizedRingCache, rotation=key_rotation(DIM)), partial(QuantizedStaticCache, rotation=key_rotation(DIM)),
              custom_op_attention, KV_HEADS),

@@ -11,4 +11,5 @@ ACCEPTS = Accepts(
     quantize_embedding=True,
     # int8: a scale and zero point per row, quantized as it is written (nothing runs at export).
     kv_caches=(KvCache.FLOAT, KvCache.INT8),
+    sdpa_query=True,
 )

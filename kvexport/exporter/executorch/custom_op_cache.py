@@ -5,6 +5,8 @@ becomes a functional copy of the whole buffer plus a copy back), and ``llama::cu
 fused flash-attention kernel that handles grouped KV heads and, given a start position, reads
 only positions ``[0, start + T)``. Decode cost then follows the filled length, not
 ``max_cache_len``. Buffers are sequence-major ``[1, slots, kv_heads, head_dim]`` as the ops want.
+The query rows a call gives the kernel are ``--sdpa-query``'s choice (``causal_sdpa``,
+``sdpa_query``).
 
 A sliding-window ring is small and always attended whole, so with one KV head (Gemma 3 270M, 1B)
 its attention is plain batched matmuls that XNNPACK runs inside the delegate (``window_attention``);
@@ -16,6 +18,8 @@ sinks) keeps the same buffers but falls back to its own eager attention on views
 """
 
 from __future__ import annotations
+
+from functools import partial
 
 import executorch.extension.llm.custom_ops.custom_ops  # noqa: F401  (registers torch.ops.llama.*)
 import torch
@@ -32,10 +36,11 @@ def _to_seq_major(x: torch.Tensor) -> torch.Tensor:
 
 class CustomOpStaticCache(nn.Module):
     """Full attention: slot i holds position i. One slot more than ``max_len``, never written:
-    ``custom_sdpa``'s extra query row reads it."""
+    ``custom_sdpa``'s extra query row (``--sdpa-query grouped``) reads it."""
 
-    def __init__(self, batch: int, kv_heads: int, max_len: int, head_dim: int, dtype: torch.dtype):
+    def __init__(self, batch: int, kv_heads: int, max_len: int, head_dim: int, dtype: torch.dtype, grouped: bool = True):
         super().__init__()
+        self.grouped = grouped  # --sdpa-query grouped (else per-head)
         shape = (batch, max_len + 1, kv_heads, head_dim)
         self.register_buffer("k", torch.zeros(shape, dtype=dtype), persistent=False)
         self.register_buffer("v", torch.zeros(shape, dtype=dtype), persistent=False)
@@ -44,7 +49,7 @@ class CustomOpStaticCache(nn.Module):
         torch.ops.llama.update_cache(_to_seq_major(key), self.k, call.start)
         torch.ops.llama.update_cache(_to_seq_major(value), self.v, call.start)
         if plain_softmax_attention(kwargs):
-            return causal_sdpa(query, self.k, self.v, call.positions[:1], scaling), None
+            return causal_sdpa(query, self.k, self.v, call.positions[:1], scaling, self.grouped), None
         end = call.start + query.shape[2]
         keys, values = _to_seq_major(self.k[:, :end]), _to_seq_major(self.v[:, :end])
         return family_eager_attention(module)(module, query, keys, values, mask[..., :end], scaling=scaling, **kwargs)
@@ -57,7 +62,7 @@ class CustomOpStaticCache(nn.Module):
         end = call.start + call.positions.shape[0]
         if plain_softmax_attention(kwargs):
             first = call.positions[-query.shape[2]:][:1]
-            return causal_sdpa(query, self.k, self.v, first, scaling), None
+            return causal_sdpa(query, self.k, self.v, first, scaling, self.grouped), None
         keys, values = _to_seq_major(self.k[:, :end]), _to_seq_major(self.v[:, :end])
         mask = additive_mask(torch.arange(end), last_positions(call, query), None, query.dtype)
         return family_eager_attention(module)(module, query, keys, values, mask, scaling=scaling, **kwargs)
@@ -67,8 +72,10 @@ class CustomOpRingCache(nn.Module):
     """Sliding window W: S = W + spare slots, position p at slot p % S; attends to the ring as it was
     before the call followed by the call's own keys, masked to the window (RingKVCache's semantics)."""
 
-    def __init__(self, batch: int, kv_heads: int, window: int, head_dim: int, dtype: torch.dtype, spare: int = 0):
+    def __init__(self, batch: int, kv_heads: int, window: int, head_dim: int, dtype: torch.dtype, spare: int = 0,
+                 grouped: bool = True):
         super().__init__()
+        self.grouped = grouped  # --sdpa-query grouped (else per-head)
         self.window = window
         self.slots = window + spare
         shape = (batch, self.slots, kv_heads, head_dim)
@@ -102,50 +109,56 @@ class CustomOpRingCache(nn.Module):
             # Runs inside the delegate; custom_sdpa is a call out of it (docs/performance.md).
             return window_attention(query, keys, values, mask, scaling), None
         # The kernel takes a float32 mask whatever the activations' dtype (float16 ones fail at run time).
-        return masked_sdpa(query, keys, values, mask[0, 0].float(), scaling), None
+        return masked_sdpa(query, keys, values, mask[0, 0].float(), scaling, self.grouped), None
 
     def key_positions(self, positions: torch.Tensor) -> torch.Tensor:
         return ring_key_positions(positions, self.slots)
 
 
-def masked_sdpa(query, keys, values, mask, scaling) -> torch.Tensor:
+def masked_sdpa(query, keys, values, mask, scaling, grouped: bool = True) -> torch.Tensor:
     """``llama::custom_sdpa`` of ``query [1, H, T, D]`` over sequence-major ``keys``/``values``
     under ``mask [T, K]``. Returns ``[1, T, H, D]``.
 
-    A one-token call with query-head groups reads each row once, as ``causal_sdpa``'s does, the
-    mask's one row given to each row of the group."""
+    ``grouped``: a one-token call with query-head groups reads each row once, as ``causal_sdpa``'s
+    does, the mask's one row given to each row of the group; else one row per query head."""
+    if not grouped:
+        return torch.ops.llama.custom_sdpa(_to_seq_major(query), keys, values, 0, mask, 0.0, False, scaling)
     q, mask = _with_extra_row(query), torch.cat([mask, mask[-1:]])
 
     def row_by_row(q, keys, values, mask):
         return torch.ops.llama.custom_sdpa(q, keys, values, 0, mask, 0.0, False, scaling)
 
-    def grouped(q, keys, values, mask):
+    def stacked(q, keys, values, mask):
         return last_row_by_group(q, keys, values, scaling, mask_row=mask[-1:])
 
-    return _by_call_length(query, keys, grouped, row_by_row, (q, keys, values, mask))[:, :-1]
+    return _by_call_length(query, keys, stacked, row_by_row, (q, keys, values, mask))[:, :-1]
 
 
-def causal_sdpa(query, keys, values, first, scaling) -> torch.Tensor:
+def causal_sdpa(query, keys, values, first, scaling, grouped: bool = True) -> torch.Tensor:
     """``llama::custom_sdpa`` of ``query [1, H, T, D]`` over a static buffer's ``keys``/``values``,
     causal from position ``first`` (a one-element tensor; the kernel reads positions
     ``[0, first + T)`` only). Returns ``[1, T, H, D]``.
 
     The kernel splits its work by query head, so each KV head's rows are read once per query head
-    of its group. A one-token call (a decode step) with groups stacks each group's query heads as
-    the rows of one query over its KV head, attending to every filled position (for that one
-    token, causal is everything so far): each cached row is read once a step. Longer calls
+    of its group. ``grouped``: a one-token call (a decode step) with groups stacks each group's
+    query heads as the rows of one query over its KV head, attending to every filled position (for
+    that one token, causal is everything so far): each cached row is read once a step. Longer calls
     (prefill, verification) need the causal mask row by row and stay one query row per head.
+    Else (``per-head``) every call is the kernel's own, one row per query head.
 
     Causal, the extra row (``_with_extra_row``) reads one key past the call's end, which is why a
     static buffer has one slot more than the positions it holds."""
+    if not grouped:
+        start = start_position(first)
+        return torch.ops.llama.custom_sdpa(_to_seq_major(query), keys, values, start, None, 0.0, True, scaling)
 
     def row_by_row(q, keys, values, first):
         return torch.ops.llama.custom_sdpa(q, keys, values, start_position(first), None, 0.0, True, scaling)
 
-    def grouped(q, keys, values, first):
+    def stacked(q, keys, values, first):
         return last_row_by_group(q, keys, values, scaling, end=start_position(first) + q.shape[1] - 1)
 
-    return _by_call_length(query, keys, grouped, row_by_row, (_with_extra_row(query), keys, values, first))[:, :-1]
+    return _by_call_length(query, keys, stacked, row_by_row, (_with_extra_row(query), keys, values, first))[:, :-1]
 
 
 def _with_extra_row(query: torch.Tensor) -> torch.Tensor:
@@ -218,4 +231,9 @@ def window_attention(query, keys, values, mask, scaling=None) -> torch.Tensor:
     return torch.bmm(probs.reshape(1, h * t, -1), v).reshape(1, h, t, d).transpose(1, 2)
 
 
-CUSTOM_OP_CACHES: CacheKinds = {STATIC: CustomOpStaticCache, RING: CustomOpRingCache}
+def custom_op_caches(grouped: bool = True) -> CacheKinds:
+    """The cache kinds, their attention ``--sdpa-query grouped`` or ``per-head``."""
+    return {STATIC: partial(CustomOpStaticCache, grouped=grouped), RING: partial(CustomOpRingCache, grouped=grouped)}
+
+
+CUSTOM_OP_CACHES: CacheKinds = custom_op_caches()

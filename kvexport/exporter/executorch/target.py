@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from ...choices import EmbeddingScheme, KvCache, LmHeadScheme
+from ...choices import EmbeddingScheme, KvCache, LmHeadScheme, SdpaQuery
 from ...errors import KvexportError, UnsupportedModelError
 from ...models.deferred_weights import DeferredWeights
 from ...progress import report
@@ -55,24 +55,38 @@ def export(
     kv_cache: KvCache = KvCache.FLOAT,
     calibration_ids: torch.Tensor | None = None,
     max_draft_tokens: int = 0,
+    sdpa_query: SdpaQuery = SdpaQuery.GROUPED,
 ) -> torch.export.ExportedProgram | dict[str, torch.export.ExportedProgram]:
     """The cache lives in the program's mutable buffers, written and read by ExecuTorch's LLM
     custom ops (in-place update, fused attention over the filled positions only), in the model's
     dtype or in int8 (``kv_cache``; its scales are chosen per row as it is written, so
     ``calibration_ids`` is not needed). A call takes at most ``max_tokens_per_call`` tokens, the
     size ExecuTorch plans activation memory for. ``max_draft_tokens``: the programs of two methods,
-    ``forward`` and ``verify`` (every position's logits), over the same buffers."""
-    from .custom_op_cache import CUSTOM_OP_CACHES
+    ``forward`` and ``verify`` (every position's logits), over the same buffers. ``sdpa_query``: the
+    query rows a float cache's attention gives ``llama::custom_sdpa`` (``choose_sdpa_query``)."""
+    from .custom_op_cache import custom_op_caches
     from .quantized_kv_cache import QUANTIZED_CACHES
     from .stacked_projections import stacked_projections
     from .xnnpack_rewrites import rotary_as_matmul
 
-    caches = QUANTIZED_CACHES if kv_cache == KvCache.INT8 else CUSTOM_OP_CACHES
+    caches = QUANTIZED_CACHES if kv_cache == KvCache.INT8 else custom_op_caches(sdpa_query == SdpaQuery.GROUPED)
     with rotary_as_matmul(model), stacked_projections(model):
         decoder = ExportableDecoder(model, max_cache_len, caches, max_tokens_per_call, max_draft_tokens)
         if not max_draft_tokens:
             return export_decoder(decoder)
         return {"forward": export_decoder(decoder), VERIFY_METHOD: export_verifier(decoder, max_draft_tokens + 1)}
+
+
+def choose_sdpa_query(requested: SdpaQuery, kv_cache: KvCache, text_config, specs: list,
+                      max_cache_len: int) -> tuple[SdpaQuery | None, dict | None]:
+    """``--sdpa-query``'s form for a float cache, and the timings ``auto`` chose it by
+    (``sdpa_query.choose``); None for an int8 cache (its decode kernel takes one row per query head)
+    and where ``auto`` finds no layer whose attention the choice changes."""
+    if kv_cache != KvCache.FLOAT:
+        return None, None
+    from .sdpa_query import choose
+
+    return choose(requested, text_config, specs, max_cache_len)
 
 
 def check_layers(specs: list, max_cache_len: int) -> None:

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from ...artifact.manifest import Layer, buffer_layers, state_layers
-from ...choices import KvCache, LmHeadScheme
+from ...choices import KvCache, LmHeadScheme, SdpaQuery
 from ...errors import UnsupportedModelError
 from ...models.architecture import layer_specs
 from ...models.deferred_weights import DeferredWeights
@@ -100,6 +100,11 @@ PAST, PRESENT = "past_key_values.{index}.{kv}", "present.{index}.{kv}"
 # The states of a layer that does not attend (exporter/onnx/states.py), by its cache kind.
 PAST_STATE, PRESENT_STATE = "past_state.{index}.{state}", "present_state.{index}.{state}"
 STATES = {"conv": ("conv",), "recurrent": ("conv", "recurrent")}
+
+
+def choose_sdpa_query(requested: SdpaQuery, kv_cache: KvCache, text_config, specs: list, max_cache_len: int) -> tuple[None, None]:
+    """No choice: ONNX Runtime's attention is its own kernel's (``--sdpa-query`` is refused before)."""
+    return None, None
 
 
 def check_layers(specs: list, max_cache_len: int) -> None:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvexport.exporter.decoder import ExportableDecoder, export_decoder, export_verifier
-from kvexport.exporter.executorch.custom_op_cache import CUSTOM_OP_CACHES
+from kvexport.exporter.executorch.custom_op_cache import CUSTOM_OP_CACHES, custom_op_caches
 from kvexport.models.presets import build_preset
 from kvexport.runtime.programs import load_program
 
@@ -64,13 +64,30 @@ def test_a_decode_step_reads_each_kv_head_once_for_its_group(preset, causal):
     assert sdpa_calls(export_verifier(decoder, DRAFTS + 1).graph) == [(DRAFTS + 2, heads, causal)] * layers
 
 
+@pytest.mark.parametrize("preset, causal", [("tiny-llama", True), ("tiny-mistral", False)], ids=["static", "ring-with-mask"])
+def test_per_head_calls_are_the_kernels_own(preset, causal):
+    """``--sdpa-query per-head``: every call, a decode step's too, is one ``custom_sdpa`` of the
+    call's rows over every query head, as ExecuTorch's own recipes call it: no branch on the call's
+    length, no extra row, and a verification one call of its ``K + 1`` rows per layer."""
+    model, _ = build_preset(preset)
+    heads, layers = model.config.num_attention_heads, model.config.num_hidden_layers
+    decoder = ExportableDecoder(model, TEST_CACHE_LEN, custom_op_caches(grouped=False), spare_slots=DRAFTS)
+
+    forward = export_decoder(decoder)
+    assert cond_branches(forward) == []
+    calls = sdpa_calls(forward.graph)
+    assert [(str(rows), h, c) for rows, h, c in calls] == [(str(call_tokens(forward)), heads, causal)] * layers
+    assert sdpa_calls(export_verifier(decoder, DRAFTS + 1).graph) == [(DRAFTS + 1, heads, causal)] * layers
+
+
+@pytest.mark.parametrize("sdpa_query", ["grouped", "per-head"])
 @pytest.mark.parametrize("prompt_tokens", [1, 2, 5])
-def test_grouped_decode_from_the_first_positions_matches_eager(artifact, prompt_tokens):
-    """The stacked call's start lies before position 0 while the filled length is under a group
-    (the kernel reads ``[0, start + group)``): generation from the shortest prompts equals eager's."""
+def test_decode_from_the_first_positions_matches_eager(artifact, prompt_tokens, sdpa_query):
+    """Either form from the shortest prompts equals eager's; the stacked call's start lies before
+    position 0 while the filled length is under a group (the kernel reads ``[0, start + group)``)."""
     model, tokenizer = build_preset("tiny-llama")
     ids = tokenizer("The quick brown fox jumps over the lazy dog").input_ids[:prompt_tokens]
     assert len(ids) == prompt_tokens
-    program = load_program(artifact("tiny-llama"))
+    program = load_program(artifact("tiny-llama", sdpa_query=sdpa_query))
     got = greedy_with(program.forward, ids, NEW_TOKENS)
     assert_generation_matches(got, eager_reference(model, ids, NEW_TOKENS), FP32_LOGIT_ATOL, f"{prompt_tokens}-token prompt")
