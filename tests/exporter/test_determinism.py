@@ -26,6 +26,8 @@ def start_export(options: dict, out: Path, hash_seed: str) -> subprocess.Popen:
     command = [sys.executable, "-m", "kvexport.cli", "export", options["model"], "--target", options["target"]]
     command += ["--dtype", options["dtype"], "--max-cache-len", str(options["max_cache_len"])]
     command += ["--prefill-chunk", str(options["prefill_chunk"]), "-o", str(out), "-q"]
+    if "sdpa_query" in options:  # what --sdpa-query auto chose where the artifact was exported
+        command += ["--sdpa-query", options["sdpa_query"]]
     return subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL)
 
 
@@ -34,7 +36,9 @@ def test_reexporting_from_the_recorded_options_gives_identical_bytes(artifact, t
     strings, which follows the process's hash seed (the CLI pins it for exports)."""
     exported = artifact("tiny-gemma3")  # by the Python API in this process (or by CI's matrix run)
     options = json.loads((exported / "kvexport.json").read_text())["export_options"]
-    assert options == {"model": "tiny-gemma3", "target": "executorch", "dtype": "float32", "max_cache_len": 64, "prefill_chunk": 64}
+    assert options["sdpa_query"] in ("grouped", "per-head")  # what --sdpa-query auto chose, timed where it ran
+    assert {k: v for k, v in options.items() if k != "sdpa_query"} == {
+        "model": "tiny-gemma3", "target": "executorch", "dtype": "float32", "max_cache_len": 64, "prefill_chunk": 64}
 
     # From what kvexport.json records, to another folder, by the CLI from a process started with
     # another hash seed (a fresh import of everything).

@@ -9,6 +9,7 @@ import hashlib
 from executorch.backends.xnnpack import _passes as xnnpack_passes
 from executorch.backends.xnnpack.partition.graphs import bilinear_2d, sdpa
 
+from kvexport.artifact.manifest import read_manifest
 from kvexport.exporter.executorch import xnnpack_passes as only_applying
 from kvexport.exporter.pipeline import ExportOptions, export_model
 from kvexport.progress import Progress
@@ -90,7 +91,9 @@ def test_kvexport_s_lowering_shortcuts_give_executorch_s_own_program(artifact, t
     monkeypatch.setattr(xnnpack_partitioner, "merge_checks_by_set_overlap", contextlib.nullcontext)
     monkeypatch.setattr(edge_passes, "operator_rewrites_chained", contextlib.nullcontext)
     as_executorch_lowers = tmp_path / "as-executorch-lowers"
-    export_model(ExportOptions("tiny-mistral", "executorch", as_executorch_lowers, TEST_CACHE_LEN), Progress(quiet=True))
+    chosen = read_manifest(shortcuts).export_options.get("sdpa_query", "auto")  # what auto chose for the artifact
+    export_model(ExportOptions("tiny-mistral", "executorch", as_executorch_lowers, TEST_CACHE_LEN, sdpa_query=chosen),
+                 Progress(quiet=True))
     for name in ("model.pte", "model.ptd"):
         assert sha256(as_executorch_lowers / name) == sha256(shortcuts / name), name
 
