@@ -63,9 +63,9 @@ class SdpaQuery(StrEnum):
     ``llama::custom_sdpa``. ``grouped`` stacks a decode step's query heads per KV head (each cached
     row read once a step) and gives longer calls one row more, so that every product is a matrix
     product; ``per-head`` is ExecuTorch's own call, one row per query head (a decode step's products
-    matrix-vector ones). Which is faster depends on the BLAS the runtime links and the CPU
-    (docs/performance.md#attention-in-a-pte); ``auto`` times both at the model's shape on the
-    exporting machine and keeps the faster."""
+    matrix-vector ones). Which is faster depends on the BLAS the runtime links and the CPU;
+    ``auto`` times both at the model's shape on the exporting machine and keeps per-head where it is
+    clearly the faster (``exporter/executorch/sdpa_query.py``)."""
 
     AUTO = "auto"
     GROUPED = "grouped"

@@ -3,13 +3,15 @@
 ExecuTorch's kernel computes its products with the BLAS the runtime links. ``grouped`` (a decode
 step's query heads stacked per KV head, each cached row read once; ``custom_op_cache.causal_sdpa``)
 makes them small matrix products, ``per-head`` (the kernel's own call, one row per query head)
-matrix-vector ones. Which is faster is a property of that BLAS on that CPU, not of the model:
-with the ExecuTorch pip wheel (libtorch's MKL) grouped is the faster on Intel CPUs and per-head on
-AMD ones (docs/performance.md#attention-in-a-pte). ``auto`` times one decode step's calls of both
-over a few layers' own buffers at the model's shape and keeps per-head only where it is clearly
-the faster, since a real step reads its buffers from memory, where reading each row once counts
-more than here. Each form's time is its fastest round: other load on the machine slows a round
-(grouped's matrix products, threaded by the BLAS, the most), never speeds one up."""
+matrix-vector ones. Which is faster depends on that BLAS on that CPU, and somewhat on the shape:
+libtorch's MKL, which ExecuTorch's pip wheel calls, favoured grouped on an Intel CPU and per-head
+on an AMD one (docs/performance.md#which-query-rows-a-decode-step-gives-the-kernel).
+
+``auto`` times one decode step's calls of both over a few layers' own buffers at the model's shape
+and keeps per-head only where it is clearly the faster, since a real step reads its buffers from
+memory, where reading each row once counts more than here. Each form's time is its fastest
+round: other load on the machine slows a round (grouped's matrix products, threaded by the BLAS,
+the most), never speeds one up."""
 
 from __future__ import annotations
 
