@@ -105,7 +105,7 @@ def test_a_failure_in_lowering_leaves_the_previous_artifact(tmp_path, monkeypatc
         raise RuntimeError("lowering failed")
 
     # Skip the trace (seconds of CPU): the lowering is what fails here.
-    monkeypatch.setattr(executorch, "export", lambda model, max_cache_len, max_tokens_per_call, kv_cache, calibration_ids, max_draft_tokens: object())
+    monkeypatch.setattr(executorch, "export", lambda model, max_cache_len, max_tokens_per_call, kv_cache, calibration_ids, max_draft_tokens, **choices: object())
     monkeypatch.setattr(executorch, "lower", failing_lower)
     out = tmp_path / "out"
     previous_artifact(out)
@@ -127,7 +127,7 @@ def test_a_full_disk_while_lowering_gets_one_line(tmp_path, monkeypatch, capsys)
         (folder / "model.pte").write_bytes(b"half a program")
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(folder / "model.pte"))
 
-    monkeypatch.setattr(executorch, "export", lambda model, max_cache_len, max_tokens_per_call, kv_cache, calibration_ids, max_draft_tokens: object())
+    monkeypatch.setattr(executorch, "export", lambda model, max_cache_len, max_tokens_per_call, kv_cache, calibration_ids, max_draft_tokens, **choices: object())
     monkeypatch.setattr(executorch, "lower", lower_on_a_full_disk)
     out = tmp_path / "out"
     previous_artifact(out)
@@ -161,7 +161,7 @@ def test_a_full_disk_while_writing_onnx_gets_one_line(tmp_path, monkeypatch, cap
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
         return builtins.open(path, *args, **kwargs)
 
-    monkeypatch.setattr(onnx, "export", lambda model, max_cache_len, max_tokens_per_call, kv_cache, calibration_ids, max_draft_tokens: object())
+    monkeypatch.setattr(onnx, "export", lambda model, max_cache_len, max_tokens_per_call, kv_cache, calibration_ids, max_draft_tokens, **choices: object())
     monkeypatch.setattr(onnx, "lower", _onnx_lower_on_a_full_disk)
     out = tmp_path / "out"
     args = ["tiny-llama", "--target", "onnx", "-o", str(out), "--max-cache-len", "16", "--force"]
@@ -218,7 +218,7 @@ def test_an_export_that_finished_first_at_the_same_output_is_not_replaced(tmp_pa
         previous_artifact(out)  # the other export, started at the same time, publishes first
         return {"program": "model.pte"}
 
-    monkeypatch.setattr(executorch, "export", lambda model, max_cache_len, max_tokens_per_call, kv_cache, calibration_ids, max_draft_tokens: object())
+    monkeypatch.setattr(executorch, "export", lambda model, max_cache_len, max_tokens_per_call, kv_cache, calibration_ids, max_draft_tokens, **choices: object())
     monkeypatch.setattr(executorch, "lower", lower_while_another_export_finishes)
     with pytest.raises(SystemExit) as exit_info:
         main(["tiny-llama", "-o", str(out), "--max-cache-len", "16"])
