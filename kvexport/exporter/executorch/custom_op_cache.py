@@ -28,6 +28,7 @@ from torch import nn
 from ...models.architecture import RING, STATIC
 from ..attention import family_eager_attention, plain_softmax_attention
 from ..kv_cache import CacheKinds, CallState, additive_mask, last_positions, ring_key_positions, shared_ring_mask
+from .vector_state import clear_vector_state
 
 
 def _to_seq_major(x: torch.Tensor) -> torch.Tensor:
@@ -121,6 +122,7 @@ def masked_sdpa(query, keys, values, mask, scaling, grouped: bool = True) -> tor
 
     ``grouped``: a one-token call with query-head groups reads each row once, as ``causal_sdpa``'s
     does, the mask's one row given to each row of the group; else one row per query head."""
+    query = clear_vector_state(query)
     if not grouped:
         return torch.ops.llama.custom_sdpa(_to_seq_major(query), keys, values, 0, mask, 0.0, False, scaling)
     q, mask = _with_extra_row(query), torch.cat([mask, mask[-1:]])
@@ -147,7 +149,10 @@ def causal_sdpa(query, keys, values, first, scaling, grouped: bool = True) -> to
     Else (``per-head``) every call is the kernel's own, one row per query head.
 
     Causal, the extra row (``_with_extra_row``) reads one key past the call's end, which is why a
-    static buffer has one slot more than the positions it holds."""
+    static buffer has one slot more than the positions it holds.
+
+    The query passes ``clear_vector_state`` first (the kernel's speed on XNNPACK's pool threads)."""
+    query = clear_vector_state(query)
     if not grouped:
         start = start_position(first)
         return torch.ops.llama.custom_sdpa(_to_seq_major(query), keys, values, start, None, 0.0, True, scaling)
