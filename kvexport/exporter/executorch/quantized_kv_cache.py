@@ -34,6 +34,7 @@ from ...models.architecture import RING, STATIC
 from ..attention import family_eager_attention, plain_softmax_attention
 from ..kv_cache import CacheKinds, CallState, additive_mask, last_positions, ring_key_positions, shared_ring_mask
 from .custom_op_cache import by_call_length, start_position
+from .vector_state import clear_vector_state
 
 INT8 = torch.int8
 QMIN, QMAX = torch.iinfo(INT8).min, torch.iinfo(INT8).max
@@ -75,7 +76,8 @@ def quantized_sdpa(query, rows, start, mask, scaling):
     (reading positions ``[0, start + T)`` only), else under ``mask [T, K]``. Returns ``[1, T, H, D]``.
     Its products are torchao's int8 kernels, which take a one-row call in about half a two-row
     call's time: no extra query row, unlike ``custom_op_cache.masked_sdpa``, and no stacked
-    query-head groups (slower here too)."""
+    query-head groups (slower here too). The query passes ``clear_vector_state`` first."""
+    query = clear_vector_state(query)
     return _int8_sdpa(*quantize_rows(_to_seq_major(query)), rows, start, mask, scaling).to(query.dtype)
 
 
@@ -96,7 +98,9 @@ def by_length(query, rows, scaling, first=None, mask=None):
     to the call's end) dequantized and the query as the int8 kernel rounds it: a verification's rows
     are then a one-token call's within float rounding, and torchao's int8 products, the quicker for
     one query row, take several times as long as the float kernel and the dequantization together
-    for many (docs/performance.md#decode-by-context-length)."""
+    for many (docs/performance.md#decode-by-context-length). The query passes
+    ``clear_vector_state`` first (the kernels' speed on XNNPACK's pool threads)."""
+    query = clear_vector_state(query)
 
     def one_token(q, q_scales, q_zero_points, bound, *rows):
         start = start_position(bound) if mask is None else 0

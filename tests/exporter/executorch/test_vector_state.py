@@ -9,6 +9,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from kvexport.exporter.decoder import ExportableDecoder, export_decoder
 from kvexport.exporter.executorch.custom_op_cache import custom_op_caches
+from kvexport.exporter.executorch.quantized_kv_cache import QUANTIZED_CACHES
 from kvexport.exporter.executorch.vector_state import SPREAD_ELEMENTS, clear_vector_state
 from kvexport.models.presets import build_preset
 
@@ -38,14 +39,17 @@ def test_the_subtraction_spans_the_spread_or_every_pair_of_rows(heads, head_dim)
         assert shape.numel() >= SPREAD_ELEMENTS
 
 
-@pytest.mark.parametrize("grouped", [True, False], ids=["grouped", "per-head"])
+KINDS = {"grouped": custom_op_caches(grouped=True), "per-head": custom_op_caches(grouped=False), "int8": QUANTIZED_CACHES}
+
+
+@pytest.mark.parametrize("kinds", list(KINDS))
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-mistral"])
-def test_one_subtraction_before_each_layers_kernel(preset, grouped):
-    """Each layer's attention (a static buffer's causal call, a ring's masked one) clears the
-    pool threads' vector state once, outside the branch on the call's length."""
+def test_one_subtraction_before_each_layers_kernel(preset, kinds):
+    """Each layer's attention (a static buffer's causal call, a ring's masked one; float or int8
+    rows) clears the pool threads' vector state once, outside the branch on the call's length."""
     model, _ = build_preset(preset)
     config = model.config
     values = config.num_attention_heads * (getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
-    forward = export_decoder(ExportableDecoder(model, TEST_CACHE_LEN, custom_op_caches(grouped)))
+    forward = export_decoder(ExportableDecoder(model, TEST_CACHE_LEN, KINDS[kinds]))
     wide = [s for s in subtractions(forward.graph) if s[0] == values and len(s) == 2]
     assert len(wide) == config.num_hidden_layers
