@@ -27,7 +27,11 @@ run_new_tokens = 4
 MATRIX = ROWS + """
 [[row]]
 model = "tiny-llama"
-target = ["onnx", "executorch"]
+target = "onnx"
+[[row]]
+model = "tiny-llama"
+target = "executorch"
+sdpa_query = "per-head"  # auto times both forms on this machine: another test's load could flip its choice between the two runs
 [[row]]
 model = "tiny-gemma3"
 target = "onnx"
@@ -44,6 +48,16 @@ QUICK_NODE_DEATH = {"health_check_initial_delay_ms": 0, "health_check_period_ms"
 # What differs between two runs of the same row: timings, where it ran, where its log is.
 VOLATILE = {"row_seconds", "log", "ran_on", "export_seconds", "export_steps", "export_peak_rss_mb",
             "prefill_tokens_per_s", "decode_tokens_per_s"}
+
+
+def _stable(row: dict) -> dict:
+    """A row's report without what differs between two runs of it. onnxruntime-genai's logits
+    depend on how many threads its session has (a cluster row's cores), so its largest difference
+    from eager is compared within a tolerance instead."""
+    stable = {k: v for k, v in row.items() if k not in VOLATILE}
+    if stable.get("genai"):
+        stable["genai"] = {k: v for k, v in stable["genai"].items() if k != "max_logit_diff"}
+    return stable
 
 
 def start_cluster():
@@ -98,9 +112,10 @@ def test_the_cluster_s_report_is_the_local_run_s(ray_and_local):
     reports, _, _ = ray_and_local
     ray_rows, local_rows = reports["ray"]["rows"], reports["local"]["rows"]
     assert [r["status"] for r in ray_rows] == ["pass", "pass", "pass", "error"]
-    assert [{k: v for k, v in r.items() if k not in VOLATILE} for r in ray_rows] == [
-        {k: v for k, v in r.items() if k not in VOLATILE} for r in local_rows
-    ]
+    assert [_stable(r) for r in ray_rows] == [_stable(r) for r in local_rows]
+    for ray_row, local_row in zip(ray_rows, local_rows):
+        if (ray_row.get("genai") or {}).get("max_logit_diff") is not None:
+            assert ray_row["genai"]["max_logit_diff"] == pytest.approx(local_row["genai"]["max_logit_diff"], abs=1e-5)
     assert {k: v for k, v in reports["ray"].items() if k != "rows"} == {k: v for k, v in reports["local"].items() if k != "rows"}
 
 
