@@ -47,6 +47,7 @@ def export(
     quantize_grid: str | None = None,
     kv_cache: str = "float",
     sdpa_query: str = "auto",
+    int8_kv_sdpa: str = "auto",
     max_draft_tokens: int = 0,
     force: bool = False,
     quiet: bool = False,
@@ -64,7 +65,7 @@ def export(
     options = {
         "max_cache_len": max_cache_len, "prefill_chunk": prefill_chunk, "dtype": dtype, "quantize": quantize,
         "quantize_embedding": quantize_embedding, "quantize_lm_head": quantize_lm_head, "quantize_grid": quantize_grid,
-        "kv_cache": kv_cache, "sdpa_query": sdpa_query,
+        "kv_cache": kv_cache, "sdpa_query": sdpa_query, "int8_kv_sdpa": int8_kv_sdpa,
         "max_draft_tokens": max_draft_tokens, "force": force,
         "quiet": quiet, "revision": revision, "offline": offline, "gguf_file": gguf_file,
     }

@@ -72,6 +72,19 @@ class SdpaQuery(StrEnum):
     PER_HEAD = "per-head"
 
 
+class Int8KvSdpa(StrEnum):
+    """``--int8-kv-sdpa`` (executorch, int8 KV cache): the kernel a decode step attends with.
+    ``quantized`` is ExecuTorch's ``llama::custom_quantized_sdpa``, which reads the int8 rows in place
+    with torchao's int8 products: NEON micro-kernels on aarch64, a scalar fallback elsewhere.
+    ``dequantized`` dequantizes the rows a step reads and attends with the float kernel,
+    ``llama::custom_sdpa``. ``auto``: quantized where the exporting machine is aarch64, else
+    dequantized (``exporter/executorch/target.py``)."""
+
+    AUTO = "auto"
+    QUANTIZED = "quantized"
+    DEQUANTIZED = "dequantized"
+
+
 def choose(kind: type[StrEnum], value, option: str) -> StrEnum:
     """``value`` as ``kind``'s member, or a one-line refusal naming ``option`` and the choices."""
     try:

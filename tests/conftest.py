@@ -69,15 +69,16 @@ MATRIX_ARTIFACTS = os.environ.get("KVEXPORT_TEST_MATRIX_ARTIFACTS")
 
 def matrix_artifact(export_options: dict) -> Path | None:
     """An artifact the matrix kept whose ``export_options`` are exactly these, or None; the form
-    ``--sdpa-query auto`` chose on this machine (recorded with them) is what an export here would
-    choose too."""
+    ``--sdpa-query auto`` and ``--int8-kv-sdpa auto`` chose on this machine (recorded with them) is
+    what an export here would choose too."""
     from kvexport.artifact.manifest import read_manifest
     from kvexport.errors import KvexportError
 
     for path in sorted(Path(MATRIX_ARTIFACTS).glob("**/artifact/kvexport.json")) if MATRIX_ARTIFACTS else []:
         kept = json.loads(path.read_text()).get("export_options", {})
-        if "sdpa_query" not in export_options:
-            kept.pop("sdpa_query", None)
+        for chosen in ("sdpa_query", "int8_kv_sdpa"):
+            if chosen not in export_options:
+                kept.pop(chosen, None)
         if kept == export_options:
             try:
                 read_manifest(path.parent)  # verifies every file's sum
@@ -103,19 +104,22 @@ def exported_once(tmp_path_factory, name: str, export) -> Path:
 @pytest.fixture(scope="session")
 def artifact(tmp_path_factory):
     """``artifact(name, target, quantize=None, quantize_embedding=None, quantize_lm_head=None,
-    dtype="float32", kv_cache="float", max_draft_tokens=0, quantize_grid=None, sdpa_query="auto")`` -> folder,
+    dtype="float32", kv_cache="float", max_draft_tokens=0, quantize_grid=None, sdpa_query="auto",
+    int8_kv_sdpa="auto")`` -> folder,
     exported once per test run."""
     import kvexport
     from kvexport.exporter.pipeline import choose_prefill_chunk
 
     def get(name: str, target: str = "executorch", quantize: str | None = None, quantize_embedding: str | None = None,
             quantize_lm_head: str | None = None, dtype: str = "float32", kv_cache: str = "float", max_draft_tokens: int = 0,
-            quantize_grid: str | None = None, sdpa_query: str = "auto"):
-        key = (name, target, quantize, quantize_embedding, quantize_lm_head, dtype, kv_cache, quantize_grid, sdpa_query)
+            quantize_grid: str | None = None, sdpa_query: str = "auto", int8_kv_sdpa: str = "auto"):
+        key = (name, target, quantize, quantize_embedding, quantize_lm_head, dtype, kv_cache, quantize_grid, sdpa_query,
+               int8_kv_sdpa)
         suffix = "".join(f"-{q}" for q in key[2:] if q and q not in ("float32", "float", "auto"))
         suffix += f"-draft{max_draft_tokens}" if max_draft_tokens else ""
         options = dict(dtype=dtype, quantize=quantize, quantize_embedding=quantize_embedding, quantize_lm_head=quantize_lm_head,
-                       quantize_grid=quantize_grid, kv_cache=kv_cache, sdpa_query=sdpa_query, max_draft_tokens=max_draft_tokens)
+                       quantize_grid=quantize_grid, kv_cache=kv_cache, sdpa_query=sdpa_query, int8_kv_sdpa=int8_kv_sdpa,
+                       max_draft_tokens=max_draft_tokens)
         recorded = {"model": name, "target": target, "dtype": dtype, "max_cache_len": TEST_CACHE_LEN,
                     "prefill_chunk": choose_prefill_chunk(TEST_CACHE_LEN, None),
                     **{option: value for option, value in options.items()

@@ -49,6 +49,7 @@ def export(
     quantize_grid: Annotated[Optional[str], typer.Option(help=help_text("quantize_grid"))] = None,
     kv_cache: Annotated[str, typer.Option(help=help_text("kv_cache"))] = "float",
     sdpa_query: Annotated[str, typer.Option(help=help_text("sdpa_query"))] = "auto",
+    int8_kv_sdpa: Annotated[str, typer.Option(help=help_text("int8_kv_sdpa"))] = "auto",
     max_draft_tokens: Annotated[int, typer.Option(help=help_text("max_draft_tokens"))] = 0,
     revision: Annotated[Optional[str], typer.Option(help=help_text("revision"))] = None,
     offline: Annotated[bool, typer.Option("--offline", help=help_text("offline"))] = False,
@@ -69,7 +70,8 @@ def export(
             model, target, out, quiet=quiet, max_cache_len=max_cache_len, dtype=dtype, force=force, quantize=quantize,
             quantize_embedding=quantize_embedding, quantize_lm_head=quantize_lm_head,
             quantize_grid=quantize_grid, prefill_chunk=prefill_chunk,
-            kv_cache=kv_cache, sdpa_query=sdpa_query, max_draft_tokens=max_draft_tokens, revision=revision, offline=offline, gguf_file=gguf_file,
+            kv_cache=kv_cache, sdpa_query=sdpa_query, int8_kv_sdpa=int8_kv_sdpa,
+            max_draft_tokens=max_draft_tokens, revision=revision, offline=offline, gguf_file=gguf_file,
         )
     if as_json:
         print(json.dumps({"folder": str(result.folder), "seconds": result.seconds, "peak_rss_mb": result.peak_rss_mb}))

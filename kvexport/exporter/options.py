@@ -12,7 +12,7 @@ import importlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..choices import Dtype, EmbeddingScheme, Grid, KvCache, LmHeadScheme, Scheme, SdpaQuery, Target, choose
+from ..choices import Dtype, EmbeddingScheme, Grid, Int8KvSdpa, KvCache, LmHeadScheme, Scheme, SdpaQuery, Target, choose
 from ..errors import InvalidOptionError
 from .quantization import Quantization
 
@@ -27,6 +27,7 @@ class Accepts:
     quantize_embedding: bool  # whether it takes --quantize-embedding (else its scheme quantizes the embedding)
     kv_caches: tuple[KvCache, ...]
     sdpa_query: bool = False  # whether it takes --sdpa-query (its attention calls ExecuTorch's custom_sdpa)
+    int8_kv_sdpa: bool = False  # whether it takes --int8-kv-sdpa (a choice of kernel over its int8 cache)
 
 
 def accepts(target: Target) -> Accepts:
@@ -90,6 +91,11 @@ class ExportOptions:
         "query head, as ExecuTorch's own recipes; matrix-vector products at decode) or auto (the faster of the two on "
         "this machine, timed at the model's shape; export on the device's kind of CPU, or pass what "
         "scripts/custom_sdpa_rows.py finds there)")
+    int8_kv_sdpa: Int8KvSdpa = _option(
+        Int8KvSdpa.AUTO, "executorch, --kv-cache int8: the kernel a decode step attends with: quantized "
+        "(llama::custom_quantized_sdpa reads the int8 rows in place; torchao's int8 products, NEON on aarch64, a "
+        "scalar fallback elsewhere), dequantized (the rows dequantized into llama::custom_sdpa) or auto (quantized "
+        "where this machine is aarch64, else dequantized)")
     max_draft_tokens: int = _option(
         0, "speculative decoding (run --draft): most drafted tokens one call verifies (a .pte gets a verify method, an "
         "ONNX graph a logits_indices input); 0: none")
@@ -103,6 +109,7 @@ class ExportOptions:
         self.dtype = choose(Dtype, self.dtype, "dtype")
         self.kv_cache = choose(KvCache, self.kv_cache, "--kv-cache")
         self.sdpa_query = choose(SdpaQuery, self.sdpa_query, "--sdpa-query")
+        self.int8_kv_sdpa = choose(Int8KvSdpa, self.int8_kv_sdpa, "--int8-kv-sdpa")
         if self.quantize is not None and self.quantize not in tuple(Scheme):
             schemes = ", ".join(f"{accepts(t).quantize} (--target {t})" for t in Target)
             raise InvalidOptionError(f"unknown --quantize '{self.quantize}'; choose one of: {schemes}")
@@ -153,6 +160,13 @@ class ExportOptions:
             if self.kv_cache != KvCache.FLOAT:
                 raise InvalidOptionError(f"--sdpa-query goes with --kv-cache float: --kv-cache {self.kv_cache}'s decode "
                                          "kernel takes one row per query head; leave --sdpa-query out")
+        if self.int8_kv_sdpa != Int8KvSdpa.AUTO:
+            if not takes.int8_kv_sdpa:
+                others = " or ".join(f"--target {t}" for t in Target if accepts(t).int8_kv_sdpa)
+                raise InvalidOptionError(f"--int8-kv-sdpa is for {others}; for --target {target} leave it out")
+            if self.kv_cache != KvCache.INT8:
+                raise InvalidOptionError(f"--int8-kv-sdpa goes with --kv-cache int8, not --kv-cache {self.kv_cache}; "
+                                         "add --kv-cache int8, or leave --int8-kv-sdpa out")
         if dtype not in takes.dtypes:
             why = f" ({takes.dtypes_refused[dtype]})" if dtype in takes.dtypes_refused else ""
             raise InvalidOptionError(f"target {target} does not take --dtype {dtype}{why}; it takes {', '.join(takes.dtypes)}")

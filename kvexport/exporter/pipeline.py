@@ -291,6 +291,10 @@ def export_model(options: ExportOptions, progress: Progress | None = None) -> Ex
     if timed:
         times = ", ".join(f"{form} {us:,.0f} µs" for form, us in timed.items())
         progress.info(f"--sdpa-query auto: {sdpa_query} (a decode step's attention over a few layers here: {times})")
+    int8_kv_sdpa = target.choose_int8_kv_sdpa(options.int8_kv_sdpa, options.kv_cache)
+    if int8_kv_sdpa and options.int8_kv_sdpa == "auto":
+        progress.info(f"--int8-kv-sdpa auto: {int8_kv_sdpa} (this machine: {platform.machine()})")
+    chosen = {name: value for name, value in (("sdpa_query", sdpa_query), ("int8_kv_sdpa", int8_kv_sdpa)) if value}
     needs = plan_footprint(plan)
     if needs:
         progress.info(f"memory plan: {needs.summary()} (the artifact {memory_plan.size(needs.artifact_bytes)})")
@@ -310,7 +314,7 @@ def export_model(options: ExportOptions, progress: Progress | None = None) -> Ex
     if options.dtype != "float32":
         with progress.step("probe", f"eager {options.dtype} on {_PROBE_PROMPT!r}"):
             deferred = _probe(model, tokenizer, options.dtype, deferred)
-    info = _manifest_info(plan, model, tokenizer, sdpa_query)
+    info = _manifest_info(plan, model, tokenizer, chosen)
     spec = _program_spec(plan, info)
     if quantization and target.QUANTIZES_MODULE:
         with progress.step("quantize", target.quantization_detail(quantization)):
@@ -326,7 +330,7 @@ def export_model(options: ExportOptions, progress: Progress | None = None) -> Ex
             calibration = calibration_ids(tokenizer) if options.kv_cache == KvCache.INT8 else None
             program = target.export(
                 model, plan.max_cache_len, plan.prefill_chunk, options.kv_cache, calibration, options.max_draft_tokens,
-                **({"sdpa_query": sdpa_query} if sdpa_query else {}),
+                **chosen,
             )
         with progress.step("lower", options.target):
             lowered = target.lower(program, spec, folder, deferred)
@@ -425,7 +429,9 @@ def _eos_ids(model, tokenizer) -> list[int]:
     return ids
 
 
-def _manifest_info(plan: ExportPlan, model, tokenizer, sdpa_query: str | None = None) -> dict:
+def _manifest_info(plan: ExportPlan, model, tokenizer, chosen: dict | None = None) -> dict:
+    """``chosen``: what the target chose for options left to ``auto`` (``--sdpa-query``,
+    ``--int8-kv-sdpa``), recorded with the options."""
     import torch
     import transformers
 
@@ -438,9 +444,9 @@ def _manifest_info(plan: ExportPlan, model, tokenizer, sdpa_query: str | None = 
         "source": plan.source.describe().to_json(),
         # What reproduces this artifact byte for byte, with the versions below (the output folder
         # does not matter): `kvexport export MODEL --target T --dtype D --max-cache-len N --prefill-chunk C`
-        # (and `--sdpa-query Q`, where --sdpa-query auto chose Q on the exporting machine).
+        # (and `--sdpa-query Q` or `--int8-kv-sdpa K`, where auto chose them on the exporting machine).
         "export_options": plan.options.recorded(max_cache_len=plan.max_cache_len, prefill_chunk=plan.prefill_chunk,
-                                                **({"sdpa_query": sdpa_query} if sdpa_query else {})),
+                                                **(chosen or {})),
         "model_type": config.model_type,
         "dtype": dtype,
         "max_cache_len": plan.max_cache_len,

@@ -65,7 +65,8 @@ class Target(Protocol):
         dynamic. ``calibration_ids``: for ``kv_cache`` int8, the tokens of the text a target with
         fixed scales measures them on (``kv_calibration``). ``max_draft_tokens``: the program also
         returns the logits of every position a verification asks for, and rings keep that many
-        spare slots. ``choices``: what ``choose_sdpa_query`` chose (a target that has it)."""  # fmt: skip
+        spare slots. ``choices``: what ``choose_sdpa_query`` and ``choose_int8_kv_sdpa`` chose (a
+        target that has them)."""  # fmt: skip
 
     def lower(
         self, program: torch.export.ExportedProgram, spec: ProgramSpec, out_dir: Path, deferred: DeferredWeights | None
@@ -81,6 +82,10 @@ class Target(Protocol):
                           max_cache_len: int) -> tuple[SdpaQuery | None, dict | None]:
         """``--sdpa-query``'s form for this export (None: the target, cache or model has no such
         choice; ``export`` then takes no ``sdpa_query``), and the timings ``auto`` chose it by."""
+
+    def choose_int8_kv_sdpa(self, requested, kv_cache: KvCache):
+        """``--int8-kv-sdpa``'s kernel for this export (None: the target or cache has no such
+        choice; ``export`` then takes no ``int8_kv_sdpa``)."""
 
     def check_layers(self, specs: list, max_cache_len: int) -> None:
         """Refuse, before the model loads, a model whose layers this target cannot describe

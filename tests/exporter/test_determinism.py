@@ -26,8 +26,9 @@ def start_export(options: dict, out: Path, hash_seed: str) -> subprocess.Popen:
     command = [sys.executable, "-m", "kvexport.cli", "export", options["model"], "--target", options["target"]]
     command += ["--dtype", options["dtype"], "--max-cache-len", str(options["max_cache_len"])]
     command += ["--prefill-chunk", str(options["prefill_chunk"]), "-o", str(out), "-q"]
-    if "sdpa_query" in options:  # what --sdpa-query auto chose where the artifact was exported
-        command += ["--sdpa-query", options["sdpa_query"]]
+    for chosen in ("sdpa_query", "int8_kv_sdpa"):  # what auto chose where the artifact was exported
+        if chosen in options:
+            command += ["--" + chosen.replace("_", "-"), options[chosen]]
     return subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL)
 
 

@@ -3,8 +3,9 @@
 Three cache families are checked: the plain ones (``kv_cache``), the ones the ExecuTorch target
 ships (``custom_op_cache``: ExecuTorch's ``llama::update_cache`` and ``llama::custom_sdpa``, and
 a ring's ``window_attention``, run eagerly here) and its int8 ones (``quantized_kv_cache``: the
-same, with ``llama::custom_quantized_sdpa``), these against attention over their rows quantized
-(keys and queries rotated first, as the cache does). Each example drives a cache through random call
+same, with ``llama::custom_quantized_sdpa`` or, ``--int8-kv-sdpa dequantized``, ``custom_sdpa`` over
+the rows dequantized), these against attention over their rows quantized (keys and queries
+rotated first, as the cache does). Each example drives a cache through random call
 lengths (a prefill, decode steps, chunks, calls longer than the window), after a random earlier
 sequence whose leftovers must be invisible: a runner starts a new sequence at position 0 without
 clearing anything.
@@ -126,7 +127,24 @@ FAMILIES = {
              custom_op_attention, KV_HEADS),
     "int8_kv_heads_2": (partial(QuantizedRingCache, rotation=key_rotation(DIM)),
                         partial(QuantizedStaticCache, rotation=key_rotation(DIM)), custom_op_attention, HEADS),
+    # --int8-kv-sdpa dequantized: every call custom_sdpa over the rows dequantized, the query as it is.
+    "int8_dequantized": (partial(QuantizedRingCache, rotation=key_rotation(DIM), int8_kernel=False),
+                         partial(QuantizedStaticCache, rotation=key_rotation(DIM), int8_kernel=False),
+                         custom_op_attention, KV_HEADS),
+    "int8_dequantized_kv_heads_2": (partial(QuantizedRingCache, rotation=key_rotation(DIM), int8_kernel=False),
+                                    partial(QuantizedStaticCache, rotation=key_rotation(DIM), int8_kernel=False),
+                                    custom_op_attention, HEADS),
 }
+
+
+def as_the_cache_sees(family, q, k, v):
+    """What an int8 family attends over: queries and keys rotated (q·k as it was), the rows
+    quantized as written, and the query too where the int8 kernel rounds it; the rest as they are."""
+    if not family.startswith("int8"):
+        return q, k, v
+    rotation = key_rotation(DIM)
+    q = q @ rotation if "dequantized" in family else quantized_rows(q @ rotation)
+    return q, quantized_rows(k @ rotation), quantized_rows(v)
 
 
 # A layer's window (None: full attention), the cache's length, a sequence's call lengths.
@@ -160,9 +178,7 @@ def test_cache_attention_equals_full_history(family, window, max_len, calls, ear
     kept = fit(calls, max_len)
     q, k, v = sequence(kept)
     got = attention(cache, kept, q, k, v, window, max_len)
-    if family.startswith("int8"):  # rotating both leaves q·k as it was
-        rotation = key_rotation(DIM)
-        q, k, v = quantized_rows(q @ rotation), quantized_rows(k @ rotation), quantized_rows(v)
+    q, k, v = as_the_cache_sees(family, q, k, v)
     torch.testing.assert_close(got, reference_attention(q, k, v, window), atol=1e-5, rtol=1e-5)
 
 
@@ -200,11 +216,7 @@ def test_a_layer_sharing_the_cache_reads_what_each_call_left(family, window, max
     total = sum(kept)
     q, reader_q = (torch.randn(1, HEADS, total, DIM, generator=gen) for _ in range(2))
     k, v = (torch.randn(1, kv_heads, total, DIM, generator=gen) for _ in range(2))
-    if family.startswith("int8"):  # what the reader sees: its query and the rows as the cache quantizes them
-        rotation = key_rotation(DIM)
-        seen_q, seen_k, seen_v = quantized_rows(reader_q @ rotation), quantized_rows(k @ rotation), quantized_rows(v)
-    else:
-        seen_q, seen_k, seen_v = reader_q, k, v
+    seen_q, seen_k, seen_v = as_the_cache_sees(family, reader_q, k, v)  # what the reader sees
     expected = reference_attention(seen_q, seen_k, seen_v, window)
     # The plain caches read through the family's eager attention, which repeats KV heads for the module.
     module = SimpleNamespace(num_key_value_groups=HEADS // kv_heads, training=False)
@@ -431,7 +443,5 @@ def test_a_call_may_start_again_after_rejected_drafted_tokens(family, window, sp
         outs.append(_one_call(family, cache, start, *call, window, max_len)[:, :, :accepted])
         start += accepted
     got = torch.cat(outs, dim=2)
-    if family.startswith("int8"):
-        rotation = key_rotation(DIM)
-        q, k, v = quantized_rows(q @ rotation), quantized_rows(k @ rotation), quantized_rows(v)
+    q, k, v = as_the_cache_sees(family, q, k, v)
     torch.testing.assert_close(got, reference_attention(q, k, v, window if is_ring else None), atol=1e-5, rtol=1e-5)

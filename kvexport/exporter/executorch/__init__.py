@@ -12,4 +12,5 @@ ACCEPTS = Accepts(
     # int8: a scale and zero point per row, quantized as it is written (nothing runs at export).
     kv_caches=(KvCache.FLOAT, KvCache.INT8),
     sdpa_query=True,
+    int8_kv_sdpa=True,
 )

@@ -4,11 +4,13 @@ Keys and values are stored as int8 with one scale (float32) and zero point (int8
 head, chosen from that row's min and max when it is written (``quantized_decomposed``'s per-token
 asymmetric ops, as ExecuTorch's ``QuantizedKVCache`` does). A one-token call (a decode step) attends
 with ``llama::custom_quantized_sdpa``, which reads the int8 rows in place with their scales and
-takes the query quantized the same way; a longer one (prefill, a verification) reads the rows it
-attends to dequantized, with ``llama::custom_sdpa`` (``by_length``). The buffers keep the layout of
-``custom_op_cache``'s float caches (sequence-major ``[1, slots, kv_heads, head_dim]``, scales
-``[1, slots, kv_heads, 1]``), written by the same ``llama::update_cache`` ops, and a ring keeps
-``window`` slots (and any spare ones, ``RingKVCache``).
+takes the query quantized the same way, or (``--int8-kv-sdpa dequantized``, for CPUs where that
+kernel's int8 products are a scalar fallback) as a longer call does; a longer one (prefill, a
+verification) reads the rows it attends to dequantized, with ``llama::custom_sdpa``
+(``by_length``). The buffers keep the layout of ``custom_op_cache``'s float caches
+(sequence-major ``[1, slots, kv_heads, head_dim]``, scales ``[1, slots, kv_heads, 1]``), written by
+the same ``llama::update_cache`` ops, and a ring keeps ``window`` slots (and any spare ones,
+``RingKVCache``).
 
 Keys and queries are first rotated by one orthonormal Hadamard matrix (``key_rotation``): q·k is
 unchanged, and the few channels in which a key is large are spread over all of them, so one scale
@@ -89,36 +91,57 @@ def _int8_sdpa(q, q_scales, q_zero_points, rows, start, mask, scaling):
     )
 
 
-def by_length(query, rows, scaling, first=None, mask=None):
+def dequantized_sdpa(query, rows, start, mask, scaling):
+    """``llama::custom_sdpa`` of a float ``query [1, T, H, D]`` (sequence-major) over int8 ``rows``
+    dequantized (``as_float``): causal from ``start`` where ``mask`` is None (dequantizing positions
+    ``[0, start + T)`` only), else under ``mask [T, K]``. Returns ``[1, T, H, D]``, in float32 (the
+    kernel takes the query in the keys' dtype)."""
+    query = query.float()
+    if mask is None:
+        end = start + query.shape[1]
+        torch._check(end <= rows[0].shape[1])
+        rows = tuple(r[:, :end] for r in rows)
+    keys, values = as_float(*rows[:3]), as_float(*rows[3:])
+    return torch.ops.llama.custom_sdpa(query, keys, values, start, mask, 0.0, mask is None, scaling)
+
+
+def as_float(values: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor) -> torch.Tensor:
+    """``dequantize_rows`` to float32, bit for bit (``x - z`` is exact in float32 and the product
+    is rounded once, as the reference's float64 product then is), in operators that ExecuTorch runs
+    quickly: a per-tensor dequantize of scale 1 converts int8 to float in a vectorised kernel (and
+    XNNPACK takes it where the shapes are not data-dependent), where ``dequantize_per_token``'s
+    portable loop, and the float64 and int64 copies of the scales and zero points it takes, cost
+    several times as much (docs/quantization.md#decode-in-the-float-kernel)."""
+    x = torch.ops.quantized_decomposed.dequantize_per_tensor(values, 1.0, 0, QMIN, QMAX, INT8)
+    z = torch.ops.quantized_decomposed.dequantize_per_tensor(zero_points, 1.0, 0, QMIN, QMAX, INT8)
+    return (x - z) * scales
+
+
+def by_length(query, rows, scaling, first=None, mask=None, int8_kernel=True):
     """Attention of ``query [1, H, T, D]`` over int8 ``rows`` (as ``quantized_sdpa``'s), causal from
     position ``first`` (a one-element tensor) or under ``mask [T, K]``. Returns ``[1, T, H, D]``.
 
-    A one-token call (a decode step) is ``quantized_sdpa``. A longer call (prefill, a verification)
-    attends with the float kernel, ``llama::custom_sdpa``, over the rows it reads (a full layer's up
-    to the call's end) dequantized and the query as the int8 kernel rounds it: a verification's rows
-    are then a one-token call's within float rounding, and torchao's int8 products, the quicker for
-    one query row, take several times as long as the float kernel and the dequantization together
-    for many (docs/performance.md#decode-by-context-length). The query passes
-    ``clear_vector_state`` first (the kernels' speed on XNNPACK's pool threads)."""
+    ``int8_kernel``: a one-token call (a decode step) is ``quantized_sdpa``, and a longer call
+    (prefill, a verification) attends with the float kernel (``dequantized_sdpa``), the query rounded
+    as the int8 kernel rounds it: a verification's rows are then a one-token call's within float
+    rounding, and torchao's int8 products, the quicker for one query row on aarch64, take several
+    times as long as the float kernel and the dequantization together for many
+    (docs/performance.md#decode-by-context-length). Else every call is ``dequantized_sdpa`` with the
+    query as it is. The query passes ``clear_vector_state`` first (the kernels' speed on XNNPACK's
+    pool threads)."""
     query = clear_vector_state(query)
+    if not int8_kernel:
+        start = start_position(first) if mask is None else 0
+        return dequantized_sdpa(_to_seq_major(query), rows, start, mask, scaling).to(query.dtype)
 
     def one_token(q, q_scales, q_zero_points, bound, *rows):
         start = start_position(bound) if mask is None else 0
         return _int8_sdpa(q, q_scales, q_zero_points, rows, start, None if mask is None else bound, scaling)
 
     def longer(q, q_scales, q_zero_points, bound, *rows):
-        start = 0
-        if mask is None:
-            start = start_position(bound)
-            end = start + q.shape[1]
-            torch._check(end <= rows[0].shape[1])
-            rows = tuple(r[:, :end] for r in rows)
-        k, k_scales, k_zero_points, v, v_scales, v_zero_points = rows
-        keys = dequantize_rows(k, k_scales, k_zero_points, torch.float32)
-        values = dequantize_rows(v, v_scales, v_zero_points, torch.float32)
-        query = dequantize_rows(q, q_scales, q_zero_points, torch.float32)
-        return torch.ops.llama.custom_sdpa(query, keys, values, start, None if mask is None else bound,
-                                           0.0, mask is None, scaling)
+        start = start_position(bound) if mask is None else 0
+        rounded = dequantize_rows(q, q_scales, q_zero_points, torch.float32)
+        return dequantized_sdpa(rounded, rows, start, None if mask is None else bound, scaling)
 
     operands = (*quantize_rows(_to_seq_major(query)), first if mask is None else mask, *rows)
     return by_call_length(query.shape[2], one_token, longer, operands).to(query.dtype)
@@ -129,9 +152,11 @@ class _QuantizedRows(nn.Module):
 
     NAMES = ("k", "k_scales", "k_zero_points", "v", "v_scales", "v_zero_points")
 
-    def __init__(self, batch: int, kv_heads: int, slots: int, head_dim: int, dtype: torch.dtype, rotation: torch.Tensor):
+    def __init__(self, batch: int, kv_heads: int, slots: int, head_dim: int, dtype: torch.dtype, rotation: torch.Tensor,
+                 int8_kernel: bool = True):
         super().__init__()
         self.dtype = dtype
+        self.int8_kernel = int8_kernel  # whether a decode step attends with the int8 kernel (``by_length``)
         self.register_buffer("rotation", rotation, persistent=False)  # key_rotation(head_dim), shared by the layers
         rows, params = (batch, slots, kv_heads, head_dim), (batch, slots, kv_heads, 1)
         for name in self.NAMES:
@@ -167,7 +192,8 @@ class QuantizedStaticCache(_QuantizedRows):
         for rows, buffer in zip(new, self.buffers_in_order()):
             torch.ops.llama.update_cache(rows, buffer, call.start)
         if plain_softmax_attention(kwargs):
-            return by_length(query, self.buffers_in_order(), scaling, first=call.positions[:1]), None
+            rows = self.buffers_in_order()
+            return by_length(query, rows, scaling, first=call.positions[:1], int8_kernel=self.int8_kernel), None
         end = call.start + query.shape[2]
         keys, values = self.dequantized(buffer[:, :end] for buffer in self.buffers_in_order())
         return family_eager_attention(module)(module, query, keys, values, mask[..., :end], scaling=scaling, **kwargs)
@@ -179,8 +205,11 @@ class QuantizedStaticCache(_QuantizedRows):
         """A shared layer's queries, the call's last ``query.shape[2]``, over the rows this call wrote."""
         end = call.start + call.positions.shape[0]
         if plain_softmax_attention(kwargs):
-            rows = self.buffers_in_order()
-            return quantized_sdpa(query @ self.rotation, rows, end - query.shape[2], None, scaling), None
+            query, rows, start = query @ self.rotation, self.buffers_in_order(), end - query.shape[2]
+            if self.int8_kernel:
+                return quantized_sdpa(query, rows, start, None, scaling), None
+            query = _to_seq_major(clear_vector_state(query))
+            return dequantized_sdpa(query, rows, start, None, scaling).to(query.dtype), None
         keys, values = self.dequantized(buffer[:, :end] for buffer in self.buffers_in_order())
         mask = additive_mask(torch.arange(end), last_positions(call, query), None, query.dtype)
         return family_eager_attention(module)(module, query, keys, values, mask, scaling=scaling, **kwargs)
@@ -191,8 +220,8 @@ class QuantizedRingCache(_QuantizedRows):
     before the call followed by the call's own rows, masked to the window (``RingKVCache``'s semantics)."""
 
     def __init__(self, batch: int, kv_heads: int, window: int, head_dim: int, dtype: torch.dtype, rotation: torch.Tensor,
-                 spare: int = 0):
-        super().__init__(batch, kv_heads, window + spare, head_dim, dtype, rotation)
+                 int8_kernel: bool = True, spare: int = 0):
+        super().__init__(batch, kv_heads, window + spare, head_dim, dtype, rotation, int8_kernel)
         self.window = window
         self.slots = window + spare
 
@@ -203,8 +232,12 @@ class QuantizedRingCache(_QuantizedRows):
         call.attended[self] = rows  # for layers that share this ring
         result = self._attention(module, query, rows, mask, scaling, kwargs)
         newest, slots = call.ring_writes(self.slots)
-        for n, buffer in zip(new, self.buffers_in_order()):
-            torch.ops.llama.update_cache_with_indices(n.index_select(1, newest), buffer, 0, slots[None])
+        # The rows written are taken from the rows attended to, not from ``new``: each buffer's read
+        # then precedes its in-place write by a data dependency. Lowering orders operators by their
+        # data alone, and a read that XNNPACK takes (a float concatenation) ran after the write.
+        newest = newest + self.slots
+        for r, buffer in zip(rows, self.buffers_in_order()):
+            torch.ops.llama.update_cache_with_indices(r.index_select(1, newest), buffer, 0, slots[None])
         return result
 
     def key_positions(self, positions: torch.Tensor) -> torch.Tensor:
@@ -222,16 +255,16 @@ class QuantizedRingCache(_QuantizedRows):
         """Attention of ``query`` (rotated where the fused kernel attends) over int8 ``rows`` under ``mask``."""
         if plain_softmax_attention(kwargs):
             # The kernel takes a float32 mask whatever the activations' dtype.
-            return by_length(query, rows, scaling, mask=mask[0, 0].float()), None
+            return by_length(query, rows, scaling, mask=mask[0, 0].float(), int8_kernel=self.int8_kernel), None
         keys, values = self.dequantized(rows)
         return family_eager_attention(module)(module, query, keys, values, mask, scaling=scaling, **kwargs)
 
 
-def _with_rotation(cache_class):
+def _with_rotation(cache_class, int8_kernel: bool):
     """A cache kind whose layers of one head size share one rotation constant."""
 
     def make(batch: int, kv_heads: int, slots: int, head_dim: int, dtype: torch.dtype, **spare):
-        return cache_class(batch, kv_heads, slots, head_dim, dtype, _rotation(head_dim, dtype), **spare)
+        return cache_class(batch, kv_heads, slots, head_dim, dtype, _rotation(head_dim, dtype), int8_kernel, **spare)
 
     return make
 
@@ -241,4 +274,11 @@ def _rotation(head_dim: int, dtype: torch.dtype) -> torch.Tensor:
     return key_rotation(head_dim).to(dtype)
 
 
-QUANTIZED_CACHES: CacheKinds = {STATIC: _with_rotation(QuantizedStaticCache), RING: _with_rotation(QuantizedRingCache)}
+def quantized_caches(int8_kernel: bool = True) -> CacheKinds:
+    """The cache kinds, a decode step attending with the int8 kernel or, ``int8_kernel`` False, with
+    the float one over the rows dequantized (``--int8-kv-sdpa``, ``by_length``)."""
+    return {STATIC: _with_rotation(QuantizedStaticCache, int8_kernel),
+            RING: _with_rotation(QuantizedRingCache, int8_kernel)}
+
+
+QUANTIZED_CACHES: CacheKinds = quantized_caches()

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import platform
 import tempfile
 from pathlib import Path
 
 import torch
 
-from ...choices import EmbeddingScheme, KvCache, LmHeadScheme, SdpaQuery
+from ...choices import EmbeddingScheme, Int8KvSdpa, KvCache, LmHeadScheme, SdpaQuery
 from ...errors import KvexportError, UnsupportedModelError
 from ...models.deferred_weights import DeferredWeights
 from ...progress import report
@@ -56,6 +57,7 @@ def export(
     calibration_ids: torch.Tensor | None = None,
     max_draft_tokens: int = 0,
     sdpa_query: SdpaQuery = SdpaQuery.GROUPED,
+    int8_kv_sdpa: Int8KvSdpa = Int8KvSdpa.QUANTIZED,
 ) -> torch.export.ExportedProgram | dict[str, torch.export.ExportedProgram]:
     """The cache lives in the program's mutable buffers, written and read by ExecuTorch's LLM
     custom ops (in-place update, fused attention over the filled positions only), in the model's
@@ -63,13 +65,17 @@ def export(
     ``calibration_ids`` is not needed). A call takes at most ``max_tokens_per_call`` tokens, the
     size ExecuTorch plans activation memory for. ``max_draft_tokens``: the programs of two methods,
     ``forward`` and ``verify`` (every position's logits), over the same buffers. ``sdpa_query``: the
-    query rows a float cache's attention gives ``llama::custom_sdpa`` (``choose_sdpa_query``)."""
+    query rows a float cache's attention gives ``llama::custom_sdpa`` (``choose_sdpa_query``);
+    ``int8_kv_sdpa``: the kernel an int8 cache's decode step attends with (``choose_int8_kv_sdpa``)."""
     from .custom_op_cache import custom_op_caches
-    from .quantized_kv_cache import QUANTIZED_CACHES
+    from .quantized_kv_cache import quantized_caches
     from .stacked_projections import stacked_projections
     from .xnnpack_rewrites import rotary_as_matmul
 
-    caches = QUANTIZED_CACHES if kv_cache == KvCache.INT8 else custom_op_caches(sdpa_query == SdpaQuery.GROUPED)
+    if kv_cache == KvCache.INT8:
+        caches = quantized_caches(int8_kernel=int8_kv_sdpa == Int8KvSdpa.QUANTIZED)
+    else:
+        caches = custom_op_caches(sdpa_query == SdpaQuery.GROUPED)
     with rotary_as_matmul(model), stacked_projections(model):
         decoder = ExportableDecoder(model, max_cache_len, caches, max_tokens_per_call, max_draft_tokens)
         if not max_draft_tokens:
@@ -87,6 +93,18 @@ def choose_sdpa_query(requested: SdpaQuery, kv_cache: KvCache, text_config, spec
     from .sdpa_query import choose
 
     return choose(requested, text_config, specs, max_cache_len)
+
+
+def choose_int8_kv_sdpa(requested: Int8KvSdpa, kv_cache: KvCache) -> Int8KvSdpa | None:
+    """``--int8-kv-sdpa``'s kernel for an int8 cache (None for a float one). ``auto``: the int8
+    kernel where this machine is aarch64, where torchao's int8 products are NEON micro-kernels; on
+    any other CPU they are a scalar fallback, several times slower at decode than dequantizing the
+    rows into the float kernel (docs/quantization.md#decode-in-the-float-kernel)."""
+    if kv_cache != KvCache.INT8:
+        return None
+    if requested != Int8KvSdpa.AUTO:
+        return requested
+    return Int8KvSdpa.QUANTIZED if platform.machine().lower() in ("aarch64", "arm64") else Int8KvSdpa.DEQUANTIZED
 
 
 def check_layers(specs: list, max_cache_len: int) -> None:
@@ -109,8 +127,9 @@ def describe_kv_cache(kv_cache: KvCache) -> dict:
         "dtype": kv_cache,
         "scales": "float32 scale and int8 zero point per token and KV head (asymmetric, chosen when the row is written)",
         "keys": "rotated, with the queries, by one orthonormal Hadamard matrix of head_dim before they are quantized "
-                "(where llama::custom_quantized_sdpa attends)",
-        "op": "llama::custom_quantized_sdpa (query quantized the same way)",
+                "(where llama::custom_quantized_sdpa or llama::custom_sdpa attends)",
+        "op": "decode: llama::custom_quantized_sdpa, the query quantized the same way (export_options.int8_kv_sdpa "
+              "quantized), or the rows dequantized into llama::custom_sdpa (dequantized); longer calls: the latter",
     }
 
 

@@ -107,6 +107,11 @@ def choose_sdpa_query(requested: SdpaQuery, kv_cache: KvCache, text_config, spec
     return None, None
 
 
+def choose_int8_kv_sdpa(requested, kv_cache: KvCache) -> None:
+    """No choice: ONNX Runtime's attention is its own kernel's (``--int8-kv-sdpa`` is refused before)."""
+    return None
+
+
 def check_layers(specs: list, max_cache_len: int) -> None:
     """Refuse, before the model loads, layers this target cannot describe."""
     windows = sorted({s.window for s in specs if s.is_ring(max_cache_len) and not s.chunk})

@@ -16,7 +16,7 @@ from kvexport.exporter.decoder import ExportableDecoder
 from kvexport.exporter.executorch.quantized_kv_cache import QUANTIZED_CACHES
 from kvexport.exporter.executorch.target import INT8_KV_ROW_EXTRA_BYTES
 from kvexport.exporter.pipeline import ExportOptions, plan_export
-from kvexport.models.presets import build_preset
+from kvexport.models.presets import WINDOW, build_preset
 from kvexport.runtime.programs import load_program
 
 from tests.conftest import NEW_TOKENS, PROMPT, TEST_CACHE_LEN
@@ -38,8 +38,12 @@ def test_an_int8_cache_counts_its_rows_scales_and_zero_points(tmp_path):
     [
         (["tiny-llama", "--kv-cache", "int4"], ["unknown --kv-cache 'int4'", "float, int8"]),
         (["tiny-gemma2", "--kv-cache", "int8"], ["--kv-cache int8 does not export soft-capped attention", "--kv-cache float", "--target onnx"]),
+        (["tiny-llama", "--int8-kv-sdpa", "int4"], ["unknown --int8-kv-sdpa 'int4'", "auto, quantized, dequantized"]),
+        (["tiny-llama", "--int8-kv-sdpa", "quantized"], ["--int8-kv-sdpa goes with --kv-cache int8", "--kv-cache float"]),
+        (["tiny-llama", "-t", "onnx", "--kv-cache", "int8", "--int8-kv-sdpa", "dequantized"],
+         ["--int8-kv-sdpa is for --target executorch", "--target onnx"]),
     ],
-    ids=["unknown", "soft-capped"],
+    ids=["unknown", "soft-capped", "unknown-kernel", "kernel-without-int8", "kernel-for-onnx"],
 )
 def test_kv_cache_mistakes_get_one_line_before_loading(tmp_path, capsys, monkeypatch, args, phrases):
     from kvexport.exporter import pipeline
@@ -94,3 +98,72 @@ def test_a_longer_call_attends_in_float_over_the_rows_the_one_token_kernel_reads
     one_args = dict(mask=mask[-1:]) if masked else dict(first=torch.tensor([start + tokens - 1]))
     kernel = quantized_sdpa(one, rows, 0 if masked else start + tokens - 1, mask[-1:] if masked else None, None)
     assert torch.equal(by_length(one, rows, None, **one_args), kernel)
+
+
+def test_the_float_kernels_dequantization_is_the_reference_bit_for_bit():
+    """``as_float`` (a per-tensor dequantize, a subtraction, a product) against
+    ``quantized_decomposed``'s per-token dequantize in float64, rows of every range."""
+    from kvexport.exporter.executorch.quantized_kv_cache import as_float, dequantize_rows, quantize_rows
+
+    torch.manual_seed(0)
+    x = torch.randn(1, 50, 3, 16) * torch.logspace(-4, 4, 50)[None, :, None, None] + torch.randn(1, 50, 3, 1)
+    rows = quantize_rows(x)
+    assert torch.equal(as_float(*rows), dequantize_rows(*rows, torch.float32))
+
+
+@pytest.mark.parametrize("tokens", [1, 6])
+@pytest.mark.parametrize("masked", [False, True])
+def test_without_the_int8_kernel_every_call_attends_in_float_over_the_dequantized_rows(masked, tokens):
+    """``int8_kernel=False`` (``--int8-kv-sdpa dequantized``): a decode step as a longer call,
+    softmax attention over the dequantized rows with the query as it is (9 query heads over 3 KV
+    heads), causal from the call's start or under its mask."""
+    from kvexport.exporter.executorch.quantized_kv_cache import by_length, dequantize_rows, quantize_rows
+
+    torch.manual_seed(1)
+    slots, start, heads, kv_heads, d = 40, 13, 9, 3, 16
+    rows = (*quantize_rows(torch.randn(1, slots, kv_heads, d)), *quantize_rows(torch.randn(1, slots, kv_heads, d)))
+    keys, values = (dequantize_rows(*rows[i:i + 3], torch.float32) for i in (0, 3))
+    visible = torch.arange(slots)[None] <= start + torch.arange(tokens)[:, None]
+    if masked:
+        visible &= torch.rand(tokens, slots) > 0.3
+        visible[:, 0] = True
+    mask = torch.zeros(tokens, slots).masked_fill(~visible, float("-inf"))
+    query = torch.randn(1, heads, tokens, d)
+    args = dict(mask=mask) if masked else dict(first=torch.tensor([start]))
+
+    got = by_length(query, rows, None, int8_kernel=False, **args)
+    k, v = (x.transpose(1, 2).repeat_interleave(heads // kv_heads, dim=1) for x in (keys, values))
+    expected = torch.softmax(query @ k.transpose(-1, -2) / d**0.5 + mask, dim=-1) @ v
+    torch.testing.assert_close(got, expected.transpose(1, 2), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("machine, chosen", [("aarch64", "quantized"), ("arm64", "quantized"), ("x86_64", "dequantized")])
+def test_auto_takes_the_int8_kernel_where_its_products_are_neon_kernels(monkeypatch, machine, chosen):
+    from kvexport.exporter.executorch import target
+
+    monkeypatch.setattr(target.platform, "machine", lambda: machine)
+    assert target.choose_int8_kv_sdpa("auto", "int8") == chosen
+    assert target.choose_int8_kv_sdpa("quantized", "int8") == "quantized"  # what the user asked for
+    assert target.choose_int8_kv_sdpa("auto", "float") is None  # a float cache has no such choice
+
+
+@pytest.mark.parametrize("kernel", ["quantized", "dequantized"])
+def test_the_int8_pte_of_either_kernel_computes_what_its_module_computes(artifact, kernel):
+    """tiny-gemma3: rings and a full layer of one KV head, plain softmax attention (the fused
+    kernels' path); the lowered program generates what the same module does in eager PyTorch past
+    the window, the prompt in two calls, the second longer than one token and starting after the
+    rings have wrapped (where a call reads rows its own writes replace), and records the kernel it
+    was exported with. Keys and values are rounded to int8 as
+    they are written (and the int8 kernel's query too), so the delegate's float differences move an
+    element by a rounding step now and then: the logits agree within 1e-2."""
+    from kvexport.exporter.executorch.quantized_kv_cache import quantized_caches
+
+    model, tokenizer = build_preset("tiny-gemma3")
+    ids = tokenizer(PROMPT).input_ids
+    program = load_program(artifact("tiny-gemma3", kv_cache="int8", int8_kv_sdpa=kernel))
+    assert program.manifest.export_options["int8_kv_sdpa"] == kernel
+    module = ExportableDecoder(model, TEST_CACHE_LEN, quantized_caches(int8_kernel=kernel == "quantized"))
+    chunks = [WINDOW + 4, len(ids) - WINDOW - 4]
+    expected = greedy_with(torch_forward(module), ids, NEW_TOKENS, chunks)
+    actual = greedy_with(program.forward, ids, NEW_TOKENS, chunks)
+    assert_generation_matches(actual, expected, 1e-2, f"tiny-gemma3 int8 KV {kernel}")
