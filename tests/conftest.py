@@ -69,16 +69,20 @@ MATRIX_ARTIFACTS = os.environ.get("KVEXPORT_TEST_MATRIX_ARTIFACTS")
 
 def matrix_artifact(export_options: dict) -> Path | None:
     """An artifact the matrix kept whose ``export_options`` are exactly these, or None; the form
-    ``--sdpa-query auto`` and ``--int8-kv-sdpa auto`` chose on this machine (recorded with them) is
-    what an export here would choose too."""
+    ``--sdpa-query auto`` chose on this machine (recorded with them) is what an export here would
+    choose too, and so is ``--int8-kv-sdpa auto``'s where it is what ``auto`` chooses here (a row
+    may ask for the other kernel)."""
     from kvexport.artifact.manifest import read_manifest
     from kvexport.errors import KvexportError
+    from kvexport.exporter.executorch.target import choose_int8_kv_sdpa
 
+    auto_kernel = choose_int8_kv_sdpa("auto", "int8")
     for path in sorted(Path(MATRIX_ARTIFACTS).glob("**/artifact/kvexport.json")) if MATRIX_ARTIFACTS else []:
         kept = json.loads(path.read_text()).get("export_options", {})
-        for chosen in ("sdpa_query", "int8_kv_sdpa"):
-            if chosen not in export_options:
-                kept.pop(chosen, None)
+        if "sdpa_query" not in export_options:
+            kept.pop("sdpa_query", None)
+        if "int8_kv_sdpa" not in export_options and kept.get("int8_kv_sdpa") == auto_kernel:
+            kept.pop("int8_kv_sdpa")
         if kept == export_options:
             try:
                 read_manifest(path.parent)  # verifies every file's sum

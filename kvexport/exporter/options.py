@@ -154,16 +154,12 @@ class ExportOptions:
             raise InvalidOptionError(f"--kv-cache {self.kv_cache} is not available for --target {target} in this "
                                      f"version; {others} takes it")
         if self.sdpa_query != SdpaQuery.AUTO:
-            if not takes.sdpa_query:
-                others = " or ".join(f"--target {t}" for t in Target if accepts(t).sdpa_query)
-                raise InvalidOptionError(f"--sdpa-query is for {others}; for --target {target} leave it out")
+            _refuse_unless_taken("sdpa_query", takes, target)
             if self.kv_cache != KvCache.FLOAT:
                 raise InvalidOptionError(f"--sdpa-query goes with --kv-cache float: --kv-cache {self.kv_cache}'s decode "
                                          "kernel takes one row per query head; leave --sdpa-query out")
         if self.int8_kv_sdpa != Int8KvSdpa.AUTO:
-            if not takes.int8_kv_sdpa:
-                others = " or ".join(f"--target {t}" for t in Target if accepts(t).int8_kv_sdpa)
-                raise InvalidOptionError(f"--int8-kv-sdpa is for {others}; for --target {target} leave it out")
+            _refuse_unless_taken("int8_kv_sdpa", takes, target)
             if self.kv_cache != KvCache.INT8:
                 raise InvalidOptionError(f"--int8-kv-sdpa goes with --kv-cache int8, not --kv-cache {self.kv_cache}; "
                                          "add --kv-cache int8, or leave --int8-kv-sdpa out")
@@ -174,6 +170,13 @@ class ExportOptions:
 
 def _taken_by(scheme: Scheme) -> Target:
     return next(t for t in Target if accepts(t).quantize == scheme)
+
+
+def _refuse_unless_taken(name: str, takes: Accepts, target: Target) -> None:
+    """Refuse option ``name`` (an ``Accepts`` flag) for a target that does not take it, naming those that do."""
+    if not getattr(takes, name):
+        others = " or ".join(f"--target {t}" for t in Target if getattr(accepts(t), name))
+        raise InvalidOptionError(f"--{name.replace('_', '-')} is for {others}; for --target {target} leave it out")
 
 
 def help_text(name: str) -> str:

@@ -69,6 +69,32 @@ def test_the_int8_pte_computes_what_its_module_computes(artifact):
     assert_generation_matches(greedy_with(program.forward, ids, NEW_TOKENS), expected, 1e-3, "tiny-gpt-oss int8 KV")
 
 
+HEADS, KV_HEADS, HEAD_DIM, SLOTS, START = 9, 3, 16, 40, 13  # SmolLM2's query-head groups
+
+
+def _call(tokens: int, masked: bool):
+    """int8 rows of ``SLOTS`` positions, a call's query of ``tokens`` rows from ``START``, its mask
+    (causal from the start, some keys hidden too where ``masked``), ``by_length``'s arguments for it,
+    and the reference attention over the dequantized rows of a given query."""
+    from kvexport.exporter.executorch.quantized_kv_cache import dequantize_rows, quantize_rows
+
+    rows = tuple(r for _ in range(2) for r in quantize_rows(torch.randn(1, SLOTS, KV_HEADS, HEAD_DIM)))
+    keys, values = (dequantize_rows(*rows[i:i + 3], torch.float32) for i in (0, 3))
+    visible = torch.arange(SLOTS)[None] <= START + torch.arange(tokens)[:, None]
+    if masked:
+        visible &= torch.rand(tokens, SLOTS) > 0.3
+        visible[:, 0] = True
+    mask = torch.zeros(tokens, SLOTS).masked_fill(~visible, float("-inf"))
+    query = torch.randn(1, HEADS, tokens, HEAD_DIM)
+    args = dict(mask=mask) if masked else dict(first=torch.tensor([START]))
+    k, v = (x.transpose(1, 2).repeat_interleave(HEADS // KV_HEADS, dim=1) for x in (keys, values))
+
+    def reference(q):
+        return (torch.softmax(q @ k.transpose(-1, -2) / HEAD_DIM**0.5 + mask, dim=-1) @ v).transpose(1, 2)
+
+    return rows, query, mask, args, reference
+
+
 @pytest.mark.parametrize("masked", [False, True])
 def test_a_longer_call_attends_in_float_over_the_rows_the_one_token_kernel_reads(masked):
     """A one-token call is the int8 kernel itself; a longer one (prefill, a verification) is softmax
@@ -77,26 +103,16 @@ def test_a_longer_call_attends_in_float_over_the_rows_the_one_token_kernel_reads
     from kvexport.exporter.executorch.quantized_kv_cache import by_length, dequantize_rows, quantize_rows, quantized_sdpa
 
     torch.manual_seed(0)
-    slots, start, tokens, heads, kv_heads, d = 40, 13, 6, 9, 3, 16
-    rows = (*quantize_rows(torch.randn(1, slots, kv_heads, d)), *quantize_rows(torch.randn(1, slots, kv_heads, d)))
-    keys, values = (dequantize_rows(*rows[i:i + 3], torch.float32) for i in (0, 3))
-    visible = torch.arange(slots)[None] <= start + torch.arange(tokens)[:, None]  # causal from start
-    if masked:
-        visible &= torch.rand(tokens, slots) > 0.3
-        visible[:, 0] = True
-    mask = torch.zeros(tokens, slots).masked_fill(~visible, float("-inf"))
-    query = torch.randn(1, heads, tokens, d)
-    args = dict(mask=mask) if masked else dict(first=torch.tensor([start]))
-
+    tokens = 6
+    rows, query, mask, args, reference = _call(tokens, masked)
     got = by_length(query, rows, None, **args)
-    q = dequantize_rows(*quantize_rows(query.transpose(1, 2)), torch.float32).transpose(1, 2)
-    k, v = (x.transpose(1, 2).repeat_interleave(heads // kv_heads, dim=1) for x in (keys, values))
-    expected = torch.softmax(q @ k.transpose(-1, -2) / d**0.5 + mask, dim=-1) @ v
-    torch.testing.assert_close(got, expected.transpose(1, 2), atol=1e-5, rtol=1e-5)
+    rounded = dequantize_rows(*quantize_rows(query.transpose(1, 2)), torch.float32).transpose(1, 2)
+    torch.testing.assert_close(got, reference(rounded), atol=1e-5, rtol=1e-5)
 
     one = query[:, :, -1:]
-    one_args = dict(mask=mask[-1:]) if masked else dict(first=torch.tensor([start + tokens - 1]))
-    kernel = quantized_sdpa(one, rows, 0 if masked else start + tokens - 1, mask[-1:] if masked else None, None)
+    last = START + tokens - 1
+    one_args = dict(mask=mask[-1:]) if masked else dict(first=torch.tensor([last]))
+    kernel = quantized_sdpa(one, rows, 0 if masked else last, mask[-1:] if masked else None, None)
     assert torch.equal(by_length(one, rows, None, **one_args), kernel)
 
 
@@ -117,24 +133,12 @@ def test_without_the_int8_kernel_every_call_attends_in_float_over_the_dequantize
     """``int8_kernel=False`` (``--int8-kv-sdpa dequantized``): a decode step as a longer call,
     softmax attention over the dequantized rows with the query as it is (9 query heads over 3 KV
     heads), causal from the call's start or under its mask."""
-    from kvexport.exporter.executorch.quantized_kv_cache import by_length, dequantize_rows, quantize_rows
+    from kvexport.exporter.executorch.quantized_kv_cache import by_length
 
     torch.manual_seed(1)
-    slots, start, heads, kv_heads, d = 40, 13, 9, 3, 16
-    rows = (*quantize_rows(torch.randn(1, slots, kv_heads, d)), *quantize_rows(torch.randn(1, slots, kv_heads, d)))
-    keys, values = (dequantize_rows(*rows[i:i + 3], torch.float32) for i in (0, 3))
-    visible = torch.arange(slots)[None] <= start + torch.arange(tokens)[:, None]
-    if masked:
-        visible &= torch.rand(tokens, slots) > 0.3
-        visible[:, 0] = True
-    mask = torch.zeros(tokens, slots).masked_fill(~visible, float("-inf"))
-    query = torch.randn(1, heads, tokens, d)
-    args = dict(mask=mask) if masked else dict(first=torch.tensor([start]))
-
+    rows, query, _, args, reference = _call(tokens, masked)
     got = by_length(query, rows, None, int8_kernel=False, **args)
-    k, v = (x.transpose(1, 2).repeat_interleave(heads // kv_heads, dim=1) for x in (keys, values))
-    expected = torch.softmax(query @ k.transpose(-1, -2) / d**0.5 + mask, dim=-1) @ v
-    torch.testing.assert_close(got, expected.transpose(1, 2), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got, reference(query), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("machine, chosen", [("aarch64", "quantized"), ("arm64", "quantized"), ("x86_64", "dequantized")])
