@@ -234,7 +234,7 @@ class QuantizedRingCache(_QuantizedRows):
         newest, slots = call.ring_writes(self.slots)
         # The rows written are taken from the rows attended to, not from ``new``: each buffer's read
         # then precedes its in-place write by a data dependency. Lowering orders operators by their
-        # data alone, and a read that XNNPACK takes (a float concatenation) ran after the write.
+        # data alone, and a read that XNNPACK takes (a float concatenation) may otherwise follow it.
         newest = newest + self.slots
         for r, buffer in zip(rows, self.buffers_in_order()):
             torch.ops.llama.update_cache_with_indices(r.index_select(1, newest), buffer, 0, slots[None])
