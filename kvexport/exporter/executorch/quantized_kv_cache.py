@@ -117,6 +117,13 @@ def as_float(values: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tens
     return (x - z) * scales
 
 
+def float_kernel_sdpa(query, rows, start, mask, scaling):
+    """``dequantized_sdpa`` of ``query [1, H, T, D]`` (it passes ``clear_vector_state`` first),
+    returned in its dtype, ``[1, T, H, D]``."""
+    query = clear_vector_state(query)
+    return dequantized_sdpa(_to_seq_major(query), rows, start, mask, scaling).to(query.dtype)
+
+
 def by_length(query, rows, scaling, first=None, mask=None, int8_kernel=True):
     """Attention of ``query [1, H, T, D]`` over int8 ``rows`` (as ``quantized_sdpa``'s), causal from
     position ``first`` (a one-element tensor) or under ``mask [T, K]``. Returns ``[1, T, H, D]``.
@@ -129,10 +136,9 @@ def by_length(query, rows, scaling, first=None, mask=None, int8_kernel=True):
     (docs/performance.md#decode-by-context-length). Else every call is ``dequantized_sdpa`` with the
     query as it is. The query passes ``clear_vector_state`` first (the kernels' speed on XNNPACK's
     pool threads)."""
-    query = clear_vector_state(query)
     if not int8_kernel:
-        start = start_position(first) if mask is None else 0
-        return dequantized_sdpa(_to_seq_major(query), rows, start, mask, scaling).to(query.dtype)
+        return float_kernel_sdpa(query, rows, start_position(first) if mask is None else 0, mask, scaling)
+    query = clear_vector_state(query)
 
     def one_token(q, q_scales, q_zero_points, bound, *rows):
         start = start_position(bound) if mask is None else 0
@@ -206,10 +212,8 @@ class QuantizedStaticCache(_QuantizedRows):
         end = call.start + call.positions.shape[0]
         if plain_softmax_attention(kwargs):
             query, rows, start = query @ self.rotation, self.buffers_in_order(), end - query.shape[2]
-            if self.int8_kernel:
-                return quantized_sdpa(query, rows, start, None, scaling), None
-            query = _to_seq_major(clear_vector_state(query))
-            return dequantized_sdpa(query, rows, start, None, scaling).to(query.dtype), None
+            kernel = quantized_sdpa if self.int8_kernel else float_kernel_sdpa
+            return kernel(query, rows, start, None, scaling), None
         keys, values = self.dequantized(buffer[:, :end] for buffer in self.buffers_in_order())
         mask = additive_mask(torch.arange(end), last_positions(call, query), None, query.dtype)
         return family_eager_attention(module)(module, query, keys, values, mask, scaling=scaling, **kwargs)
