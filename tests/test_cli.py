@@ -93,8 +93,8 @@ def test_default_max_cache_len_is_said(tmp_path, capsys, monkeypatch):
         (["tiny-llama", "--target", "onnx", "--max-cache-len", "2"], ["--max-cache-len 2 is too short for --target onnx"]),
         (["some-org/not-cached-model", "--offline"], ["not (completely) in the local Hugging Face cache", "--offline forbids"]),
         (["./no/such/model"], ["'./no/such/model' not found"]),
-        (["tiny-llama", "--target", "onnx", "--dtype", "bfloat16"],
-         ["target onnx does not take --dtype bfloat16 (ONNX Runtime's CPU provider has no bfloat16 MatMul); it takes float32, float16"]),
+        (["tiny-llama", "--target", "onnx", "--dtype", "bfloat16", "--kv-cache", "int8"],
+         ["--dtype bfloat16 for --target onnx (an artifact for the GPU) goes with --kv-cache float", "--dtype float32 or float16"]),
     ],
     ids=[
         "unknown-name",
@@ -110,7 +110,7 @@ def test_default_max_cache_len_is_said(tmp_path, capsys, monkeypatch):
         "cache-len-2-on-onnx",
         "hub-id-offline-not-cached",
         "missing-path",
-        "dtype-not-for-target",
+        "gpu-dtype-with-int8-kv",
     ],
 )
 def test_export_mistakes_get_one_line(tmp_path, capsys, args, phrases):

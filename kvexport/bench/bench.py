@@ -81,6 +81,7 @@ from .machine_load import background_busy
 from .summary import finish, ratios, summarize, traffic_by_path
 
 PATHS = ("eager", "run", "textllm", "genai", "llama")
+CUDA_PATHS = ("eager", "run", "genai")  # TextLLMRunner and llama.cpp (as installed here) run on the CPU
 _FILLER = (
     "The history of computing is a story of people who wanted machines to do arithmetic faster than any "
     "clerk could. Early mechanical calculators added and multiplied with gears; later, electrical relays "
@@ -117,11 +118,19 @@ class BenchOptions:
     draft: list[str] = field(default_factory=list)  # "ngram" or a drafting artifact's folder
     draft_tokens: list[int] = field(default_factory=lambda: [4])
     prompt_file: Path | None = None  # its text as it is replaces prompt_tokens
+    device: str = "cpu"  # cuda: eager in the artifacts' dtype, the ONNX artifacts on onnxruntime-gpu
 
     def __post_init__(self):
         unknown = set(self.paths) - set(PATHS)
         if unknown:
             raise InvalidOptionError(f"unknown --paths {', '.join(sorted(unknown))}; choose from {', '.join(PATHS)}")
+        if self.device not in ("cpu", "cuda"):
+            raise InvalidOptionError(f"unknown --device '{self.device}'; choose cpu or cuda")
+        if self.device == "cuda" and set(self.paths) - set(CUDA_PATHS):
+            raise InvalidOptionError(
+                f"--device cuda measures {', '.join(CUDA_PATHS)}; {', '.join(sorted(set(self.paths) - set(CUDA_PATHS)))} "
+                "run on the CPU: leave them out of --paths"
+            )
         if min(*self.prompt_tokens, self.new_tokens, self.repeats, self.threads) < 1:
             raise InvalidOptionError("--prompt-tokens, --new-tokens, --repeats and --threads must be at least 1")
         if not self.artifacts:
@@ -192,11 +201,37 @@ def describe(manifest: Manifest) -> str:
     return f"{manifest.target} {kind or manifest.dtype}, cache{kv} {manifest.max_cache_len}"
 
 
+def eager_dtype(options: BenchOptions, manifests: dict[str, Manifest]) -> str:
+    """What the eager path runs in: on the GPU the first artifact's dtype (float16 or bfloat16), as
+    the ONNX artifacts it runs beside; float32 on the CPU."""
+    return next(iter(manifests.values())).dtype if options.device == "cuda" else "float32"
+
+
+def check_device(options: BenchOptions, manifests: dict[str, Manifest]) -> str | None:
+    """Refuse, before anything runs, what ``--device cuda`` cannot measure here; the GPU's name."""
+    if options.device != "cuda":
+        return None
+    import torch
+
+    from ..runtime.onnx_artifact import check_runs_on_cuda
+
+    if not torch.cuda.is_available():
+        raise InvalidOptionError("--device cuda: no CUDA GPU is available here (torch.cuda.is_available() is False)")
+    for folder, manifest in manifests.items():
+        if manifest.target != "onnx":
+            raise InvalidOptionError(f"--device cuda runs ONNX artifacts; {Path(folder).name} is {manifest.target} (run on the CPU)")
+        check_runs_on_cuda(manifest)
+    if options.genai_folder or options.pte or options.draft:
+        raise InvalidOptionError("--device cuda measures kvexport's artifacts: leave out --genai-folder, --pte and --draft")
+    return torch.cuda.get_device_name(0)
+
+
 def plan_jobs(options: BenchOptions, manifests: dict[str, Manifest], gguf: str | None, llama_version: str | None) -> list[dict]:
     jobs = []
     wanted = options.paths
     if "eager" in wanted:
-        jobs.append({"path": "eager", "label": f"eager transformers ({options.model}, float32)", "python": sys.executable})
+        jobs.append({"path": "eager", "label": f"eager transformers ({options.model}, {eager_dtype(options, manifests)})",
+                     "python": sys.executable})
     for folder, manifest in manifests.items():
         name = Path(folder).name
         if "run" in wanted:
@@ -265,6 +300,7 @@ def run_bench(options: BenchOptions, on_run: Callable[[int, dict, int, dict], No
     from ..runtime.tokenizer import ArtifactTokenizer
 
     manifests = {str(Path(a).resolve()): read_manifest(Path(a)) for a in options.artifacts}
+    gpu = check_device(options, manifests)
     tokenizer = ArtifactTokenizer(Path(next(iter(manifests))))  # the model's: every artifact has the same
     if options.prompt_file is not None:
         text = options.prompt_file.read_text()
@@ -280,7 +316,8 @@ def run_bench(options: BenchOptions, on_run: Callable[[int, dict, int, dict], No
     for n, jobs in contexts.items():
         for job in jobs:
             job["prompt_text"], job["prompt_ids"] = prompts[n]
-    common = {"model": options.model, "new_tokens": options.new_tokens, "threads": options.threads}
+    common = {"model": options.model, "new_tokens": options.new_tokens, "threads": options.threads, "device": options.device,
+              "eager_dtype": eager_dtype(options, manifests)}
     load_before = " ".join(f"{x:.2f}" for x in os.getloadavg())
     started = time.strftime("%Y-%m-%d %H:%M %Z")
     with tempfile.TemporaryDirectory(prefix="kvexport-bench-") as tmp:
@@ -303,9 +340,9 @@ def run_bench(options: BenchOptions, on_run: Callable[[int, dict, int, dict], No
         "machine": {"cpu": cpu, "cpu_features": features, "cpus": os.cpu_count(), "load_before": load_before,
                     "load_after": " ".join(f"{x:.2f}" for x in os.getloadavg()),
                     "background_busy": summarize([r.get("background_busy") for r in every_run]),
-                    "python": platform.python_version()},
+                    "python": platform.python_version(), **({"gpu": gpu} if gpu else {})},
         "protocol": {"prompt_tokens": lengths, "new_tokens": options.new_tokens, "repeats": options.repeats,
-                     "threads": options.threads, "warmup_new_tokens": workers.WARMUP_NEW_TOKENS},
+                     "threads": options.threads, "warmup_new_tokens": workers.WARMUP_NEW_TOKENS, "device": options.device},
         "model": options.model,
         "llama_cpp": llama_version,
         "contexts": [
@@ -314,6 +351,7 @@ def run_bench(options: BenchOptions, on_run: Callable[[int, dict, int, dict], No
             for n, jobs in contexts.items()
         ],
     }
-    if len(contexts) > 1:
+    if len(contexts) > 1 and options.device == "cpu":
+        # On a GPU a small model's decode step waits on kernel launches, not on memory: no limit to give.
         report["traffic"] = traffic_by_path(contexts, manifests, options.new_tokens)
     return report

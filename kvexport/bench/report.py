@@ -23,6 +23,8 @@ def markdown(report: dict) -> str:
     p = report["protocol"]
     features = " ".join(m.get("cpu_features", []))
     machine = f"{m['cpu']} ({m['cpus']} CPUs{'; ' + features if features else ''})"
+    if m.get("gpu"):
+        machine += f", on the GPU {m['gpu']}"
     lengths = " / ".join(str(n) for n in p["prompt_tokens"])
     lines = [
         f"{report['date']}, {machine}, load average {m['load_before']} before / "

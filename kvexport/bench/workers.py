@@ -67,8 +67,10 @@ def work_eager(spec: dict) -> dict:
     from kvexport.models import sources
 
     set_torch_threads(spec["threads"])
+    device = spec.get("device", "cpu")
     t = time.perf_counter()
-    model, _ = sources.load_model(sources.resolve(spec["model"]))
+    model, _ = sources.load_model(sources.resolve(spec["model"]), spec.get("eager_dtype", "float32"))
+    model = model.to(device)
     load_s = time.perf_counter() - t
     ids, n = spec["prompt_ids"], spec["new_tokens"]
     greedy_generate(model, ids, WARMUP_NEW_TOKENS)
@@ -102,7 +104,7 @@ def work_run(spec: dict) -> dict:
     if manifest.target != "onnx":  # the ONNX runner imports no torch: its peak RSS stays its own
         set_torch_threads(spec["threads"])
     t = time.perf_counter()
-    program = load_program(folder, manifest)
+    program = load_program(folder, manifest, spec.get("device", "cpu"))
     load_s = time.perf_counter() - t
     ids, n = spec["prompt_ids"], spec["new_tokens"]
     if spec.get("draft"):
@@ -201,6 +203,8 @@ def work_genai(spec: dict) -> dict:
     t = time.perf_counter()
     config = og.Config(spec.get("genai_folder") or spec["artifact"])
     config.clear_providers()  # the CPU
+    if spec.get("device") == "cuda":
+        config.append_provider("cuda")
     set_genai_threads(config, spec["threads"])
     model = og.Model(config)
     load_s = time.perf_counter() - t

@@ -47,6 +47,7 @@ def bench_command(
     prompt_file: Annotated[
         Optional[Path], typer.Option(metavar="FILE", help="the prompt: this file's text as it is (its length replaces --prompt-tokens)")
     ] = None,
+    device: Annotated[str, typer.Option(metavar="cpu|cuda", help="cuda: float16 or bfloat16 ONNX artifacts and eager transformers in their dtype on the GPU (paths eager, run, genai)")] = "cpu",
     json_out: Annotated[Optional[Path], typer.Option("--json", metavar="FILE", help="write the full report here")] = None,
     markdown_out: Annotated[Optional[Path], typer.Option("--markdown", metavar="FILE", help="write the tables here too")] = None,
 ):
@@ -61,7 +62,7 @@ def bench_command(
     options = BenchOptions(
         model, artifacts, prompt_lengths(prompt_tokens), new_tokens, repeats, threads,
         [p.strip() for p in paths.split(",") if p.strip()], llama_python or sys.executable, pte or [],
-        genai_folder or [], draft or [], prompt_lengths(draft_tokens), prompt_file,
+        genai_folder or [], draft or [], prompt_lengths(draft_tokens), prompt_file, device,
     )
     for path, option in ((json_out, "--json"), (markdown_out, "--markdown")):  # before the runs, not after
         if path is not None:

@@ -22,12 +22,12 @@ class Accepts:
     """What a target takes of the export options."""
 
     dtypes: tuple[Dtype, ...]
-    dtypes_refused: dict[Dtype, str]  # the --dtype values it refuses, and why
     quantize: Scheme  # the one --quantize scheme it runs
     quantize_embedding: bool  # whether it takes --quantize-embedding (else its scheme quantizes the embedding)
     kv_caches: tuple[KvCache, ...]
     sdpa_query: bool = False  # whether it takes --sdpa-query (its attention calls ExecuTorch's custom_sdpa)
     int8_kv_sdpa: bool = False  # whether it takes --int8-kv-sdpa (a choice of kernel over its int8 cache)
+    gpu_dtypes: tuple[Dtype, ...] = ()  # dtypes whose artifacts run on the GPU only: with a float cache only
 
 
 def accepts(target: Target) -> Accepts:
@@ -164,8 +164,10 @@ class ExportOptions:
                 raise InvalidOptionError(f"--int8-kv-sdpa goes with --kv-cache int8, not --kv-cache {self.kv_cache}; "
                                          "add --kv-cache int8, or leave --int8-kv-sdpa out")
         if dtype not in takes.dtypes:
-            why = f" ({takes.dtypes_refused[dtype]})" if dtype in takes.dtypes_refused else ""
-            raise InvalidOptionError(f"target {target} does not take --dtype {dtype}{why}; it takes {', '.join(takes.dtypes)}")
+            raise InvalidOptionError(f"target {target} does not take --dtype {dtype}; it takes {', '.join(takes.dtypes)}")
+        if dtype in takes.gpu_dtypes and self.kv_cache != KvCache.FLOAT:
+            raise InvalidOptionError(f"--dtype {dtype} for --target {target} (an artifact for the GPU) goes with --kv-cache float; "
+                                     f"its --kv-cache {self.kv_cache} has not run on a GPU: use --dtype float32 or float16")
 
 
 def _taken_by(scheme: Scheme) -> Target:

@@ -19,7 +19,7 @@ from ..artifact.manifest import Manifest
 from ..errors import ArtifactError, InvalidOptionError, KvexportError
 from .cpu import runtime_threads
 from .generation import check_call
-from .onnx_artifact import check_against_genai_config, check_runs_on_cuda
+from .onnx_artifact import check_against_genai_config, check_runs_on
 
 PACKAGE = "onnxruntime-genai"
 
@@ -55,13 +55,13 @@ class GenaiProgram:
             raise InvalidOptionError(f"unknown device '{device}'; ONNX artifacts run on cpu or cuda")
         if manifest.files:  # a kvexport artifact (scripts/genai_agreement.py also runs other folders)
             check_against_genai_config(folder, manifest)
+        check_runs_on(manifest, device)  # what onnxruntime's kernels take, as for kvexport's runner
         og = _import_genai(manifest)
         config = og.Config(str(folder))
         config.clear_providers()
         if (threads := runtime_threads()) is not None:
             set_genai_threads(config, threads)
         if device == "cuda":
-            check_runs_on_cuda(manifest)  # what onnxruntime-gpu's kernels take, as for kvexport's runner
             if not og.is_cuda_available():  # else og.Model fails later with a message about the folder
                 raise InvalidOptionError(f"--runner genai --device cuda: this {PACKAGE} ({og.__version__}) has no CUDA; "
                                          f"install {PACKAGE}-cuda=={og.__version__} in its place on a machine with an "

@@ -17,13 +17,24 @@ GPU_HINT = "install onnxruntime-gpu (pip install 'kvexport[gpu]') on a machine w
 
 def check_runs_on_cuda(manifest: Manifest) -> None:
     """What onnxruntime-gpu 1.31 gets wrong on CUDA (docs/onnx.md), refused before it runs."""
-    if manifest.dtype != "float16":
-        # Its CUDA GroupQueryAttention takes float16 (and bfloat16) only: a float32 graph's
+    if manifest.dtype not in ("float16", "bfloat16"):
+        # Its CUDA GroupQueryAttention takes float16 and bfloat16 only: a float32 graph's
         # attention runs on the CPU provider, with copies across, and every step after the first
         # reads a wrong cache.
         raise InvalidOptionError(
-            f"--device cuda runs float16 ONNX artifacts; this one is {manifest.dtype}: "
-            "export it with --dtype float16 for the GPU, or run it with --device cpu"
+            f"--device cuda runs float16 and bfloat16 ONNX artifacts; this one is {manifest.dtype}: "
+            "export it with --dtype float16 (or bfloat16) for the GPU, or run it with --device cpu"
+        )
+
+
+def check_runs_on(manifest: Manifest, device: str) -> None:
+    """Refuse, before a session is made, a device the artifact's dtype cannot run on."""
+    if device == "cuda":
+        check_runs_on_cuda(manifest)
+    elif manifest.dtype == "bfloat16":
+        raise InvalidOptionError(
+            "a bfloat16 ONNX artifact runs on the GPU only (ONNX Runtime's CPU provider has no bfloat16 MatMul): "
+            "run it with --device cuda, or export --dtype float32 or float16 for the CPU"
         )
 
 

@@ -30,7 +30,7 @@ from ..artifact.manifest import MANIFEST, Layer, Manifest, buffer_layers, progra
 from ..errors import ArtifactError, InvalidOptionError
 from .cpu import runtime_threads
 from .generation import check_call, check_rows_by_position, check_verification
-from .onnx_artifact import GPU_HINT, LOGITS_INDICES, check_against_genai_config, check_runs_on_cuda
+from .onnx_artifact import GPU_HINT, LOGITS_INDICES, check_against_genai_config, check_runs_on
 
 # ONNX Runtime's element types of the manifest's dtypes.
 _ORT_TYPES = {"float32": "tensor(float)", "float16": "tensor(float16)", "bfloat16": "tensor(bfloat16)"}
@@ -129,11 +129,30 @@ def _check_shape(name: str, said: list[int], has: list, fields: str) -> None:
         raise program_mismatch(f"(by its {fields}) {name} is", said, list(has))
 
 
+# numpy has no bfloat16: such a buffer holds its bits as uint16 (zero bits are 0.0) and is bound
+# as ONNX's BFLOAT16 element type, which ONNX Runtime's binding takes in place of a numpy dtype.
+_BFLOAT16 = 16  # onnx.TensorProto.BFLOAT16
+
+
+def _storage(dtype: str) -> np.dtype:
+    return np.dtype(np.uint16) if dtype == "bfloat16" else np.dtype(dtype)
+
+
+def _bound(dtype: str):
+    return _BFLOAT16 if dtype == "bfloat16" else np.dtype(dtype)
+
+
+def _as_float32(values: np.ndarray, dtype: str) -> np.ndarray:
+    if dtype == "bfloat16":
+        return (values.astype(np.uint32) << 16).view(np.float32)
+    return values.astype(np.float32)
+
+
 class _Buffer:
     """One layer's key or value buffer, zero-filled, where the session runs."""
 
-    def __init__(self, ort, shape: tuple[int, ...], dtype: np.dtype, device: str):
-        zeros = np.zeros(shape, dtype=dtype)
+    def __init__(self, ort, shape: tuple[int, ...], dtype: str, device: str):
+        zeros = np.zeros(shape, dtype=_storage(dtype))
         if device == "cpu":
             self.array = zeros
             self.ptr = zeros.ctypes.data
@@ -143,7 +162,7 @@ class _Buffer:
 
 
 class _Layer:
-    def __init__(self, ort, index: int, spec: Layer, max_cache_len: int, dtype: np.dtype, device: str):
+    def __init__(self, ort, index: int, spec: Layer, max_cache_len: int, dtype: str, device: str):
         self.index = index  # in the graph's names: the n-th layer that holds a cache
         self.shape = [1, spec.kv_heads, _rows(spec, max_cache_len), spec.head_dim]  # GroupQueryAttention's layout
         self.buffers = {kv: _Buffer(ort, tuple(self.shape), dtype, device) for kv in ("key", "value")}
@@ -186,14 +205,14 @@ class _Layer:
 class _State:
     """One state of a layer that does not attend: a past and a present buffer, swapped after each call."""
 
-    def __init__(self, ort, layer: int, name: str, shape: list[int], dtype: np.dtype, device: str):
+    def __init__(self, ort, layer: int, name: str, shape: list[int], dtype: str, device: str):
         self.past_name, self.present_name = f"past_state.{layer}.{name}", f"present_state.{layer}.{name}"
         self.shape, self.dtype = shape, dtype
         self.past, self.present = (_Buffer(ort, tuple(shape), dtype, device) for _ in range(2))
 
     def bind(self, binding, device: str) -> None:
-        binding.bind_input(self.past_name, device, 0, self.dtype, self.shape, self.past.ptr)
-        binding.bind_output(self.present_name, device, 0, self.dtype, self.shape, self.present.ptr)
+        binding.bind_input(self.past_name, device, 0, _bound(self.dtype), self.shape, self.past.ptr)
+        binding.bind_output(self.present_name, device, 0, _bound(self.dtype), self.shape, self.present.ptr)
 
     def swap(self) -> None:
         self.past, self.present = self.present, self.past
@@ -210,8 +229,8 @@ class OnnxProgram:
         if device not in ("cpu", "cuda"):
             raise InvalidOptionError(f"unknown device '{device}'; ONNX artifacts run on cpu or cuda")
         _check_onnx_fields(manifest)
+        check_runs_on(manifest, device)
         if device == "cuda":
-            check_runs_on_cuda(manifest)
             if "CUDAExecutionProvider" not in ort.get_available_providers():
                 raise InvalidOptionError(
                     f"--device cuda: this onnxruntime ({ort.__version__}) has no CUDAExecutionProvider; {GPU_HINT}"
@@ -238,8 +257,8 @@ class OnnxProgram:
         _check_against_graph(self._session, manifest)  # before any buffer is sized from the manifest
         if manifest.genai_config is not None:
             check_against_genai_config(folder, manifest)
-        self._dtype = np.dtype(manifest.dtype)
-        self._cache_dtype = np.dtype(manifest.kv_cache_dtype)
+        self._dtype = manifest.dtype
+        self._cache_dtype = manifest.kv_cache_dtype
         self._layers = [
             _Layer(ort, n, spec, self._max_cache_len, self._cache_dtype, device)
             for n, spec in enumerate(buffer_layers(manifest.layers))
@@ -249,16 +268,17 @@ class OnnxProgram:
         # Host memory for the small inputs and the logits: ONNX Runtime copies them across itself.
         self._tokens = np.zeros((1, self._max_cache_len), dtype=np.int64)
         self._mask = np.ones((1, self._max_cache_len), dtype=np.int64)  # a call binds its first P + T
-        self._logits = np.zeros((1, 1, manifest.vocab_size), dtype=self._dtype)
+        self._logits = np.zeros((1, 1, manifest.vocab_size), dtype=_storage(self._dtype))
         self._binding = self._session.io_binding()
-        self._binding.bind_output("logits", "cpu", 0, self._dtype, list(self._logits.shape), self._logits.ctypes.data)
+        self._bind_logits()
         self._last_row = np.array([-1], dtype=np.int64)  # logits_indices' default, bound again after a verification
         for layer in self._layers:  # every past is a whole buffer and its present the same: bound once
             for kv, buf in layer.buffers.items():
-                self._binding.bind_input(_cache_name("past", kv, layer.index), device, 0, self._cache_dtype, layer.shape, buf.ptr)
-                self._binding.bind_output(_cache_name("present", kv, layer.index), device, 0, self._cache_dtype, layer.shape, buf.ptr)
+                bound = _bound(self._cache_dtype)
+                self._binding.bind_input(_cache_name("past", kv, layer.index), device, 0, bound, layer.shape, buf.ptr)
+                self._binding.bind_output(_cache_name("present", kv, layer.index), device, 0, bound, layer.shape, buf.ptr)
         self._states = [
-            _State(ort, layer.index, name, shape, np.dtype(dtype or manifest.dtype), device)
+            _State(ort, layer.index, name, shape, dtype or manifest.dtype, device)
             for layer in state_layers(manifest.layers)
             for name, shape, dtype in _state_shapes(layer)
         ]
@@ -276,7 +296,7 @@ class OnnxProgram:
         for first in range(0, len(tokens), self._chunk):
             self._call(tokens[first : first + self._chunk], start + first)
         self._next_start = start + len(tokens)
-        return self._logits[0, 0].astype(np.float32)  # a copy: the next call overwrites the bound logits
+        return _as_float32(self._logits[0, 0], self._dtype)  # a copy: the next call overwrites the bound logits
 
     def verify(self, tokens: list[int], start: int) -> np.ndarray:
         """One call of ``tokens`` (the last chosen token, then drafted ones) from ``start``; the
@@ -295,9 +315,12 @@ class OnnxProgram:
             logits = self._binding.get_outputs()[0].numpy()
         finally:
             self._binding.bind_input(LOGITS_INDICES, "cpu", 0, np.int64, [1], self._last_row.ctypes.data)
-            self._binding.bind_output("logits", "cpu", 0, self._dtype, list(self._logits.shape), self._logits.ctypes.data)
+            self._bind_logits()
         self._next_start = start + n
         return logits[0].astype(np.float32, copy=False)
+
+    def _bind_logits(self) -> None:
+        self._binding.bind_output("logits", "cpu", 0, _bound(self._dtype), list(self._logits.shape), self._logits.ctypes.data)
 
     def _start_at(self, tokens: list[int], start: int) -> None:
         """Check a call's start; where it is before the sequence's end (rejected drafted tokens),

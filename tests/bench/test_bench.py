@@ -6,13 +6,15 @@ import json
 import shutil
 from pathlib import Path
 
+import onnxruntime as ort
 import pytest
+import torch
 
 from kvexport.bench import machine_load
 from kvexport.bench.bench import BenchOptions, exact_prompt, prompt_lengths, run_bench
 from kvexport.bench.report import busy_lines
 from kvexport.bench.summary import ratios
-from tests.helpers import fake_manifest, run_cli
+from tests.helpers import assert_one_line_error, fake_manifest, run_cli
 
 
 def test_bench_measures_every_path(artifact, tmp_path, capsys):
@@ -281,3 +283,33 @@ def test_every_path_but_llama_and_drafts_gets_a_traffic_limit(tmp_path):
     assert got["eager"][36]["step_bytes"] == 3000 + 40 * row * 2
     assert got["other"][36]["step_bytes"] == 2000 + 40 * row * 4
     assert got["other"][4]["share_of_limit"] == pytest.approx(1.0)
+
+
+def test_bench_on_cuda_refuses_what_it_cannot_measure_in_one_line(artifact, capsys):
+    """``--device cuda`` measures eager and the ONNX runners; TextLLMRunner and llama.cpp run on the
+    CPU, a `.pte` too. Refused before anything runs, a missing GPU too."""
+    from kvexport.errors import InvalidOptionError
+
+    half = artifact("tiny-gemma3", "onnx", dtype="float16")
+    with pytest.raises(InvalidOptionError, match="--device cuda measures eager, run, genai; llama, textllm run on the CPU"):
+        BenchOptions("tiny-gemma3", [half], paths=["eager", "textllm", "llama"], device="cuda")
+    with pytest.raises(InvalidOptionError, match="unknown --device 'tpu'; choose cpu or cuda"):
+        BenchOptions("tiny-gemma3", [half], device="tpu")
+    if not torch.cuda.is_available():
+        code, _, err = run_cli(capsys, "bench", "tiny-gemma3", half, "--device", "cuda", "--paths", "eager,run")
+        assert_one_line_error(code, err, "--device cuda: no CUDA GPU is available here")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or "CUDAExecutionProvider" not in ort.get_available_providers(),
+                    reason="needs a CUDA GPU and onnxruntime-gpu")
+def test_bench_on_the_gpu_runs_eager_in_the_artifact_s_dtype_beside_it(artifact, tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    code, _, _ = run_cli(capsys, "bench", "tiny-gemma3", artifact("tiny-gemma3", "onnx", dtype="float16"), "--device", "cuda",
+                         "--paths", "eager,run", "--prompt-tokens", "8,16", "--new-tokens", "6", "--repeats", "1", "--json", out)
+    assert code == 0
+    report = json.loads(out.read_text())
+    assert report["machine"]["gpu"] and "traffic" not in report  # decode on a GPU is not bound by memory traffic
+    for context in report["contexts"]:
+        eager, run = context["paths"]
+        assert "float16" in eager["label"] and run["runs"][0]["new_ids"] == eager["runs"][0]["new_ids"]

@@ -61,7 +61,7 @@ def test_check_on_cuda_without_a_gpu_says_so(artifact, capsys):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("target, dtype", [("executorch", "float32"), ("onnx", "float16")])
+@pytest.mark.parametrize("target, dtype", [("executorch", "float32"), ("onnx", "float16"), ("onnx", "bfloat16")])
 def test_check_with_eager_on_the_gpu(artifact, capsys, target, dtype):
     """Eager on the GPU; the `.pte` on the CPU, the ONNX graph on ONNX Runtime's CUDA provider."""
     if target == "onnx" and "CUDAExecutionProvider" not in ort.get_available_providers():

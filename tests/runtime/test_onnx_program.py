@@ -10,6 +10,7 @@ import sys
 import numpy as np
 import onnxruntime as ort
 import pytest
+import torch
 
 from kvexport.errors import InvalidOptionError, PromptTooLongError
 from kvexport.models.presets import build_preset
@@ -118,12 +119,34 @@ def test_cuda_without_onnxruntime_gpu_says_so(artifact, capsys):
     assert_one_line_error(code, err, "--device cuda", "onnxruntime-gpu")
 
 
-def test_cuda_takes_float16_graphs_only(artifact, capsys):
+def test_cuda_takes_float16_and_bfloat16_graphs_only(artifact, capsys):
     """What onnxruntime-gpu 1.31 got wrong on an H100 is refused before anything loads, with or
-    without a GPU here: a float32 graph (its CUDA GroupQueryAttention is float16 only; the CPU
-    fallback read a wrong cache after the first step)."""
+    without a GPU here: a float32 graph (its CUDA GroupQueryAttention is float16 and bfloat16 only;
+    the CPU fallback read a wrong cache after the first step)."""
     code, _, err = run_cli(capsys, "run", artifact("tiny-gemma3", "onnx"), "--prompt", "Hi", "--device", "cuda")
-    assert_one_line_error(code, err, "--device cuda runs float16 ONNX artifacts; this one is float32", "--dtype float16")
+    assert_one_line_error(code, err, "--device cuda runs float16 and bfloat16 ONNX artifacts; this one is float32",
+                          "--dtype float16")
+
+
+@pytest.mark.parametrize("command", [["run", "--prompt", "Hi"], ["run", "--prompt", "Hi", "--runner", "genai"], ["check"]],
+                         ids=["run", "run-genai", "check"])
+def test_a_bfloat16_graph_runs_on_the_gpu_only(artifact, capsys, command):
+    """ONNX Runtime's CPU provider has no bfloat16 MatMul: both runners (and check, which runs one)
+    say so in one line before a session is made."""
+    folder = artifact("tiny-gemma3", "onnx", dtype="bfloat16")
+    code, _, err = run_cli(capsys, command[0], folder, *command[1:])
+    assert_one_line_error(code, err, "a bfloat16 ONNX artifact runs on the GPU only", "--device cuda")
+
+
+def test_bfloat16_logits_widen_to_float32_exactly():
+    """The runner holds a bfloat16 graph's logits as their bits (numpy has no bfloat16) and widens
+    them as torch does."""
+    from kvexport.runtime.onnx_program import _as_float32
+
+    values = torch.cat([torch.randn(1000) * 30, torch.tensor([0.0, -0.0, float("inf"), -float("inf"), 1e-40])])
+    bf16 = values.to(torch.bfloat16)
+    widened = _as_float32(bf16.view(torch.int16).numpy().view(np.uint16), "bfloat16")
+    assert np.array_equal(widened, bf16.float().numpy())
 
 
 def test_an_onnx_artifact_of_an_earlier_format_is_refused_in_one_line(artifact, capsys, tmp_path):

@@ -6,7 +6,6 @@ from ..options import Accepts
 
 ACCEPTS = Accepts(
     dtypes=(Dtype.FLOAT32, Dtype.FLOAT16, Dtype.BFLOAT16),
-    dtypes_refused={},
     quantize=Scheme.INT8_DYNAMIC_INT4,
     quantize_embedding=True,
     # int8: a scale and zero point per row, quantized as it is written (nothing runs at export).

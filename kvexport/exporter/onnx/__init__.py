@@ -6,8 +6,9 @@ from ...choices import Dtype, KvCache, Scheme
 from ..options import Accepts
 
 ACCEPTS = Accepts(
-    dtypes=(Dtype.FLOAT32, Dtype.FLOAT16),
-    dtypes_refused={Dtype.BFLOAT16: "ONNX Runtime's CPU provider has no bfloat16 MatMul"},
+    dtypes=(Dtype.FLOAT32, Dtype.FLOAT16, Dtype.BFLOAT16),
+    # ONNX Runtime's CPU provider has no bfloat16 MatMul: a bfloat16 graph runs on CUDA only.
+    gpu_dtypes=(Dtype.BFLOAT16,),
     quantize=Scheme.INT4,
     quantize_embedding=False,  # --quantize int4 quantizes the embedding too
     # int8: fixed scales per KV head and channel, calibrated at export.

@@ -48,10 +48,21 @@ class _Read:
 
         if self.count is not None:
             self.count.one_more((self.entry.key, self.perm))
-        values = self.weights.read(self.entry).numpy()
+        values = _as_numpy(self.weights.read(self.entry))
         if self.perm is not None:
             values = np.ascontiguousarray(np.transpose(values, self.perm))
         return ir.Tensor(values)
+
+
+def _as_numpy(tensor):
+    """numpy has no bfloat16: such a tensor's bits are viewed as ml_dtypes' (which onnx_ir writes)."""
+    import torch
+
+    if tensor.dtype == torch.bfloat16:
+        import ml_dtypes
+
+        return tensor.view(torch.uint16).numpy().view(ml_dtypes.bfloat16)
+    return tensor.numpy()
 
 
 def read_weights_when_written(model, weights: DeferredWeights) -> int:

@@ -250,6 +250,15 @@ def _rotation_chain(producers, value):
     return node  # the RotaryEmbedding
 
 
+_AS_FLOAT = "__as_float32"
+
+
+def _bfloat16(array):
+    import ml_dtypes
+
+    return array.astype(ml_dtypes.bfloat16)
+
+
 def _evaluate(model, path, names: list[str], tokens: int, start: int = 0):
     """The values of ``names`` in a call of ``tokens`` tokens at position ``start``, computed by the graph
     itself (the nodes they depend on, run by ONNX Runtime); None where they depend on anything
@@ -286,15 +295,21 @@ def _evaluate(model, path, names: list[str], tokens: int, start: int = 0):
     computed = [n for n in names if n not in values]
     if computed:
         types = {v.name: v.type.tensor_type.elem_type for v in graph.value_info}
-        outputs = [helper.make_tensor_value_info(n, types.get(n, onnx.TensorProto.UNDEFINED), None) for n in computed]
         nodes = [n for n in graph.node if any(o in needed for o in n.output)]
+        # ONNX Runtime's Python binding returns no bfloat16 array: such a table is read as float32
+        # (exact) and turned back.
+        bf16 = {n for n in computed if types.get(n) == onnx.TensorProto.BFLOAT16}
+        nodes += [helper.make_node("Cast", [n], [f"{n}{_AS_FLOAT}"], to=onnx.TensorProto.FLOAT) for n in sorted(bf16)]
+        outputs = [helper.make_tensor_value_info(f"{n}{_AS_FLOAT}", onnx.TensorProto.FLOAT, None) if n in bf16
+                   else helper.make_tensor_value_info(n, types.get(n, onnx.TensorProto.UNDEFINED), None) for n in computed]
         sub = helper.make_model(
             helper.make_graph(nodes, "rotary_tables", inputs, outputs, constants),
             opset_imports=model.opset_import, ir_version=model.ir_version,
         )  # fmt: skip
         session = ort.InferenceSession(sub.SerializeToString(), providers=["CPUExecutionProvider"])
         feeds = {"input_ids": np.zeros((1, tokens), np.int64), "attention_mask": np.ones((1, start + tokens), np.int64)}
-        values |= dict(zip(computed, session.run(None, {v.name: feeds[v.name] for v in inputs})))
+        results = session.run(None, {v.name: feeds[v.name] for v in inputs})
+        values |= {n: _bfloat16(r) if n in bf16 else r for n, r in zip(computed, results)}
     return values
 
 

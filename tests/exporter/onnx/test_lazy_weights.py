@@ -47,17 +47,19 @@ def test_weights_read_as_written_give_the_loaded_model_s_bytes(tmp_path, monkeyp
     assert reported == [f"{done} of {len(large)} weights read from the checkpoint" for done in range(1, len(large) + 1)]
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-gemma3"])
-def test_a_float16_export_reads_each_weight_as_its_module_runs_and_as_it_is_written(tmp_path, monkeypatch, name):
-    """``--dtype float16`` defers its weights too: the eager probe reads each as its module runs
-    (one at a time, and no weight is left read after it), the graph each as it is written; the
-    files equal, byte for byte, those of the export that loads every weight first."""
+def test_a_half_export_reads_each_weight_as_its_module_runs_and_as_it_is_written(tmp_path, monkeypatch, name, dtype):
+    """``--dtype float16`` and ``bfloat16`` defer their weights too: the eager probe reads each as
+    its module runs (one at a time, and no weight is left read after it), the graph each as it is
+    written (bfloat16 through ml_dtypes: numpy has none); the files equal, byte for byte, those of
+    the export that loads every weight first."""
     from kvexport.models.deferred_weights import DeferredWeights
 
     model, tokenizer = presets.build_preset(name)
     model.to(torch.bfloat16).save_pretrained(tmp_path / "model")
     tokenizer.save_pretrained(tmp_path / "model")
-    options = dict(target="onnx", max_cache_len=32, dtype="float16")
+    options = dict(target="onnx", max_cache_len=32, dtype=dtype)
     assert pipeline.plan_export(pipeline.ExportOptions(str(tmp_path / "model"), out=tmp_path / "plan", **options)).defers_weights
     read, most_held = [0], [0]
     plain_read = DeferredWeights.read

@@ -173,6 +173,27 @@ def test_norms_and_rotations_are_onnx_runtime_kernels(artifact, name, norms):
     assert len(rotating) == len(read_manifest(folder).layers)
 
 
+def test_a_bfloat16_graph_is_the_float16_graph_in_bfloat16(artifact):
+    """``--dtype bfloat16`` (the GPU's dtype for models that overflow float16, as Gemma 3 does): the
+    float16 graph's nodes, rotations folded into the attention (its tables evaluated through a
+    float32 cast: ONNX Runtime's Python binding returns no bfloat16), every float input and output
+    in bfloat16."""
+    half, bf16 = (artifact("tiny-gemma3", "onnx", dtype=dtype) for dtype in ("float16", "bfloat16"))
+    assert _op_counts(bf16) == _op_counts(half)
+    graph = onnx.load(str(bf16 / "model.onnx"), load_external_data=False).graph
+    rotating = [n for n in graph.node if n.op_type == "GroupQueryAttention" and _attributes(n).get("do_rotary") == 1]
+    assert len(rotating) == len(read_manifest(bf16).layers)
+    types = {v.name: v.type.tensor_type.elem_type for v in [*graph.input, *graph.output]}
+    floats = {name: t for name, t in types.items() if name not in ("input_ids", "attention_mask")}
+    assert floats and set(floats.values()) == {onnx.TensorProto.BFLOAT16}, floats
+    # Initializers: the float16 graph's, each float16 one in bfloat16 (the float32 ones, as Gemma's
+    # norms compute in float32, stay).
+    in_half = onnx.load(str(half / "model.onnx"), load_external_data=False).graph.initializer
+    as_bf16 = {onnx.TensorProto.FLOAT16: onnx.TensorProto.BFLOAT16}
+    assert sorted((list(i.dims), as_bf16.get(i.data_type, i.data_type)) for i in in_half) == \
+        sorted((list(i.dims), i.data_type) for i in graph.initializer)
+
+
 @pytest.mark.parametrize("name, layer_type", [("tiny-llama", None), ("tiny-gemma3", "full_attention")])
 def test_rotating_attention_reads_transformers_rotary_tables(artifact, name, layer_type):
     """The cos/sin tables a full-attention node reads are transformers' own for positions
