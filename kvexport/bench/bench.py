@@ -53,6 +53,10 @@ passed 10%. The load average it also prints lags by minutes and counts the previ
 sees a virtual machine's host: on this project's 2-CPU VM two runs with no other process differed
 by up to a quarter per path, so a ratio near 1 needs more than one run.
 
+``--device cuda``: eager in the first artifact's dtype on the GPU, and each float16 or bfloat16 ONNX
+ARTIFACT on ONNX Runtime's CUDA provider (``run``) and onnxruntime-genai's CUDA build (``genai``);
+the other paths run on the CPU and are refused, and no traffic limit is given (a small model's
+step on a GPU waits on kernel launches, not on memory).
 Threads: ``torch.set_num_threads(N)`` (eager, and torch ops anywhere); ExecuTorch's threadpool
 (XNNPACK and the LLM custom ops, one pool per process shared by kvexport's runner and
 TextLLMRunner) is reset to N with ``executorch.extension.pybindings.portable_lib._unsafe_reset_threadpool``;
@@ -213,10 +217,10 @@ def check_device(options: BenchOptions, manifests: dict[str, Manifest]) -> str |
         return None
     import torch
 
+    from ..checker.eager import refuse_without_cuda
     from ..runtime.onnx_artifact import check_runs_on_cuda
 
-    if not torch.cuda.is_available():
-        raise InvalidOptionError("--device cuda: no CUDA GPU is available here (torch.cuda.is_available() is False)")
+    refuse_without_cuda()
     for folder, manifest in manifests.items():
         if manifest.target != "onnx":
             raise InvalidOptionError(f"--device cuda runs ONNX artifacts; {Path(folder).name} is {manifest.target} (run on the CPU)")

@@ -171,12 +171,11 @@ def _short_prompt(tokenizer: ArtifactTokenizer, max_len: int) -> str:
 def load_reference(manifest: Manifest, model_name: str | None, device: str, dtype: str | None = None):
     """The eager transformers model the artifact was exported from (or ``model_name``), in the
     artifact's dtype or ``dtype``."""
-    import torch
-
     from ..models import sources
+    from .eager import refuse_without_cuda
 
-    if device == "cuda" and not torch.cuda.is_available():
-        raise InvalidOptionError("--device cuda: no CUDA GPU is available here (torch.cuda.is_available() is False)")
+    if device == "cuda":
+        refuse_without_cuda()
     source = sources.resolve(model_name) if model_name else sources.resolve_recorded(manifest.source)
     vocab_size = text_config(sources.load_config(source)).vocab_size
     if vocab_size != manifest.vocab_size:  # the logits could not be compared (before the weights load)

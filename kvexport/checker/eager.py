@@ -16,6 +16,14 @@ from transformers import (
     SuppressTokensLogitsProcessor,
 )
 
+from ..errors import InvalidOptionError
+
+
+def refuse_without_cuda() -> None:
+    """``--device cuda`` (eager on the GPU) where torch sees none, refused in one line."""
+    if not torch.cuda.is_available():
+        raise InvalidOptionError("--device cuda: no CUDA GPU is available here (torch.cuda.is_available() is False)")
+
 
 class _Observer(LogitsProcessor):
     """Hands the raw logits of each step to a callback; changes nothing."""
