@@ -512,6 +512,7 @@ def _check_details(path: Path, manifest: dict) -> None:
         "kv_cache_bytes": (_count, "a number of bytes"),
         "kv_cache": (lambda v: isinstance(v, dict) and v.get("dtype") == "int8", "the KV cache's element type (int8)"),
         "max_draft_tokens": (lambda v: _count(v, 1), "a positive number of drafted tokens a call verifies"),
+        "verify_tokens": (lambda v: _count(v, 2), "the most tokens a .pte's verify call takes"),
     }
     for key, (valid, expected) in optional.items():
         if key in manifest and not valid(manifest[key]):

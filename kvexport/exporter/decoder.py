@@ -123,15 +123,17 @@ def example_inputs(max_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def export_verifier(decoder: ExportableDecoder, tokens: int) -> torch.export.ExportedProgram:
-    """The call that returns every position's logits (``verifying``), of exactly ``tokens`` tokens:
-    a verification of drafted tokens, which its runner pads to that length."""
-    decoder.verifying = True
+    """The call that returns every position's logits (``verifying``), of 1 to ``tokens`` tokens: a
+    verification of drafted tokens costs the tokens it verifies. ``T`` is dynamic as in
+    ``export_decoder``, bounded by ``tokens`` (the size ExecuTorch plans the method's activations for)."""
+    calls = decoder.max_tokens_per_call
+    decoder.verifying, decoder.max_tokens_per_call = True, tokens
     try:
         with torch.no_grad():
             example = (torch.zeros((1, tokens), dtype=torch.long), torch.zeros((1,), dtype=torch.long))
-            return torch.export.export(decoder, example, strict=False)
+            return torch.export.export(decoder, example, dynamic_shapes=({1: torch.export.Dim.DYNAMIC}, None), strict=False)
     finally:
-        decoder.verifying = False
+        decoder.verifying, decoder.max_tokens_per_call = False, calls
 
 
 def export_decoder(decoder: ExportableDecoder) -> torch.export.ExportedProgram:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import types
 from pathlib import Path
@@ -11,6 +12,7 @@ import numpy as np
 from ..artifact.manifest import Manifest, program_mismatch
 from ..errors import ArtifactError, InvalidOptionError, first_line
 from ..logs import native_stderr_quiet
+from .blas_threads import one_blas_thread
 from .cpu import runtime_threads
 from .generation import check_call, check_rows_by_position, check_verification
 from .xnnpack_options import WEIGHT_CACHE, set_bool
@@ -68,25 +70,30 @@ class ExecuTorchProgram:
         for first in range(0, len(tokens), self._chunk):
             chunk = tokens[first : first + self._chunk]
             inputs = [torch.tensor([chunk], dtype=torch.long), torch.tensor([start + first], dtype=torch.long)]
-            logits = self._method.execute(inputs)[0]
+            with one_blas_thread() if len(chunk) > 1 else contextlib.nullcontext():
+                logits = self._method.execute(inputs)[0]
         self._next_start = start + len(tokens)
         # Copy: the runtime may reuse the output memory on the next call.
         return logits[0].to(torch.float32, copy=True).numpy()
 
     def verify(self, tokens: list[int], start: int) -> np.ndarray:
         """One call of ``tokens`` from ``start`` (the last chosen token, then drafted ones): the logits
-        ``[T, vocab]`` of each of its positions. The method takes ``max_draft_tokens + 1`` tokens:
-        fewer are padded (the padding's rows are written and dropped, as rejected drafts' are); near
-        the cache's end, where the padding would not fit, the positions are one-token calls."""
+        ``[T, vocab]`` of each of its positions. A ``.pte`` exported before ``verify`` took calls of
+        any length (no ``verify_tokens`` in its manifest) takes exactly ``max_draft_tokens + 1``:
+        fewer are padded there (the padding's rows are written and dropped, as rejected drafts' are),
+        and near the cache's end, where the padding would not fit, the positions are one-token calls."""
         torch = self._torch
         check_verification(tokens, self.max_draft_tokens)
         verify = self._verify_method()
-        most = self.max_draft_tokens + 1
         check_call(tokens, start, self._next_start, self.manifest.max_cache_len, self._rewind)
-        if start + most > self.manifest.max_cache_len:
-            return np.stack([self.forward([token], start + i) for i, token in enumerate(tokens)])
-        padded = tokens + tokens[-1:] * (most - len(tokens))
-        logits = verify.execute([torch.tensor([padded], dtype=torch.long), torch.tensor([start], dtype=torch.long)])[0]
+        call = tokens
+        if "verify_tokens" not in self.manifest.facts:
+            most = self.max_draft_tokens + 1
+            if start + most > self.manifest.max_cache_len:
+                return np.stack([self.forward([token], start + i) for i, token in enumerate(tokens)])
+            call = tokens + tokens[-1:] * (most - len(tokens))
+        with one_blas_thread():
+            logits = verify.execute([torch.tensor([call], dtype=torch.long), torch.tensor([start], dtype=torch.long)])[0]
         self._next_start = start + len(tokens)
         return logits[0, : len(tokens)].to(torch.float32, copy=True).numpy()
 

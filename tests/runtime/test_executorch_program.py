@@ -62,3 +62,37 @@ def test_a_bfloat16_pte_loads_with_the_weight_cache_off(artifact):
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_a_verification_costs_the_tokens_it_verifies_and_an_older_pte_is_padded(artifact):
+    """``verify`` takes calls of any length up to ``max_draft_tokens + 1`` (``verify_tokens`` in the
+    manifest): the runner passes a verification's own tokens. A `.pte` whose manifest lacks it was
+    exported with ``verify`` of that length exactly, and gets its verifications padded; the rows the
+    verification asked for are the same either way."""
+    from kvexport.runtime.programs import load_program
+
+    folder = artifact("tiny-gemma3", "executorch", max_draft_tokens=4)
+    prompt = [5, 17, 3, 42, 9, 11]
+
+    def verified(program) -> tuple[np.ndarray, list[list[int]]]:
+        method, calls = program._verify_method(), []
+
+        class Recorded:
+            def execute(self, inputs):
+                calls.append(list(inputs[0].shape))
+                return method.execute(inputs)
+
+        program._verify = Recorded()
+        program.forward(prompt, 0)
+        return program.verify([8, 1, 2], len(prompt)), calls
+
+    program = load_program(folder)
+    assert program.manifest.facts["verify_tokens"] == 5
+    rows, calls = verified(program)
+    assert calls == [[1, 3]]
+    older = load_program(folder)
+    del older.manifest.facts["verify_tokens"]
+    padded_rows, padded_calls = verified(older)
+    assert padded_calls == [[1, 5]]
+    assert rows.shape == padded_rows.shape == (3, older.manifest.vocab_size)
+    np.testing.assert_allclose(rows, padded_rows, atol=1e-5, rtol=0)

@@ -40,7 +40,7 @@ CALIBRATES_KV_CACHE = False
 INT8_KV_ROW_EXTRA_BYTES = 4 + 1
 # A cache of one position is a decode-only program (T static at 1).
 MIN_MAX_CACHE_LEN = 1
-# --max-draft-tokens K: a second method, `verify`, of K + 1 tokens, returns every position's logits,
+# --max-draft-tokens K: a second method, `verify`, of up to K + 1 tokens, returns every position's logits,
 # sharing forward's cache buffers; rings keep K spare slots, so a call may start inside the verification.
 RING_SPARE_SLOTS = True
 VERIFY_METHOD = "verify"
@@ -280,6 +280,8 @@ def lower(program: torch.export.ExportedProgram | dict[str, torch.export.Exporte
         "custom_ops": custom,
         **({"quantized_embedding_ops": fused} if fused else {}),
         **({"methods": list(methods)} if len(methods) > 1 else {}),
+        # verify's calls take any length up to this (before, exactly this: a runner padded them).
+        **({"verify_tokens": spec.max_draft_tokens + 1} if VERIFY_METHOD in methods else {}),
     }
 
 
