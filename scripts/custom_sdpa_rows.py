@@ -3,16 +3,17 @@ over a cache filled to each length, for 1, 2 and ``--rows`` query rows, and a on
 kvexport makes it where query heads share a KV head (each group stacked as one head's rows).
 
     python scripts/custom_sdpa_rows.py [--heads 9] [--kv-heads 3] [--head-dim 64] [--keys 128,1024,4096]
-        [--rows 9] [--threads 2] [--blas-threads one|mkl]
+        [--rows 9] [--threads 2] [--blas-threads mkl|one]
 
 kvexport's `.pte` gives the kernel one query row more than a call has
 (``exporter/executorch/custom_op_cache``): with ExecuTorch's pip wheel (its products
 through libtorch's MKL) a one-row call takes several times as long as a two-row one. Another
 build links another BLAS; this prints whether that still holds there (the same C++ kernel, called
 through its PyTorch op). Microseconds per call, the median of repeated calls. ``--blas-threads``:
-MKL one thread inside the kernel, as kvexport's runtime runs it (``one``, ``runtime/blas_threads``),
-or MKL's own count (``mkl``, what ExecuTorch's pip runtime does by itself: several-row calls many
-times slower on a 2-core machine).
+MKL's own thread count (``mkl``, as ExecuTorch's pip runtime runs a one-token call), or one MKL
+thread on the calling thread (``one``, as kvexport's runtime runs a call of several tokens:
+``runtime/blas_threads``). The decode-step line at the end times with MKL's own count, as
+``--sdpa-query auto`` does.
 
 The kernel splits its work by query head, reading a KV head's rows once per query head of its
 group; the stacked call reads them once (``custom_op_cache.causal_sdpa``). Its column is a decode
@@ -67,8 +68,8 @@ def main(argv=None) -> None:
     parser.add_argument("--keys", default="128,1024,4096")
     parser.add_argument("--rows", type=int, default=9, help="the most query rows timed (a verification of K drafts: K + 1)")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--blas-threads", choices=["one", "mkl"], default="one",
-                        help="one: MKL one thread inside the kernel, as kvexport's runtime runs it; mkl: MKL's own count")
+    parser.add_argument("--blas-threads", choices=["mkl", "one"], default="mkl",
+                        help="one: one MKL thread on the calling thread, as kvexport's runtime runs a call of several tokens; mkl: MKL's own count")
     args = parser.parse_args(argv)
     import contextlib
 

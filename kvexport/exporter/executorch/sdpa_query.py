@@ -10,8 +10,8 @@ on an AMD one (docs/performance.md#which-query-rows-a-decode-step-gives-the-kern
 ``auto`` times one decode step's calls of both over a few layers' own buffers at the model's shape
 and keeps per-head only where it is clearly the faster, since a real step reads its buffers from
 memory, where reading each row once counts more than here. Each form's time is its fastest
-round: other load on the machine slows a round, never speeds one up. The calls run with one BLAS
-thread, as kvexport's runtime runs the kernel (``runtime.blas_threads``)."""
+round: other load on the machine slows a round (grouped's matrix products, threaded by the BLAS,
+the most), never speeds one up."""
 
 from __future__ import annotations
 
@@ -48,7 +48,6 @@ def step_microseconds(heads: int, kv_heads: int, head_dim: int, positions: int) 
     of ``ROUNDS`` rounds taken in turn."""
     import torch
 
-    from ...runtime.blas_threads import one_blas_thread
     from .custom_op_cache import causal_sdpa
 
     slots = (1, positions + 1, kv_heads, head_dim)
@@ -63,12 +62,11 @@ def step_microseconds(heads: int, kv_heads: int, head_dim: int, positions: int) 
         return time.perf_counter() - start
 
     times: dict[SdpaQuery, list[float]] = {form: [] for form in forms}
-    with one_blas_thread():
+    for form, grouped in forms.items():
+        step(grouped)  # warm-up
+    for _ in range(ROUNDS):
         for form, grouped in forms.items():
-            step(grouped)  # warm-up
-        for _ in range(ROUNDS):
-            for form, grouped in forms.items():
-                times[form].append(step(grouped))
+            times[form].append(step(grouped))
     return {form: min(t) * 1e6 for form, t in times.items()}
 
 
