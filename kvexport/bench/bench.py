@@ -57,6 +57,7 @@ by up to a quarter per path, so a ratio near 1 needs more than one run.
 ARTIFACT on ONNX Runtime's CUDA provider (``run``) and onnxruntime-genai's CUDA build (``genai``);
 the other paths run on the CPU and are refused, and no traffic limit is given (a small model's
 step on a GPU waits on kernel launches, not on memory).
+
 Threads: ``torch.set_num_threads(N)`` (eager, and torch ops anywhere); ExecuTorch's threadpool
 (XNNPACK and the LLM custom ops, one pool per process shared by kvexport's runner and
 TextLLMRunner) is reset to N with ``executorch.extension.pybindings.portable_lib._unsafe_reset_threadpool``;
