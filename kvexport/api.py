@@ -48,6 +48,7 @@ def export(
     kv_cache: str = "float",
     sdpa_query: str = "auto",
     int8_kv_sdpa: str = "auto",
+    decode_attention: str = "custom-sdpa",
     max_draft_tokens: int = 0,
     force: bool = False,
     quiet: bool = False,
@@ -65,7 +66,7 @@ def export(
     options = {
         "max_cache_len": max_cache_len, "prefill_chunk": prefill_chunk, "dtype": dtype, "quantize": quantize,
         "quantize_embedding": quantize_embedding, "quantize_lm_head": quantize_lm_head, "quantize_grid": quantize_grid,
-        "kv_cache": kv_cache, "sdpa_query": sdpa_query, "int8_kv_sdpa": int8_kv_sdpa,
+        "kv_cache": kv_cache, "sdpa_query": sdpa_query, "int8_kv_sdpa": int8_kv_sdpa, "decode_attention": decode_attention,
         "max_draft_tokens": max_draft_tokens, "force": force,
         "quiet": quiet, "revision": revision, "offline": offline, "gguf_file": gguf_file,
     }

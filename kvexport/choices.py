@@ -72,6 +72,17 @@ class SdpaQuery(StrEnum):
     PER_HEAD = "per-head"
 
 
+class DecodeAttention(StrEnum):
+    """``--decode-attention`` (executorch, float32): the kernel a decode step's full-attention layers
+    attend with. ``custom-sdpa`` is ExecuTorch's (``llama::custom_sdpa``, or an int8 cache's
+    ``--int8-kv-sdpa`` choice), in every ExecuTorch runtime; ``kvexport`` is kvexport's own
+    (``kvexport/kernels``), split over the cached positions, reading an int8 cache in place, which
+    the runtime must load (kvexport's runners do; a C++ runner links it)."""
+
+    CUSTOM_SDPA = "custom-sdpa"
+    KVEXPORT = "kvexport"
+
+
 class Int8KvSdpa(StrEnum):
     """``--int8-kv-sdpa`` (executorch, int8 KV cache): the kernel a decode step attends with.
     ``quantized`` is ExecuTorch's ``llama::custom_quantized_sdpa``, which reads the int8 rows in place

@@ -109,25 +109,26 @@ def exported_once(tmp_path_factory, name: str, export) -> Path:
 def artifact(tmp_path_factory):
     """``artifact(name, target, quantize=None, quantize_embedding=None, quantize_lm_head=None,
     dtype="float32", kv_cache="float", max_draft_tokens=0, quantize_grid=None, sdpa_query="auto",
-    int8_kv_sdpa="auto")`` -> folder,
+    int8_kv_sdpa="auto", decode_attention="custom-sdpa")`` -> folder,
     exported once per test run."""
     import kvexport
     from kvexport.exporter.pipeline import choose_prefill_chunk
 
     def get(name: str, target: str = "executorch", quantize: str | None = None, quantize_embedding: str | None = None,
             quantize_lm_head: str | None = None, dtype: str = "float32", kv_cache: str = "float", max_draft_tokens: int = 0,
-            quantize_grid: str | None = None, sdpa_query: str = "auto", int8_kv_sdpa: str = "auto"):
+            quantize_grid: str | None = None, sdpa_query: str = "auto", int8_kv_sdpa: str = "auto",
+            decode_attention: str = "custom-sdpa"):
         key = (name, target, quantize, quantize_embedding, quantize_lm_head, dtype, kv_cache, quantize_grid, sdpa_query,
-               int8_kv_sdpa)
-        suffix = "".join(f"-{q}" for q in key[2:] if q and q not in ("float32", "float", "auto"))
+               int8_kv_sdpa, decode_attention)
+        suffix = "".join(f"-{q}" for q in key[2:] if q and q not in ("float32", "float", "auto", "custom-sdpa"))
         suffix += f"-draft{max_draft_tokens}" if max_draft_tokens else ""
         options = dict(dtype=dtype, quantize=quantize, quantize_embedding=quantize_embedding, quantize_lm_head=quantize_lm_head,
                        quantize_grid=quantize_grid, kv_cache=kv_cache, sdpa_query=sdpa_query, int8_kv_sdpa=int8_kv_sdpa,
-                       max_draft_tokens=max_draft_tokens)
+                       max_draft_tokens=max_draft_tokens, decode_attention=decode_attention)
         recorded = {"model": name, "target": target, "dtype": dtype, "max_cache_len": TEST_CACHE_LEN,
                     "prefill_chunk": choose_prefill_chunk(TEST_CACHE_LEN, None),
                     **{option: value for option, value in options.items()
-                       if option != "dtype" and value and value not in ("float", "auto")}}
+                       if option != "dtype" and value and value not in ("float", "auto", "custom-sdpa")}}
         if (kept := matrix_artifact(recorded)) is not None:
             return kept
 

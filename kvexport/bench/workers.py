@@ -146,7 +146,7 @@ def work_textllm(spec: dict) -> dict:
     manifest = read_manifest(folder)
     set_torch_threads(spec["threads"])
     set_executorch_threads(spec["threads"])
-    register_kernels()
+    register_kernels(manifest)
     from executorch.extension.llm.runner import GenerationConfig, TextLLMRunner
 
     if spec.get("pte"):

@@ -50,6 +50,7 @@ def export(
     kv_cache: Annotated[str, typer.Option(help=help_text("kv_cache"))] = "float",
     sdpa_query: Annotated[str, typer.Option(help=help_text("sdpa_query"))] = "auto",
     int8_kv_sdpa: Annotated[str, typer.Option(help=help_text("int8_kv_sdpa"))] = "auto",
+    decode_attention: Annotated[str, typer.Option(help=help_text("decode_attention"))] = "custom-sdpa",
     max_draft_tokens: Annotated[int, typer.Option(help=help_text("max_draft_tokens"))] = 0,
     revision: Annotated[Optional[str], typer.Option(help=help_text("revision"))] = None,
     offline: Annotated[bool, typer.Option("--offline", help=help_text("offline"))] = False,
@@ -70,7 +71,7 @@ def export(
             model, target, out, quiet=quiet, max_cache_len=max_cache_len, dtype=dtype, force=force, quantize=quantize,
             quantize_embedding=quantize_embedding, quantize_lm_head=quantize_lm_head,
             quantize_grid=quantize_grid, prefill_chunk=prefill_chunk,
-            kv_cache=kv_cache, sdpa_query=sdpa_query, int8_kv_sdpa=int8_kv_sdpa,
+            kv_cache=kv_cache, sdpa_query=sdpa_query, int8_kv_sdpa=int8_kv_sdpa, decode_attention=decode_attention,
             max_draft_tokens=max_draft_tokens, revision=revision, offline=offline, gguf_file=gguf_file,
         )
     if as_json:

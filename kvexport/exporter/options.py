@@ -12,7 +12,7 @@ import importlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..choices import Dtype, EmbeddingScheme, Grid, Int8KvSdpa, KvCache, LmHeadScheme, Scheme, SdpaQuery, Target, choose
+from ..choices import DecodeAttention, Dtype, EmbeddingScheme, Grid, Int8KvSdpa, KvCache, LmHeadScheme, Scheme, SdpaQuery, Target, choose
 from ..errors import InvalidOptionError
 from .quantization import Quantization
 
@@ -27,6 +27,7 @@ class Accepts:
     kv_caches: tuple[KvCache, ...]
     sdpa_query: bool = False  # whether it takes --sdpa-query (its attention calls ExecuTorch's custom_sdpa)
     int8_kv_sdpa: bool = False  # whether it takes --int8-kv-sdpa (a choice of kernel over its int8 cache)
+    decode_attention: bool = False  # whether it takes --decode-attention (kvexport's own decode kernel)
     gpu_dtypes: tuple[Dtype, ...] = ()  # dtypes whose artifacts run on the GPU only: with a float cache only
 
 
@@ -96,6 +97,12 @@ class ExportOptions:
         "(llama::custom_quantized_sdpa reads the int8 rows in place; torchao's int8 products, NEON on aarch64, a "
         "scalar fallback elsewhere), dequantized (the rows dequantized into llama::custom_sdpa) or auto (quantized "
         "where this machine is aarch64, else dequantized)")
+    decode_attention: DecodeAttention = _option(
+        DecodeAttention.CUSTOM_SDPA, "executorch, --dtype float32: the kernel a decode step's full-attention layers attend "
+        "with: custom-sdpa (ExecuTorch's: llama::custom_sdpa, or with --kv-cache int8 --int8-kv-sdpa's; in any ExecuTorch "
+        "runtime) or kvexport (kvexport's own, split over the cached positions, reading an int8 cache in place: faster at "
+        "long contexts; built here with a C++ compiler and loaded by kvexport's runners, and a C++ runner must link it: "
+        "docs/executorch.md)")
     max_draft_tokens: int = _option(
         0, "speculative decoding (run --draft): most drafted tokens one call verifies (a .pte gets a verify method, an "
         "ONNX graph a logits_indices input); 0: none")
@@ -110,6 +117,7 @@ class ExportOptions:
         self.kv_cache = choose(KvCache, self.kv_cache, "--kv-cache")
         self.sdpa_query = choose(SdpaQuery, self.sdpa_query, "--sdpa-query")
         self.int8_kv_sdpa = choose(Int8KvSdpa, self.int8_kv_sdpa, "--int8-kv-sdpa")
+        self.decode_attention = choose(DecodeAttention, self.decode_attention, "--decode-attention")
         if self.quantize is not None and self.quantize not in tuple(Scheme):
             schemes = ", ".join(f"{accepts(t).quantize} (--target {t})" for t in Target)
             raise InvalidOptionError(f"unknown --quantize '{self.quantize}'; choose one of: {schemes}")
@@ -163,6 +171,11 @@ class ExportOptions:
             if self.kv_cache != KvCache.INT8:
                 raise InvalidOptionError(f"--int8-kv-sdpa goes with --kv-cache int8, not --kv-cache {self.kv_cache}; "
                                          "add --kv-cache int8, or leave --int8-kv-sdpa out")
+        if self.decode_attention != DecodeAttention.CUSTOM_SDPA:
+            _refuse_unless_taken("decode_attention", takes, target)
+            if dtype != Dtype.FLOAT32:
+                raise InvalidOptionError(f"--decode-attention {self.decode_attention} attends in float32: it goes with "
+                                         f"--dtype float32 (the default), not {dtype}; leave it out")
         if dtype not in takes.dtypes:
             raise InvalidOptionError(f"target {target} does not take --dtype {dtype}; it takes {', '.join(takes.dtypes)}")
         if dtype in takes.gpu_dtypes and self.kv_cache != KvCache.FLOAT:

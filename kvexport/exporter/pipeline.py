@@ -18,7 +18,7 @@ from ..version import __version__
 from . import memory_plan
 from . import quantization as quantize
 from .kv_calibration import calibration_ids
-from .options import ExportOptions
+from .options import ExportOptions, accepts
 from .targets import ProgramSpec, get_target
 
 DEFAULT_MAX_CACHE_LEN = 2048
@@ -295,6 +295,8 @@ def export_model(options: ExportOptions, progress: Progress | None = None) -> Ex
     if int8_kv_sdpa and options.int8_kv_sdpa == "auto":
         progress.info(f"--int8-kv-sdpa auto: {int8_kv_sdpa} (this machine: {platform.machine()})")
     chosen = {name: value for name, value in (("sdpa_query", sdpa_query), ("int8_kv_sdpa", int8_kv_sdpa)) if value}
+    # A target that takes --decode-attention is given it (else it is left at its default, refused otherwise).
+    decode_attention = {"decode_attention": options.decode_attention} if accepts(options.target).decode_attention else {}
     needs = plan_footprint(plan)
     if needs:
         progress.info(f"memory plan: {needs.summary()} (the artifact {memory_plan.size(needs.artifact_bytes)})")
@@ -330,7 +332,7 @@ def export_model(options: ExportOptions, progress: Progress | None = None) -> Ex
             calibration = calibration_ids(tokenizer) if options.kv_cache == KvCache.INT8 else None
             program = target.export(
                 model, plan.max_cache_len, plan.prefill_chunk, options.kv_cache, calibration, options.max_draft_tokens,
-                **chosen,
+                **chosen, **decode_attention,
             )
         with progress.step("lower", options.target):
             lowered = target.lower(program, spec, folder, deferred)

@@ -25,7 +25,8 @@ top-1 agreement); ``kv_cache`` (one value,
 export's ``--kv-cache``: ``int8``, executorch; checked by agreement too); ``sdpa_query`` (one
 value, export's ``--sdpa-query``: ``grouped`` or ``per-head``, executorch; default ``auto``);
 ``int8_kv_sdpa`` (one value, export's ``--int8-kv-sdpa``: ``quantized`` or ``dequantized``, with
-``kv_cache`` ``int8``, executorch; default ``auto``);
+``kv_cache`` ``int8``, executorch; default ``auto``); ``decode_attention`` (one value, export's
+``--decode-attention``: ``kvexport``, executorch; default ``custom-sdpa``);
 ``prefill_chunk`` (one value: export's ``--prefill-chunk``; default: export's); ``check`` (``false``:
 export and run only, for a model whose eager reference the machine cannot hold); ``timeout_s`` (the
 row's child process is killed after it); ``check_new_tokens`` (new tokens per check prompt;
@@ -57,7 +58,7 @@ from ..exporter.quantization import OPTIONS as QUANTIZATION
 AXES = ("target", "dtype", "max_cache_len", "model")  # expansion order: the last varies fastest
 _OPTIONS = {"timeout_s": 1800, "check_new_tokens": None, "run_new_tokens": 32, "prefill_chunk": None}
 _DEFAULTS = {"target": "executorch", "dtype": "float32", "max_cache_len": None}
-SCHEMES = (*QUANTIZATION, "kv_cache", "sdpa_query", "int8_kv_sdpa")  # a row's one value each (TOML has no null), None where export's default
+SCHEMES = (*QUANTIZATION, "kv_cache", "sdpa_query", "int8_kv_sdpa", "decode_attention")  # a row's one value each (TOML has no null), None where export's default
 # Where a row runs: its device, and what it asks of a Ray cluster (``cluster.py``).
 _PLACEMENT = {"device": "cpu", "cpus": 1, "memory_gb": None, "resources": None}
 ROW_KEYS = (*AXES, *SCHEMES, *_OPTIONS, *_PLACEMENT, "check")
@@ -85,6 +86,7 @@ class Row:
     kv_cache: str | None = None  # export's --kv-cache (None: float)
     sdpa_query: str | None = None  # export's --sdpa-query (None: auto)
     int8_kv_sdpa: str | None = None  # export's --int8-kv-sdpa (None: auto)
+    decode_attention: str | None = None  # export's --decode-attention (None: custom-sdpa)
     prefill_chunk: int | None = None  # export's --prefill-chunk (None: its default)
     device: str = "cpu"  # where the row's check and run go
     cpus: int = 1  # what the row asks of a Ray cluster
@@ -101,6 +103,7 @@ class Row:
                                              self.kv_cache and f"kv{self.kv_cache}",
                                              self.sdpa_query and f"sdpa{self.sdpa_query}",
                                              self.int8_kv_sdpa and f"kvsdpa{self.int8_kv_sdpa}",
+                                             self.decode_attention and f"decode{self.decode_attention}",
                                              self.prefill_chunk and f"chunk{self.prefill_chunk}",
                                              self.device != "cpu" and self.device) if q)
         return f"{self.index:03d}-{model}-{self.target}-{self.dtype}-{self.max_cache_len or 'default'}{schemes}"

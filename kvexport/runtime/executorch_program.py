@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from ..artifact.manifest import Manifest, program_mismatch
+from ..choices import DecodeAttention
 from ..errors import ArtifactError, InvalidOptionError, first_line
 from ..logs import native_stderr_quiet
 from .blas_threads import one_blas_thread
@@ -22,7 +23,7 @@ class ExecuTorchProgram:
     def __init__(self, path: Path, manifest: Manifest, weights: Path | None = None, trace_events: bool = False):
         import torch
 
-        register_kernels()
+        register_kernels(manifest)
         threads_as_asked()
         # forward and verify pack each weight once (xnnpack_options); a bfloat16 program's delegates
         # crash ExecuTorch 1.5.1's runtime as they load with the cache on, and pack their own.
@@ -196,13 +197,19 @@ def _one(values: list):
     return values[0] if len(values) == 1 else values
 
 
-def register_kernels() -> None:
+def register_kernels(manifest: Manifest | None = None) -> None:
     """Register the kernels of ExecuTorch's LLM custom ops (``llama::custom_sdpa``, ``llama::update_cache``)
     and of its quantized ops (``quantized_decomposed::embedding_byte`` / ``embedding_4bit``, a quantized
-    embedding) with the runtime; a ``.pte`` that uses them cannot load otherwise."""
+    embedding) with the runtime, and kvexport's own where ``manifest``'s program calls it
+    (``--decode-attention kvexport``); a ``.pte`` that uses them cannot load otherwise."""
     import_runtime()
     import executorch.extension.llm.custom_ops.custom_ops  # noqa: F401
     import executorch.kernels.quantized  # noqa: F401
+
+    if manifest is not None and (manifest.export_options or {}).get("decode_attention") == DecodeAttention.KVEXPORT:
+        from ..kernels import load_kernels
+
+        load_kernels()
 
 
 _PORTABLE_LIB = "executorch.extension.pybindings.portable_lib"

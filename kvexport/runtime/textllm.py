@@ -28,7 +28,7 @@ def run_with_textllm_runner(folder: Path, manifest: Manifest, args: argparse.Nam
     from .executorch_program import check_program_file, register_kernels, threads_as_asked
 
     try:
-        register_kernels()
+        register_kernels(manifest)
         with native_stderr_quiet():  # its tokenizer library logs at import
             from executorch.extension.llm.runner import GenerationConfig, TextLLMRunner
     except ModuleNotFoundError as e:

@@ -12,4 +12,5 @@ ACCEPTS = Accepts(
     kv_caches=(KvCache.FLOAT, KvCache.INT8),
     sdpa_query=True,
     int8_kv_sdpa=True,
+    decode_attention=True,
 )

@@ -25,10 +25,13 @@ import executorch.extension.llm.custom_ops.custom_ops  # noqa: F401  (registers 
 import torch
 from torch import nn
 
+from ...kernels import define_ops
 from ...models.architecture import RING, STATIC
 from ..attention import family_eager_attention, plain_softmax_attention
 from ..kv_cache import CacheKinds, CallState, additive_mask, last_positions, ring_key_positions, shared_ring_mask
 from .vector_state import clear_vector_state
+
+define_ops()  # torch.ops.kvexport.decode_sdpa
 
 
 def _to_seq_major(x: torch.Tensor) -> torch.Tensor:
@@ -39,9 +42,11 @@ class CustomOpStaticCache(nn.Module):
     """Full attention: slot i holds position i. One slot more than ``max_len``, never written:
     ``custom_sdpa``'s extra query row (``--sdpa-query grouped``) reads it."""
 
-    def __init__(self, batch: int, kv_heads: int, max_len: int, head_dim: int, dtype: torch.dtype, grouped: bool = True):
+    def __init__(self, batch: int, kv_heads: int, max_len: int, head_dim: int, dtype: torch.dtype, grouped: bool = True,
+                 decode_kernel: bool = False):
         super().__init__()
         self.grouped = grouped  # --sdpa-query grouped (else per-head)
+        self.decode_kernel = decode_kernel  # --decode-attention kvexport
         shape = (batch, max_len + 1, kv_heads, head_dim)
         self.register_buffer("k", torch.zeros(shape, dtype=dtype), persistent=False)
         self.register_buffer("v", torch.zeros(shape, dtype=dtype), persistent=False)
@@ -50,7 +55,7 @@ class CustomOpStaticCache(nn.Module):
         torch.ops.llama.update_cache(_to_seq_major(key), self.k, call.start)
         torch.ops.llama.update_cache(_to_seq_major(value), self.v, call.start)
         if plain_softmax_attention(kwargs):
-            return causal_sdpa(query, self.k, self.v, call.positions[:1], scaling, self.grouped), None
+            return causal_sdpa(query, self.k, self.v, call.positions[:1], scaling, self.grouped, self.decode_kernel), None
         end = call.start + query.shape[2]
         keys, values = _to_seq_major(self.k[:, :end]), _to_seq_major(self.v[:, :end])
         return family_eager_attention(module)(module, query, keys, values, mask[..., :end], scaling=scaling, **kwargs)
@@ -63,7 +68,7 @@ class CustomOpStaticCache(nn.Module):
         end = call.start + call.positions.shape[0]
         if plain_softmax_attention(kwargs):
             first = call.positions[-query.shape[2]:][:1]
-            return causal_sdpa(query, self.k, self.v, first, scaling, self.grouped), None
+            return causal_sdpa(query, self.k, self.v, first, scaling, self.grouped, self.decode_kernel), None
         keys, values = _to_seq_major(self.k[:, :end]), _to_seq_major(self.v[:, :end])
         mask = additive_mask(torch.arange(end), last_positions(call, query), None, query.dtype)
         return family_eager_attention(module)(module, query, keys, values, mask, scaling=scaling, **kwargs)
@@ -136,7 +141,7 @@ def masked_sdpa(query, keys, values, mask, scaling, grouped: bool = True) -> tor
     return _by_call_length(query, keys, stacked, row_by_row, (q, keys, values, mask))[:, :-1]
 
 
-def causal_sdpa(query, keys, values, first, scaling, grouped: bool = True) -> torch.Tensor:
+def causal_sdpa(query, keys, values, first, scaling, grouped: bool = True, decode_kernel: bool = False) -> torch.Tensor:
     """``llama::custom_sdpa`` of ``query [1, H, T, D]`` over a static buffer's ``keys``/``values``,
     causal from position ``first`` (a one-element tensor; the kernel reads positions
     ``[0, first + T)`` only). Returns ``[1, T, H, D]``.
@@ -146,13 +151,25 @@ def causal_sdpa(query, keys, values, first, scaling, grouped: bool = True) -> to
     query heads as the rows of one query over its KV head, attending to every filled position (for
     that one token, causal is everything so far): each cached row is read once a step. Longer calls
     (prefill, verification) need the causal mask row by row and stay one query row per head.
-    Else (``per-head``) every call is the kernel's own, one row per query head.
+    Else (``per-head``) every call is the kernel's own, one row per query head. ``decode_kernel``
+    (``--decode-attention kvexport``): a one-token call is ``kvexport::decode_sdpa`` over positions
+    ``[0, first + 1)`` instead (``kvexport/kernels``), split over the positions, every row read once.
 
     Causal, the extra row (``_with_extra_row``) reads one key past the call's end, which is why a
     static buffer has one slot more than the positions it holds.
 
     The query passes ``clear_vector_state`` first (the kernel's speed on XNNPACK's pool threads)."""
     query = clear_vector_state(query)
+    if decode_kernel:
+        scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+
+        def one_token(q, keys, values, first):
+            return torch.ops.kvexport.decode_sdpa(q, keys, values, start_position(first) + 1, scale)
+
+        def longer(q, keys, values, first):
+            return torch.ops.llama.custom_sdpa(q, keys, values, start_position(first), None, 0.0, True, scaling)
+
+        return by_call_length(query.shape[2], one_token, longer, (_to_seq_major(query).contiguous(), keys, values, first))
     if not grouped:
         start = start_position(first)
         return torch.ops.llama.custom_sdpa(_to_seq_major(query), keys, values, start, None, 0.0, True, scaling)
@@ -236,9 +253,11 @@ def window_attention(query, keys, values, mask, scaling=None) -> torch.Tensor:
     return torch.bmm(probs.reshape(1, h * t, -1), v).reshape(1, h, t, d).transpose(1, 2)
 
 
-def custom_op_caches(grouped: bool = True) -> CacheKinds:
-    """The cache kinds, their attention ``--sdpa-query grouped`` or ``per-head``."""
-    return {STATIC: partial(CustomOpStaticCache, grouped=grouped), RING: partial(CustomOpRingCache, grouped=grouped)}
+def custom_op_caches(grouped: bool = True, decode_kernel: bool = False) -> CacheKinds:
+    """The cache kinds, their attention ``--sdpa-query grouped`` or ``per-head``; ``decode_kernel``: a
+    full layer's decode step attends with kvexport's kernel (``--decode-attention kvexport``)."""
+    return {STATIC: partial(CustomOpStaticCache, grouped=grouped, decode_kernel=decode_kernel),
+            RING: partial(CustomOpRingCache, grouped=grouped)}
 
 
 CUSTOM_OP_CACHES: CacheKinds = custom_op_caches()

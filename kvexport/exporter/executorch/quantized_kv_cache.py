@@ -32,11 +32,14 @@ import torch
 from torch import nn
 from torch.ao.quantization.fx._decomposed import quantized_decomposed_lib  # noqa: F401
 
+from ...kernels import define_ops
 from ...models.architecture import RING, STATIC
 from ..attention import family_eager_attention, plain_softmax_attention
 from ..kv_cache import CacheKinds, CallState, additive_mask, last_positions, ring_key_positions, shared_ring_mask
 from .custom_op_cache import by_call_length, start_position
 from .vector_state import clear_vector_state
+
+define_ops()  # torch.ops.kvexport.decode_sdpa_int8
 
 INT8 = torch.int8
 QMIN, QMAX = torch.iinfo(INT8).min, torch.iinfo(INT8).max
@@ -153,6 +156,24 @@ def by_length(query, rows, scaling, first=None, mask=None, int8_kernel=True):
     return by_call_length(query.shape[2], one_token, longer, operands).to(query.dtype)
 
 
+def decode_kernel_sdpa(query, rows, scaling, first):
+    """Attention of ``query [1, H, T, D]`` over int8 ``rows`` (as ``quantized_sdpa``'s), causal from
+    position ``first``: a one-token call is kvexport's ``kvexport::decode_sdpa_int8``, which reads
+    the int8 rows in place with their scales and zero points, the work split over the positions
+    (``kvexport/kernels``); a longer one ``dequantized_sdpa``. Returns ``[1, T, H, D]``."""
+    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    query = clear_vector_state(query)
+
+    def one_token(q, first, *rows):
+        return torch.ops.kvexport.decode_sdpa_int8(q, *rows, start_position(first) + 1, scale)
+
+    def longer(q, first, *rows):
+        return dequantized_sdpa(q, rows, start_position(first), None, scaling)
+
+    operands = (_to_seq_major(query).float().contiguous(), first, *rows)
+    return by_call_length(query.shape[2], one_token, longer, operands).to(query.dtype)
+
+
 class _QuantizedRows(nn.Module):
     """int8 K and V rows with their scales and zero points (six buffers)."""
 
@@ -192,6 +213,10 @@ class _QuantizedRows(nn.Module):
 class QuantizedStaticCache(_QuantizedRows):
     """Full attention: slot i holds position i."""
 
+    def __init__(self, *args, decode_kernel: bool = False, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.decode_kernel = decode_kernel  # --decode-attention kvexport
+
     def attend(self, module, query, key, value, mask, call: CallState, scaling=None, **kwargs):
         query, key = self.rotated(query, key, kwargs)
         new = (*quantize_rows(_to_seq_major(key)), *quantize_rows(_to_seq_major(value)))
@@ -199,6 +224,8 @@ class QuantizedStaticCache(_QuantizedRows):
             torch.ops.llama.update_cache(rows, buffer, call.start)
         if plain_softmax_attention(kwargs):
             rows = self.buffers_in_order()
+            if self.decode_kernel:
+                return decode_kernel_sdpa(query, rows, scaling, call.positions[:1]), None
             return by_length(query, rows, scaling, first=call.positions[:1], int8_kernel=self.int8_kernel), None
         end = call.start + query.shape[2]
         keys, values = self.dequantized(buffer[:, :end] for buffer in self.buffers_in_order())
@@ -264,11 +291,11 @@ class QuantizedRingCache(_QuantizedRows):
         return family_eager_attention(module)(module, query, keys, values, mask, scaling=scaling, **kwargs)
 
 
-def _with_rotation(cache_class, int8_kernel: bool):
+def _with_rotation(cache_class, int8_kernel: bool, **options):
     """A cache kind whose layers of one head size share one rotation constant."""
 
     def make(batch: int, kv_heads: int, slots: int, head_dim: int, dtype: torch.dtype, **spare):
-        return cache_class(batch, kv_heads, slots, head_dim, dtype, _rotation(head_dim, dtype), int8_kernel, **spare)
+        return cache_class(batch, kv_heads, slots, head_dim, dtype, _rotation(head_dim, dtype), int8_kernel, **spare, **options)
 
     return make
 
@@ -278,10 +305,11 @@ def _rotation(head_dim: int, dtype: torch.dtype) -> torch.Tensor:
     return key_rotation(head_dim).to(dtype)
 
 
-def quantized_caches(int8_kernel: bool = True) -> CacheKinds:
+def quantized_caches(int8_kernel: bool = True, decode_kernel: bool = False) -> CacheKinds:
     """The cache kinds, a decode step attending with the int8 kernel or, ``int8_kernel`` False, with
-    the float one over the rows dequantized (``--int8-kv-sdpa``, ``by_length``)."""
-    return {STATIC: _with_rotation(QuantizedStaticCache, int8_kernel),
+    the float one over the rows dequantized (``--int8-kv-sdpa``, ``by_length``); ``decode_kernel``: a
+    full layer's decode step with kvexport's (``--decode-attention kvexport``, ``decode_kernel_sdpa``)."""
+    return {STATIC: _with_rotation(QuantizedStaticCache, int8_kernel, decode_kernel=decode_kernel),
             RING: _with_rotation(QuantizedRingCache, int8_kernel)}
 
 

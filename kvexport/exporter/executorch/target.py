@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from ...choices import EmbeddingScheme, Int8KvSdpa, KvCache, LmHeadScheme, SdpaQuery
+from ...choices import DecodeAttention, EmbeddingScheme, Int8KvSdpa, KvCache, LmHeadScheme, SdpaQuery
 from ...errors import KvexportError, UnsupportedModelError
 from ...models.deferred_weights import DeferredWeights
 from ...progress import report
@@ -58,6 +58,7 @@ def export(
     max_draft_tokens: int = 0,
     sdpa_query: SdpaQuery = SdpaQuery.GROUPED,
     int8_kv_sdpa: Int8KvSdpa = Int8KvSdpa.QUANTIZED,
+    decode_attention: DecodeAttention = DecodeAttention.CUSTOM_SDPA,
 ) -> torch.export.ExportedProgram | dict[str, torch.export.ExportedProgram]:
     """The cache lives in the program's mutable buffers, written and read by ExecuTorch's LLM
     custom ops (in-place update, fused attention over the filled positions only), in the model's
@@ -66,16 +67,17 @@ def export(
     size ExecuTorch plans activation memory for. ``max_draft_tokens``: the programs of two methods,
     ``forward`` and ``verify`` (every position's logits), over the same buffers. ``sdpa_query``: the
     query rows a float cache's attention gives ``llama::custom_sdpa`` (``choose_sdpa_query``);
-    ``int8_kv_sdpa``: the kernel an int8 cache's decode step attends with (``choose_int8_kv_sdpa``)."""
+    ``int8_kv_sdpa``: the kernel an int8 cache's decode step attends with (``choose_int8_kv_sdpa``);
+    ``decode_attention``: the kernel the full layers attend with in a decode step."""
     from .custom_op_cache import custom_op_caches
     from .quantized_kv_cache import quantized_caches
     from .stacked_projections import stacked_projections
     from .xnnpack_rewrites import rotary_as_matmul
 
     if kv_cache == KvCache.INT8:
-        caches = quantized_caches(int8_kernel=int8_kv_sdpa == Int8KvSdpa.QUANTIZED)
+        caches = quantized_caches(int8_kv_sdpa == Int8KvSdpa.QUANTIZED, decode_attention == DecodeAttention.KVEXPORT)
     else:
-        caches = custom_op_caches(sdpa_query == SdpaQuery.GROUPED)
+        caches = custom_op_caches(sdpa_query == SdpaQuery.GROUPED, decode_attention == DecodeAttention.KVEXPORT)
     with rotary_as_matmul(model), stacked_projections(model):
         decoder = ExportableDecoder(model, max_cache_len, caches, max_tokens_per_call, max_draft_tokens)
         if not max_draft_tokens:
@@ -406,20 +408,26 @@ def _planned_memory_bytes(et_program) -> int:
 
 
 def _op_counts(graph_module: torch.fx.GraphModule) -> tuple[int, int, list[str]]:
-    """XNNPACK delegate calls, ops left outside the delegate, and the custom (non-aten) ops among them."""
+    """XNNPACK delegate calls, ops left outside the delegate (the program's own graph), and the
+    custom (non-aten) ops among them, in ``torch.cond`` branches too."""
     delegated = outside = 0
     custom: set[str] = set()
-    for node in graph_module.graph.nodes:
-        if node.op != "call_function":
+    for module in graph_module.modules():
+        if not isinstance(module, torch.fx.GraphModule):
             continue
-        target = node.args[0] if "auto_functionalized" in str(node.target) else node.target  # mutating custom ops
-        name = str(target)
-        if "executorch_call_delegate" in name:
-            delegated += 1
-        elif "getitem" not in name:
-            outside += 1
-            if "llama." in name:
-                custom.add("llama::" + name.split("llama.")[1].split(".")[0])
-            elif "quantized_decomposed." in name:  # ExecuTorch's quantized kernels (a quantized embedding)
-                custom.add("quantized_decomposed::" + name.split("quantized_decomposed.")[1].split(".")[0])
+        for node in module.graph.nodes:
+            if node.op != "call_function":
+                continue
+            target = node.args[0] if "auto_functionalized" in str(node.target) else node.target  # mutating custom ops
+            name, counted = str(target), module is graph_module
+            if "executorch_call_delegate" in name:
+                delegated += counted
+                continue
+            if "getitem" in name:
+                continue
+            outside += counted
+            # ExecuTorch's LLM ops, its quantized kernels (a quantized embedding), kvexport's own (kvexport/kernels).
+            for namespace in ("llama", "quantized_decomposed", "kvexport"):
+                if f"{namespace}." in name:
+                    custom.add(f"{namespace}::" + name.split(f"{namespace}.")[1].split(".")[0])
     return delegated, outside, sorted(custom)
