@@ -19,6 +19,7 @@ LAYERS = [
     ["kvexport.profile"],
     ["kvexport.progress"],
     ["kvexport.artifact"],
+    ["kvexport.kernels"],
     ["kvexport.models"],
     ["kvexport.runtime"],
     ["kvexport.exporter"],
@@ -30,7 +31,8 @@ LAYERS = [
 # Inside the exporter, each target's subpackage builds on the generic modules, not on another target.
 TARGET_PACKAGES = ["kvexport.exporter.executorch", "kvexport.exporter.onnx"]
 # The torch-free device runner reads artifacts and runs them, nothing more.
-DEVICE_IMPORTS = ["kvexport.artifact", "kvexport.runtime", "kvexport.errors", "kvexport.logs", "kvexport.choices"]
+DEVICE_IMPORTS = ["kvexport.artifact", "kvexport.runtime", "kvexport.errors", "kvexport.logs", "kvexport.choices",
+                  "kvexport.kernels"]
 
 
 def module_name(path: Path) -> str:

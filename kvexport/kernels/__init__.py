@@ -20,7 +20,9 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import importlib.metadata
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -96,6 +98,16 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("KVEXPORT_CACHE", Path.home() / ".cache" / "kvexport")) / "kernels"
 
 
+def _cpu() -> str:
+    """This CPU's model and features, as Linux lists them (empty elsewhere)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.machine()
+    wanted = ("model name", "flags", "Features", "CPU part")
+    return "\n".join(dict.fromkeys(line for line in lines if line.split(":")[0].strip() in wanted))
+
+
 def _build() -> Path:
     import executorch
     import torch
@@ -104,7 +116,10 @@ def _build() -> Path:
     compiler = os.environ.get("CXX") or "c++"
     compile_ = [compiler, *FLAGS, f"-I{executorch_dir / 'include'}", f"-I{torch_dir / 'include'}", str(SOURCE)]
     link = [f"-L{executorch_dir / 'lib'}", "-lexecutorch", "-lexecutorch_threadpool", f"-Wl,-rpath,{executorch_dir / 'lib'}"]
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), *compile_, *link, sys.version]).encode()).hexdigest()[:16]
+    # What the library depends on: its source and command, the ExecuTorch and torch it was built
+    # against, and this CPU (-march=native; a cache shared between machines keeps one per kind).
+    versions = [importlib.metadata.version(name) for name in ("executorch", "torch")]
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), *compile_, *link, *versions, sys.version, _cpu()]).encode()).hexdigest()[:16]
     library = _cache_dir() / key / "libkvexport_kernels.so"
     if library.is_file():
         return library

@@ -1,5 +1,6 @@
-// kvexport::decode_sdpa.out: one token's attention over the first `end` rows of a sequence-major
-// KV cache (q [1, 1, H, D], k and v [1, S, KV heads, D], float32), the work split over blocks of
+// kvexport::decode_sdpa.out and decode_sdpa_int8.out: one token's attention over the first `end`
+// rows of a sequence-major KV cache (q [1, 1, H, D]; k and v [1, S, KV heads, D], float32, or int8
+// with a float32 scale and an int8 zero point per row), the work split over blocks of
 // positions (flash-decoding): each block reads its key and value rows once, for every query head,
 // and the blocks' partial softmaxes are joined at the end. ExecuTorch's llama::custom_sdpa splits
 // by query head instead, reading each KV head's rows once per query head of its group
