@@ -10,7 +10,6 @@ from pathlib import Path
 import numpy as np
 
 from ..artifact.manifest import Manifest, program_mismatch
-from ..choices import DecodeAttention
 from ..errors import ArtifactError, InvalidOptionError, first_line
 from ..logs import native_stderr_quiet
 from .blas_threads import one_blas_thread
@@ -200,13 +199,13 @@ def _one(values: list):
 def register_kernels(manifest: Manifest | None = None) -> None:
     """Register the kernels of ExecuTorch's LLM custom ops (``llama::custom_sdpa``, ``llama::update_cache``)
     and of its quantized ops (``quantized_decomposed::embedding_byte`` / ``embedding_4bit``, a quantized
-    embedding) with the runtime, and kvexport's own where ``manifest``'s program calls it
-    (``--decode-attention kvexport``); a ``.pte`` that uses them cannot load otherwise."""
+    embedding) with the runtime, and kvexport's own where ``manifest``'s program calls one (its
+    ``custom_ops``: ``--decode-attention kvexport``); a ``.pte`` that uses them cannot load otherwise."""
     import_runtime()
     import executorch.extension.llm.custom_ops.custom_ops  # noqa: F401
     import executorch.kernels.quantized  # noqa: F401
 
-    if manifest is not None and (manifest.export_options or {}).get("decode_attention") == DecodeAttention.KVEXPORT:
+    if manifest is not None and any(op.startswith("kvexport::") for op in manifest.facts.get("custom_ops", ())):
         from ..kernels import load_kernels
 
         load_kernels()
