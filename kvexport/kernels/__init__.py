@@ -1,6 +1,6 @@
-"""kvexport's own ExecuTorch kernels: ``kvexport::decode_sdpa`` and ``decode_sdpa_int8``, a decode
-step's attention over a full layer's float32 or int8 cache (``--decode-attention kvexport``,
-``decode_sdpa.cpp``).
+"""kvexport's own ExecuTorch kernels: ``kvexport::decode_sdpa`` and ``decode_sdpa_int8``, the
+attention of a short call (a decode step, a speculative verification) over a full layer's float32
+or int8 cache (``--decode-attention kvexport``, ``decode_sdpa.cpp``).
 
 Two halves, as ExecuTorch's own LLM ops have them:
 
@@ -32,14 +32,18 @@ from pathlib import Path
 from ..errors import KvexportError
 
 SOURCE = Path(__file__).with_name("decode_sdpa.cpp")
+# Calls of up to this many tokens take the kernel (decode steps, verifications of up to 15 drafts);
+# a longer one (a prompt's) the stock kernel, whose matrix products do its many rows' work faster.
+MOST_TOKENS = 16
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC", "-DET_USE_THREADPOOL"]
 
 
 @functools.cache
 def define_ops() -> None:
-    """``kvexport::decode_sdpa(q [1, 1, H, D], k, v [1, S, KV, D], end, scale) -> [1, 1, H, D]``:
-    softmax(q·kᵀ·scale)·v over positions ``[0, end)``, each query head attending to its group's KV
-    head, contiguous whatever the query's strides (``torch.cond``'s branches must agree on them)."""
+    """``kvexport::decode_sdpa(q [1, T, H, D], k, v [1, S, KV, D], end, scale) -> [1, T, H, D]``:
+    softmax(q·kᵀ·scale)·v, the query's rows positions ``end - T .. end - 1``, each attending to the
+    positions up to its own (causal), each query head to its group's KV head; contiguous whatever
+    the query's strides (``torch.cond``'s branches must agree on them)."""
     import torch
 
     lib = torch.library.Library("kvexport", "DEF")
@@ -64,11 +68,13 @@ def decode_sdpa_reference(q, k, v, end: int, scale: float):
     """The op in torch's math (float32 products and softmax)."""
     import torch
 
-    heads, kv_heads = q.shape[2], k.shape[2]
+    tokens, heads, kv_heads = q.shape[1], q.shape[2], k.shape[2]
     keys = k[0, :end].repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1).float()  # [H, end, D]
     values = v[0, :end].repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1).float()
-    scores = torch.einsum("hd,hpd->hp", q[0, 0].float(), keys) * scale
-    return torch.einsum("hp,hpd->hd", torch.softmax(scores, dim=-1), values)[None, None].to(q.dtype)
+    scores = torch.einsum("thd,hpd->htp", q[0].float(), keys) * scale
+    rows = torch.arange(end - tokens, end)[:, None]
+    scores = scores.masked_fill(torch.arange(end)[None, :] > rows, float("-inf"))  # causal
+    return torch.einsum("htp,hpd->thd", torch.softmax(scores, dim=-1), values)[None].to(q.dtype)
 
 
 def _reference_out(q, k, v, end, scale, *, out):

@@ -1,10 +1,11 @@
-// kvexport::decode_sdpa.out and decode_sdpa_int8.out: one token's attention over the first `end`
-// rows of a sequence-major KV cache (q [1, 1, H, D]; k and v [1, S, KV heads, D], float32, or int8
-// with a float32 scale and an int8 zero point per row), the work split over blocks of
-// positions (flash-decoding): each block reads its key and value rows once, for every query head,
-// and the blocks' partial softmaxes are joined at the end. ExecuTorch's llama::custom_sdpa splits
-// by query head instead, reading each KV head's rows once per query head of its group
-// (docs/performance.md#kvexports-decode-kernel).
+// kvexport::decode_sdpa.out and decode_sdpa_int8.out: the attention of a short call's T query rows
+// (a decode step, a verification: q [1, T, H, D], the rows positions end - T .. end - 1, each
+// attending causally up to its own) over the first `end` rows of a sequence-major KV cache (k and v
+// [1, S, KV heads, D], float32, or int8 with a float32 scale and an int8 zero point per row), the
+// work split over blocks of positions and query rows (flash-decoding): each block reads its key and
+// value rows for every query head of a row, and the blocks' partial softmaxes are joined at the
+// end. ExecuTorch's llama::custom_sdpa splits by query head instead, reading each KV head's rows
+// once per query head of its group (docs/performance.md#kvexports-decode-kernel).
 // Registered into ExecuTorch's kernel registry when the library loads (kvexport/kernels/__init__.py).
 #include <executorch/extension/kernel_util/make_boxed_from_unboxed_functor.h>
 #include <executorch/runtime/kernel/kernel_includes.h>
@@ -100,15 +101,22 @@ struct Int8Rows {
   }
 };
 
-// One piece of work: every query head over positions [p0, p1), reading each key and value row
-// (all KV heads, contiguous) once: per query head, its scores' max, the sum of exp(score - max),
-// and the exp-weighted sum of values.
+// One piece of work: one query row's heads over positions [p0, p1) (none where p1 <= p0), reading
+// each key and value row (all KV heads, contiguous) once: per query head, its scores' max, the sum of
+// exp(score - max), and the exp-weighted sum of values.
 template <typename Rows>
 static void attend_block(const Rows& rows, const float* q, const float* q_sums, int64_t heads, int64_t kv_heads,
                          int64_t d, int64_t p0, int64_t p1, float scale, float* max_out, float* sum_out, float* acc) {
-  const int64_t n = p1 - p0, group = heads / kv_heads;
-  static thread_local std::vector<float> scores;
+  const int64_t n = std::max<int64_t>(p1 - p0, 0), group = heads / kv_heads;
+  std::fill(acc, acc + heads * d, 0.f);
+  if (n == 0) {
+    std::fill(max_out, max_out + heads, -std::numeric_limits<float>::infinity());
+    std::fill(sum_out, sum_out + heads, 0.f);
+    return;
+  }
+  static thread_local std::vector<float> scores, offsets;
   scores.resize(heads * kBlock);
+  offsets.assign(heads, 0.f);
   for (int64_t p = 0; p < n; ++p) {
     for (int64_t h = 0; h < heads; ++h) {
       scores[h * kBlock + p] = rows.score(q + h * d, q_sums[h], (p0 + p) * kv_heads + h / group) * scale;
@@ -127,8 +135,6 @@ static void attend_block(const Rows& rows, const float* q, const float* q_sums, 
     max_out[h] = m;
     sum_out[h] = total;
   }
-  std::fill(acc, acc + heads * d, 0.f);
-  std::vector<float> offsets(heads, 0.f);
   for (int64_t p = 0; p < n; ++p) {
     for (int64_t h = 0; h < heads; ++h) {
       rows.add_value(acc + h * d, scores[h * kBlock + p], (p0 + p) * kv_heads + h / group, offsets[h]);
@@ -139,51 +145,57 @@ static void attend_block(const Rows& rows, const float* q, const float* q_sums, 
   }
 }
 
-// The attention of q [1, 1, H, D] over positions [0, end) of `rows` into out: blocks of kBlock
-// positions over the threadpool, then their partial softmaxes joined, each rescaled to the largest
-// max (flash-decoding's reduction).
+// The attention of q [1, T, H, D] (rows at positions end - T .. end - 1) over `rows` into out: a
+// piece of work per block of kBlock positions and query row over the threadpool, then each row's
+// partial softmaxes joined, rescaled to the largest max (flash-decoding's reduction).
 template <typename Rows>
-static void attend(const Rows& rows, const float* q, int64_t heads, int64_t kv_heads, int64_t d, int64_t end,
-                   float scale, float* out) {
-  std::vector<float> q_sums(heads, 0.f);
-  for (int64_t h = 0; h < heads; ++h) {
-    for (int64_t i = 0; i < d; ++i) q_sums[h] += q[h * d + i];
+static void attend(const Rows& rows, const float* q, int64_t tokens, int64_t heads, int64_t kv_heads, int64_t d,
+                   int64_t end, float scale, float* out) {
+  const int64_t width = heads * d;  // one query row
+  std::vector<float> q_sums(tokens * heads, 0.f);
+  for (int64_t r = 0; r < tokens * heads; ++r) {
+    for (int64_t i = 0; i < d; ++i) q_sums[r] += q[r * d + i];
   }
-  const int64_t blocks = (end + kBlock - 1) / kBlock;
-  std::vector<float> maxes(blocks * heads), sums(blocks * heads), accs(blocks * heads * d);
-  executorch::extension::parallel_for(0, blocks, 1, [&](int64_t first, int64_t last) {
-    for (int64_t b = first; b < last; ++b) {
-      attend_block(rows, q, q_sums.data(), heads, kv_heads, d, b * kBlock, std::min(end, (b + 1) * kBlock), scale,
-                   maxes.data() + b * heads, sums.data() + b * heads, accs.data() + b * heads * d);
+  const int64_t blocks = (end + kBlock - 1) / kBlock, pieces = blocks * tokens;
+  std::vector<float> maxes(pieces * heads), sums(pieces * heads), accs(pieces * width);
+  executorch::extension::parallel_for(0, pieces, 1, [&](int64_t first, int64_t last) {
+    for (int64_t piece = first; piece < last; ++piece) {
+      const int64_t b = piece / tokens, t = piece % tokens, row_end = end - tokens + t + 1;  // causal
+      attend_block(rows, q + t * width, q_sums.data() + t * heads, heads, kv_heads, d, b * kBlock,
+                   std::min(row_end, (b + 1) * kBlock), scale, maxes.data() + piece * heads, sums.data() + piece * heads,
+                   accs.data() + piece * width);
     }
   });
-  for (int64_t h = 0; h < heads; ++h) {
-    float m = -std::numeric_limits<float>::infinity();
-    for (int64_t b = 0; b < blocks; ++b) m = std::max(m, maxes[b * heads + h]);
-    float total = 0.f;
-    float* row = out + h * d;
-    std::fill(row, row + d, 0.f);
-    for (int64_t b = 0; b < blocks; ++b) {
-      const float w = std::exp(maxes[b * heads + h] - m);
-      total += w * sums[b * heads + h];
-      const float* a = accs.data() + (b * heads + h) * d;
-      for (int64_t i = 0; i < d; ++i) row[i] += w * a[i];
+  for (int64_t t = 0; t < tokens; ++t) {
+    for (int64_t h = 0; h < heads; ++h) {
+      float m = -std::numeric_limits<float>::infinity();
+      for (int64_t b = 0; b < blocks; ++b) m = std::max(m, maxes[(b * tokens + t) * heads + h]);
+      float total = 0.f;
+      float* row = out + t * width + h * d;
+      std::fill(row, row + d, 0.f);
+      for (int64_t b = 0; b < blocks; ++b) {
+        const int64_t piece = b * tokens + t;
+        const float w = std::exp(maxes[piece * heads + h] - m);  // 0 for a block past the row's end
+        total += w * sums[piece * heads + h];
+        const float* a = accs.data() + piece * width + h * d;
+        for (int64_t i = 0; i < d; ++i) row[i] += w * a[i];
+      }
+      for (int64_t i = 0; i < d; ++i) row[i] /= total;
     }
-    for (int64_t i = 0; i < d; ++i) row[i] /= total;
   }
 }
 
-// The checks both kernels make: shapes, a query of one token, end within the cache; `out` resized.
+// The checks both kernels make: shapes, every query row a position of the cache; `out` resized.
 static bool check_call(KernelRuntimeContext& ctx, const Tensor& q, const Tensor& k, const Tensor& v, int64_t end,
                        Tensor& out) {
   using executorch::aten::ScalarType;
   ET_KERNEL_CHECK(ctx, q.scalar_type() == ScalarType::Float && out.scalar_type() == ScalarType::Float,
                   InvalidArgument, false);
-  ET_KERNEL_CHECK(ctx, q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && q.size(1) == 1, InvalidArgument, false);
+  ET_KERNEL_CHECK(ctx, q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && q.size(0) == 1, InvalidArgument, false);
   const int64_t heads = q.size(2), d = q.size(3), slots = k.size(1), kv_heads = k.size(2);
   ET_KERNEL_CHECK(ctx, k.size(3) == d && v.size(1) == slots && v.size(2) == kv_heads && v.size(3) == d, InvalidArgument,
                   false);
-  ET_KERNEL_CHECK(ctx, heads % kv_heads == 0 && end >= 1 && end <= slots, InvalidArgument, false);
+  ET_KERNEL_CHECK(ctx, heads % kv_heads == 0 && end >= q.size(1) && end <= slots, InvalidArgument, false);
   // A program of dynamic shapes plans `out` at its largest; it takes the query's shape here.
   ET_KERNEL_CHECK(ctx, executorch::runtime::resize_tensor(out, q.sizes()) == executorch::runtime::Error::Ok,
                   InvalidArgument, false);
@@ -196,7 +208,7 @@ Tensor& decode_sdpa_out(KernelRuntimeContext& ctx, const Tensor& q, const Tensor
   ET_KERNEL_CHECK(ctx, k.scalar_type() == ScalarType::Float && v.scalar_type() == ScalarType::Float, InvalidArgument, out);
   if (!check_call(ctx, q, k, v, end, out)) return out;
   const FloatRows rows{k.const_data_ptr<float>(), v.const_data_ptr<float>(), q.size(3)};
-  attend(rows, q.const_data_ptr<float>(), q.size(2), k.size(2), q.size(3), end, float(scale), out.mutable_data_ptr<float>());
+  attend(rows, q.const_data_ptr<float>(), q.size(1), q.size(2), k.size(2), q.size(3), end, float(scale), out.mutable_data_ptr<float>());
   return out;
 }
 
@@ -216,7 +228,7 @@ Tensor& decode_sdpa_int8_out(KernelRuntimeContext& ctx, const Tensor& q, const T
   const Int8Rows rows{k.const_data_ptr<int8_t>(), k_scales.const_data_ptr<float>(), k_zero_points.const_data_ptr<int8_t>(),
                       v.const_data_ptr<int8_t>(), v_scales.const_data_ptr<float>(), v_zero_points.const_data_ptr<int8_t>(),
                       q.size(3)};
-  attend(rows, q.const_data_ptr<float>(), q.size(2), k.size(2), q.size(3), end, float(scale), out.mutable_data_ptr<float>());
+  attend(rows, q.const_data_ptr<float>(), q.size(1), q.size(2), k.size(2), q.size(3), end, float(scale), out.mutable_data_ptr<float>());
   return out;
 }
 

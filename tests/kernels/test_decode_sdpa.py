@@ -11,6 +11,7 @@ from kvexport.checker.check import run_check
 from kvexport.errors import InvalidOptionError, KvexportError
 from kvexport.exporter.pipeline import ExportOptions, plan_export
 from kvexport.runtime.programs import load_program
+from kvexport.runtime.tokenizer import ArtifactTokenizer
 
 from tests.conftest import PROMPT
 
@@ -27,18 +28,18 @@ class OneCall(torch.nn.Module):
     def forward(self, q, *rows_and_position):
         *rows, position = rows_and_position
         end = position.item()
-        torch._check(end >= 1)
+        torch._check(end >= q.shape[1])
         torch._check(end <= rows[0].shape[1])
         return self.op(q, *rows, end, q.shape[-1] ** -0.5 * 2)
 
 
-def random_rows(heads, kv_heads, d, seed, int8):
-    """A query ``[1, 1, H, D]`` and a cache's rows, float or int8 as kvexport writes them, with the
+def random_rows(tokens, heads, kv_heads, d, seed, int8):
+    """A query ``[1, T, H, D]`` and a cache's rows, float or int8 as kvexport writes them, with the
     float keys and values they stand for."""
     from kvexport.exporter.executorch.quantized_kv_cache import dequantize_rows, quantize_rows
 
     g = torch.Generator().manual_seed(seed)
-    q, k, v = (torch.randn(1, n, h, d, generator=g) * 3 for n, h in ((1, heads), (SLOTS, kv_heads), (SLOTS, kv_heads)))
+    q, k, v = (torch.randn(1, n, h, d, generator=g) * 3 for n, h in ((tokens, heads), (SLOTS, kv_heads), (SLOTS, kv_heads)))
     if not int8:
         return q, (k, v), k, v
     k_rows, v_rows = quantize_rows(k), quantize_rows(v)
@@ -59,11 +60,11 @@ def programs():
     load_kernels()
     loaded = {}
 
-    def method(heads, kv_heads, d, int8):
-        key = heads, kv_heads, d, int8
+    def method(tokens, heads, kv_heads, d, int8):
+        key = tokens, heads, kv_heads, d, int8
         if key not in loaded:
-            q, rows, _, _ = random_rows(heads, kv_heads, d, 0, int8)  # distinct tensors: export would alias equal ones
-            exported = torch.export.export(OneCall(int8), (q, *rows, torch.tensor([3])), strict=False)
+            q, rows, _, _ = random_rows(tokens, heads, kv_heads, d, 0, int8)  # distinct tensors: export would alias equal ones
+            exported = torch.export.export(OneCall(int8), (q, *rows, torch.tensor([tokens])), strict=False)
             program = Runtime.get().load_program(to_edge_transform_and_lower(exported).to_executorch().buffer)
             loaded[key] = program, program.load_method("forward")  # the method needs its program alive
         return loaded[key][1]
@@ -74,28 +75,49 @@ def programs():
 @pytest.mark.parametrize(("heads", "kv_heads", "d"), [(9, 3, 64), (4, 1, 256), (8, 8, 16), (6, 2, 12)],
                          ids=["smollm2", "gemma3", "mha", "odd-head-dim"])
 @pytest.mark.parametrize("end", [1, 7, 256, 257, 700])
+@pytest.mark.parametrize("tokens", [1, 9], ids=["decode", "verification"])
 @pytest.mark.parametrize("int8", [False, True], ids=["float", "int8"])
-def test_the_kernel_attends_as_torch_does(programs, heads, kv_heads, d, end, int8):
+def test_the_kernel_attends_as_torch_does(programs, tokens, heads, kv_heads, d, end, int8):
     """Blocks of 256 positions, the last one partial, and a single position; scores large enough
-    that most probabilities underflow (the scale is twice the usual). An int8 cache against torch
-    over its rows dequantized."""
-    q, rows, k, v = random_rows(heads, kv_heads, d, end, int8)
-    got = programs(heads, kv_heads, d, int8).execute([q, *rows, torch.tensor([end])])[0]
-    expected = torch.nn.functional.scaled_dot_product_attention(
-        q.transpose(1, 2), k[:, :end].transpose(1, 2), v[:, :end].transpose(1, 2), scale=d**-0.5 * 2, enable_gqa=True
-    ).transpose(1, 2)
-    torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4)
+    that most probabilities underflow (the scale is twice the usual). Several query rows: each the
+    position before the next, causal (at ``end`` 257 the last row alone reaches the second block).
+    An int8 cache against torch over its rows dequantized."""
+    end = max(end, tokens)
+    q, rows, k, v = random_rows(tokens, heads, kv_heads, d, end, int8)
+    got = programs(tokens, heads, kv_heads, d, int8).execute([q, *rows, torch.tensor([end])])[0]
+    causal = torch.arange(end)[None, :] <= torch.arange(end - tokens, end)[:, None]
+    q, k, v = (x.double().transpose(1, 2) for x in (q, k[:, :end], v[:, :end]))  # float32 SDPA errs by more
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=causal, scale=d**-0.5 * 2, enable_gqa=True)
+    # int8: the kernel scales its integer products (q·k_q − zero_point·Σq) rather than dequantizing first.
+    torch.testing.assert_close(got, expected.transpose(1, 2).float(), atol=5e-5 if int8 else 2e-5, rtol=1e-4)
+
+
+def test_the_ops_torch_math_is_causal_over_its_rows():
+    """The reference the exported program runs eagerly (and ``torch.export`` traces through): each
+    query row attends up to its own position, the last row everything."""
+    from kvexport.kernels import decode_sdpa_reference
+
+    q, (k, v), _, _ = random_rows(5, 4, 2, 8, 0, int8=False)
+    out = decode_sdpa_reference(q, k, v, 12, 0.5)
+    for row in range(5):
+        alone = decode_sdpa_reference(q[:, row : row + 1], k, v, 12 - 4 + row, 0.5)
+        torch.testing.assert_close(out[:, row : row + 1], alone, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-gemma3"])
 def test_an_artifact_decoding_with_it_generates_eager_tokens(artifact, preset):
-    """Full layers decode with the kernel, prefill with ExecuTorch's; Gemma 3's rings as before.
-    Speculative: a verification is a longer call, drafts from prompt lookup."""
+    """Full layers attend with the kernel in calls of up to ``MOST_TOKENS`` (decode steps, short
+    prompts, verifications of drafts from prompt lookup) and with ExecuTorch's in longer ones
+    (``PROMPT``); Gemma 3's rings as before."""
+    from kvexport.kernels import MOST_TOKENS
+
     folder = artifact(preset, "executorch", decode_attention="kvexport", max_draft_tokens=4)
     assert b"kvexport::decode_sdpa\x00" in (folder / "model.pte").read_bytes()
+    tokenizer, short_prompt = ArtifactTokenizer(folder), PROMPT[:12]
+    assert len(tokenizer.encode(short_prompt)) <= MOST_TOKENS < len(tokenizer.encode(PROMPT))
     for draft in (None, "ngram"):
-        report = run_check(folder, [(PROMPT, 20)], draft=draft, draft_tokens=3)
-        assert report.ok, report.prompts[0]
+        report = run_check(folder, [(PROMPT, 20), (short_prompt, 20)], draft=draft, draft_tokens=3)
+        assert report.ok, report.prompts
 
 
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-gemma3"])
@@ -107,9 +129,10 @@ def test_an_int8_cache_decodes_as_the_float_kernel_over_its_rows_dequantized(art
     dequantized = load_program(artifact(preset, "executorch", kv_cache="int8", int8_kv_sdpa="dequantized"))
     assert kernel.manifest.facts["custom_ops"].count("kvexport::decode_sdpa_int8") == 1
     tokens = [(7 * i + 3) % 90 + 5 for i in range(40)]
-    np.testing.assert_allclose(kernel.forward(tokens[:12], 0), dequantized.forward(tokens[:12], 0), atol=1e-4, rtol=0)
-    for position in range(12, len(tokens)):
-        got, expected = kernel.forward([tokens[position]], position), dequantized.forward([tokens[position]], position)
+    np.testing.assert_allclose(kernel.forward(tokens[:20], 0), dequantized.forward(tokens[:20], 0), atol=1e-4, rtol=0)
+    calls = [(20, 25)] + [(position, position + 1) for position in range(25, len(tokens))]  # 5 tokens, then one at a time
+    for first, end in calls:
+        got, expected = kernel.forward(tokens[first:end], first), dequantized.forward(tokens[first:end], first)
         np.testing.assert_allclose(got, expected, atol=1e-3, rtol=0)
 
 

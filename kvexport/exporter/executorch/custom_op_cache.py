@@ -25,7 +25,7 @@ import executorch.extension.llm.custom_ops.custom_ops  # noqa: F401  (registers 
 import torch
 from torch import nn
 
-from ...kernels import define_ops
+from ...kernels import MOST_TOKENS, define_ops
 from ...models.architecture import RING, STATIC
 from ..attention import family_eager_attention, plain_softmax_attention
 from ..kv_cache import CacheKinds, CallState, additive_mask, last_positions, ring_key_positions, shared_ring_mask
@@ -152,8 +152,9 @@ def causal_sdpa(query, keys, values, first, scaling, grouped: bool = True, decod
     that one token, causal is everything so far): each cached row is read once a step. Longer calls
     (prefill, verification) need the causal mask row by row and stay one query row per head.
     Else (``per-head``) every call is the kernel's own, one row per query head. ``decode_kernel``
-    (``--decode-attention kvexport``): a one-token call is ``kvexport::decode_sdpa`` over positions
-    ``[0, first + 1)`` instead (``kvexport/kernels``), split over the positions, every row read once.
+    (``--decode-attention kvexport``): a call of up to ``MOST_TOKENS`` (a decode step, a
+    verification) is ``kvexport::decode_sdpa`` over positions ``[0, first + T)`` instead
+    (``kvexport/kernels``), split over the positions, each row read once per query row.
 
     Causal, the extra row (``_with_extra_row``) reads one key past the call's end, which is why a
     static buffer has one slot more than the positions it holds.
@@ -163,13 +164,14 @@ def causal_sdpa(query, keys, values, first, scaling, grouped: bool = True, decod
     if decode_kernel:
         scale = query.shape[-1] ** -0.5 if scaling is None else scaling
 
-        def one_token(q, keys, values, first):
-            return torch.ops.kvexport.decode_sdpa(q, keys, values, start_position(first) + 1, scale)
+        def short(q, keys, values, first):
+            return torch.ops.kvexport.decode_sdpa(q, keys, values, start_position(first) + q.shape[1], scale)
 
         def longer(q, keys, values, first):
             return torch.ops.llama.custom_sdpa(q, keys, values, start_position(first), None, 0.0, True, scaling)
 
-        return by_call_length(query.shape[2], one_token, longer, (_to_seq_major(query).contiguous(), keys, values, first))
+        operands = (_to_seq_major(query).contiguous(), keys, values, first)
+        return by_call_length(query.shape[2], short, longer, operands, most=MOST_TOKENS)
     if not grouped:
         start = start_position(first)
         return torch.ops.llama.custom_sdpa(_to_seq_major(query), keys, values, start, None, 0.0, True, scaling)
@@ -200,13 +202,13 @@ def _by_call_length(query, keys, one_token, longer, operands):
     return longer(*operands)
 
 
-def by_call_length(tokens, one_token, longer, operands):
-    """``one_token(*operands)`` for a one-token call, else ``longer(*operands)``. One program serves
-    calls of every length, so where the length is symbolic the choice is a ``torch.cond`` on it (a
-    fixed-length method takes its branch)."""
+def by_call_length(tokens, short, longer, operands, most: int = 1):
+    """``short(*operands)`` for a call of at most ``most`` tokens (by default a one-token call), else
+    ``longer(*operands)``. One program serves calls of every length, so where the length is
+    symbolic the choice is a ``torch.cond`` on it (a fixed-length method takes its branch)."""
     if isinstance(tokens, torch.SymInt):
-        return torch.cond(tokens == 1, one_token, longer, operands)
-    return (one_token if tokens == 1 else longer)(*operands)
+        return torch.cond(tokens <= most, short, longer, operands)
+    return (short if tokens <= most else longer)(*operands)
 
 
 def start_position(first: torch.Tensor):

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 from torch.ao.quantization.fx._decomposed import quantized_decomposed_lib  # noqa: F401
 
-from ...kernels import define_ops
+from ...kernels import MOST_TOKENS, define_ops
 from ...models.architecture import RING, STATIC
 from ..attention import family_eager_attention, plain_softmax_attention
 from ..kv_cache import CacheKinds, CallState, additive_mask, last_positions, ring_key_positions, shared_ring_mask
@@ -158,20 +158,21 @@ def by_length(query, rows, scaling, first=None, mask=None, int8_kernel=True):
 
 def decode_kernel_sdpa(query, rows, scaling, first):
     """Attention of ``query [1, H, T, D]`` over int8 ``rows`` (as ``quantized_sdpa``'s), causal from
-    position ``first``: a one-token call is kvexport's ``kvexport::decode_sdpa_int8``, which reads
-    the int8 rows in place with their scales and zero points, the work split over the positions
-    (``kvexport/kernels``); a longer one ``dequantized_sdpa``. Returns ``[1, T, H, D]``."""
+    position ``first``: a call of up to ``MOST_TOKENS`` (a decode step, a verification) is kvexport's
+    ``kvexport::decode_sdpa_int8``, which reads the int8 rows in place with their scales and zero
+    points, the work split over the positions (``kvexport/kernels``); a longer one
+    ``dequantized_sdpa``. Returns ``[1, T, H, D]``."""
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
     query = clear_vector_state(query)
 
-    def one_token(q, first, *rows):
-        return torch.ops.kvexport.decode_sdpa_int8(q, *rows, start_position(first) + 1, scale)
+    def short(q, first, *rows):
+        return torch.ops.kvexport.decode_sdpa_int8(q, *rows, start_position(first) + q.shape[1], scale)
 
     def longer(q, first, *rows):
         return dequantized_sdpa(q, rows, start_position(first), None, scaling)
 
     operands = (_to_seq_major(query).float().contiguous(), first, *rows)
-    return by_call_length(query.shape[2], one_token, longer, operands).to(query.dtype)
+    return by_call_length(query.shape[2], short, longer, operands, most=MOST_TOKENS).to(query.dtype)
 
 
 class _QuantizedRows(nn.Module):
