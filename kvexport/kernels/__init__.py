@@ -35,7 +35,10 @@ SOURCE = Path(__file__).with_name("decode_sdpa.cpp")
 # Calls of up to this many tokens take the kernel (decode steps, verifications of up to 15 drafts);
 # a longer one (a prompt's) the stock kernel, whose matrix products do its many rows' work faster.
 MOST_TOKENS = 16
-FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC", "-DET_USE_THREADPOOL"]
+# ET_EVENT_TRACER_ENABLED, as the pip runtime is built: the kernel's calls are named in an ETDump
+# trace (scripts/profile_pte.py), and cost nothing where no tracer is attached.
+FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC", "-DET_USE_THREADPOOL",
+         "-DET_EVENT_TRACER_ENABLED"]
 
 
 @functools.cache
