@@ -73,11 +73,12 @@ class SdpaQuery(StrEnum):
 
 
 class DecodeAttention(StrEnum):
-    """``--decode-attention`` (executorch, float32): the kernel a decode step's full-attention layers
-    attend with. ``custom-sdpa`` is ExecuTorch's (``llama::custom_sdpa``, or an int8 cache's
-    ``--int8-kv-sdpa`` choice), in every ExecuTorch runtime; ``kvexport`` is kvexport's own
-    (``kvexport/kernels``), split over the cached positions, reading an int8 cache in place, which
-    the runtime must load (kvexport's runners do; a C++ runner links it)."""
+    """``--decode-attention`` (executorch, float32): the kernel full-attention layers attend with in a
+    call of up to ``kernels.MOST_TOKENS`` tokens (a decode step, a verification). ``custom-sdpa`` is
+    ExecuTorch's (``llama::custom_sdpa``, or an int8 cache's ``--int8-kv-sdpa`` choice), in every
+    ExecuTorch runtime; ``kvexport`` is kvexport's own (``kvexport/kernels``), split over the cached
+    positions, reading an int8 cache in place, which the runtime must load (kvexport's runners do; a
+    C++ runner links it)."""
 
     CUSTOM_SDPA = "custom-sdpa"
     KVEXPORT = "kvexport"

@@ -98,8 +98,8 @@ class ExportOptions:
         "scalar fallback elsewhere), dequantized (the rows dequantized into llama::custom_sdpa) or auto (quantized "
         "where this machine is aarch64, else dequantized)")
     decode_attention: DecodeAttention = _option(
-        DecodeAttention.CUSTOM_SDPA, "executorch, --dtype float32: the kernel a decode step's full-attention layers attend "
-        "with: custom-sdpa (ExecuTorch's: llama::custom_sdpa, or with --kv-cache int8 --int8-kv-sdpa's; in any ExecuTorch "
+        DecodeAttention.CUSTOM_SDPA, "executorch, --dtype float32: the kernel full-attention layers attend with in calls of up "
+        "to 16 tokens (decode steps, verifications): custom-sdpa (ExecuTorch's: llama::custom_sdpa, or with --kv-cache int8 --int8-kv-sdpa's; in any ExecuTorch "
         "runtime) or kvexport (kvexport's own, split over the cached positions, reading an int8 cache in place: faster at "
         "long contexts; built here with a C++ compiler and loaded by kvexport's runners, and a C++ runner must link it: "
         "docs/executorch.md)")

@@ -68,7 +68,7 @@ def export(
     ``forward`` and ``verify`` (every position's logits), over the same buffers. ``sdpa_query``: the
     query rows a float cache's attention gives ``llama::custom_sdpa`` (``choose_sdpa_query``);
     ``int8_kv_sdpa``: the kernel an int8 cache's decode step attends with (``choose_int8_kv_sdpa``);
-    ``decode_attention``: the kernel the full layers attend with in a decode step."""
+    ``decode_attention``: the kernel the full layers attend with in a short call (``by_call_length``)."""
     from .custom_op_cache import custom_op_caches
     from .quantized_kv_cache import quantized_caches
     from .stacked_projections import stacked_projections
