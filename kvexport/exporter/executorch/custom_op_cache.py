@@ -159,8 +159,11 @@ def causal_sdpa(query, keys, values, first, scaling, grouped: bool = True, decod
     Causal, the extra row (``_with_extra_row``) reads one key past the call's end, which is why a
     static buffer has one slot more than the positions it holds.
 
-    The query passes ``clear_vector_state`` first (the kernel's speed on XNNPACK's pool threads)."""
-    query = clear_vector_state(query)
+    The query passes ``clear_vector_state`` first (``custom_sdpa``'s speed on XNNPACK's pool
+    threads), except with ``decode_kernel``: kvexport's kernel is compiled for this CPU's vector
+    extensions, with no SSE code to slow, and clearing would cost its decode step a wide
+    subtraction a layer (``longer``'s ``custom_sdpa`` goes without it: a ``torch.cond`` branch's
+    ops stay outside the delegate, where they would clear nothing)."""
     if decode_kernel:
         scale = query.shape[-1] ** -0.5 if scaling is None else scaling
 
@@ -172,6 +175,7 @@ def causal_sdpa(query, keys, values, first, scaling, grouped: bool = True, decod
 
         operands = (_to_seq_major(query).contiguous(), keys, values, first)
         return by_call_length(query.shape[2], short, longer, operands, most=MOST_TOKENS)
+    query = clear_vector_state(query)
     if not grouped:
         start = start_position(first)
         return torch.ops.llama.custom_sdpa(_to_seq_major(query), keys, values, start, None, 0.0, True, scaling)

@@ -161,9 +161,9 @@ def decode_kernel_sdpa(query, rows, scaling, first):
     position ``first``: a call of up to ``MOST_TOKENS`` (a decode step, a verification) is kvexport's
     ``kvexport::decode_sdpa_int8``, which reads the int8 rows in place with their scales and zero
     points, the work split over the positions (``kvexport/kernels``); a longer one
-    ``dequantized_sdpa``. Returns ``[1, T, H, D]``."""
+    ``dequantized_sdpa``. Returns ``[1, T, H, D]``. No ``clear_vector_state`` (as in
+    ``causal_sdpa`` with its ``decode_kernel``)."""
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
-    query = clear_vector_state(query)
 
     def short(q, first, *rows):
         return torch.ops.kvexport.decode_sdpa_int8(q, *rows, start_position(first) + q.shape[1], scale)

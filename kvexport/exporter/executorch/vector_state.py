@@ -23,9 +23,18 @@ SPREAD_ELEMENTS = 65536
 
 def clear_vector_state(query: torch.Tensor) -> torch.Tensor:
     """``query [1, H, T, D]`` unchanged, computed after a subtraction of about
-    ``SPREAD_ELEMENTS`` values of its first token's rows (their outer difference, whose corner
-    ``rows[0] - rows[0]`` is the exact zero added)."""
-    rows = query[0, :, 0, :].reshape(-1)
-    width = min(rows.shape[0], -(-SPREAD_ELEMENTS // rows.shape[0]))
-    spread = rows[:, None] - rows[None, :width]
+    ``SPREAD_ELEMENTS`` values: the outer difference of its rows' mean over the call's tokens,
+    whose corner, ``rows[0] - rows[0]``, is the exact zero added. The mean is XNNPACK's average
+    pooling, which takes a dynamic number of tokens, so the subtraction joins the delegate call that
+    computes the query (a select of the first token's rows would run outside it, splitting the
+    layer's partition in two more calls into the delegate)."""
+    heads, tokens, head_dim = query.shape[1:]
+    by_value = query.transpose(2, 3).reshape(1, heads * head_dim, tokens, 1)
+    rows = by_value.mean(dim=(2, 3), keepdim=True)
+    # Reshapes and a slice that is not the whole: XNNPACK takes no unsqueeze and no alias.
+    columns = rows.reshape(1, -1)
+    width = -(-SPREAD_ELEMENTS // rows.numel())
+    if width < rows.numel():
+        columns = columns[:, :width]
+    spread = rows.reshape(-1, 1) - columns
     return query + spread[:1, :1]
