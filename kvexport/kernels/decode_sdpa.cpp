@@ -64,26 +64,28 @@ static inline float dot(const float* q, const T* k, int64_t d) {
   return part[0] + tail;
 }
 
-template <typename T>
-static inline void add_scaled(float* acc, float w, const T* v, int64_t d) {
-#pragma omp simd
-  for (int64_t i = 0; i < d; ++i) acc[i] += w * static_cast<float>(v[i]);
-}
-
 // A float cache's rows: row r (position p, KV head h: r = p * kv_heads + h) is k + r * d.
 struct FloatRows {
+  using Key = float;
+  using Value = float;
   const float* k;
   const float* v;
   int64_t d;
-  float score(const float* q, float, int64_t r) const { return dot(q, k + r * d, d); }
-  // acc += w * value row r; `offset` gathers what is to be subtracted from acc at the end (none).
-  void add_value(float* acc, float w, int64_t r, float&) const { add_scaled(acc, w, v + r * d, d); }
+  // The score from q . (row r's keys as stored).
+  float finish(float raw, float, int64_t) const { return raw; }
+  // Weight w of value row r becomes the weight of its values as stored, and what it adds to the sum
+  // to be subtracted from the accumulated values at the end (none).
+  static constexpr bool kOffsets = false;
+  float value_weight(float w, int64_t) const { return w; }
+  float value_offset(float, int64_t) const { return 0.f; }
 };
 
 // An int8 cache's rows as kvexport's --kv-cache int8 writes them (ExecuTorch's per-token scheme):
 // row r's value x is (x_q - zero_point[r]) * scale[r]. q . k = scale (q . k_q - zero_point sum(q)),
 // and w * value = w scale v_q - w scale zero_point, the second term summed once per row.
 struct Int8Rows {
+  using Key = int8_t;
+  using Value = int8_t;
   const int8_t* k;
   const float* k_scales;
   const int8_t* k_zero_points;
@@ -91,97 +93,220 @@ struct Int8Rows {
   const float* v_scales;
   const int8_t* v_zero_points;
   int64_t d;
-  float score(const float* q, float q_sum, int64_t r) const {
-    return k_scales[r] * (dot(q, k + r * d, d) - static_cast<float>(k_zero_points[r]) * q_sum);
+  float finish(float raw, float q_sum, int64_t r) const {
+    return k_scales[r] * (raw - static_cast<float>(k_zero_points[r]) * q_sum);
   }
-  void add_value(float* acc, float w, int64_t r, float& offset) const {
-    const float scaled = w * v_scales[r];
-    add_scaled(acc, scaled, v + r * d, d);
-    offset += scaled * static_cast<float>(v_zero_points[r]);
-  }
+  static constexpr bool kOffsets = true;
+  float value_weight(float w, int64_t r) const { return w * v_scales[r]; }
+  float value_offset(float w, int64_t r) const { return w * v_scales[r] * static_cast<float>(v_zero_points[r]); }
 };
 
-// One piece of work: one query row's heads over positions [p0, p1) (none where p1 <= p0), reading
-// each key and value row (all KV heads, contiguous) once: per query head, its scores' max, the sum of
-// exp(score - max), and the exp-weighted sum of values.
+// A KV head's query rows in a call (its group's heads in each of the T tokens) score a block over a
+// transposed copy of its keys once there are enough of them, rather than a dot product each: a dot
+// product ends in a reduction across its lanes that costs about 8 vector operations more than the
+// same multiplications over transposed keys, where every multiply-add serves as many positions as a
+// vector holds, and the copy costs about d operations a position. So at least d / 8 rows (8 for a
+// head of 64, 32 for 256), which a decode step's few rows never are.
+constexpr int64_t kTransposeSaving = 8;
+// Rows that add the values a tile at a time (below) rather than each value row once for all rows.
+constexpr int64_t kTiledRows = 8;
+constexpr int64_t kTransposed = 64;  // positions per transposed copy (d x 64 floats)
+constexpr int64_t kTile = 16;  // positions whose values a query row adds at a time
+constexpr int64_t kChunk = 64;  // values of a query row's sums held in registers while it does
+
+// One piece of work: every query row of the call (T tokens x H heads, row r = t * H + h, token t
+// attending causally up to position ends[t] - 1) over positions [p0, p1), reading each key and
+// value row (all KV heads, contiguous: a piece per KV head would read every third stretch of memory,
+// which the CPU's prefetchers serve far worse) once for all of them. Per query row, its scores' max,
+// the sum of exp(score - max) and the exp-weighted sum of values; a row none of whose positions
+// are in the block gets max -inf and zeros.
 template <typename Rows>
-static void attend_block(const Rows& rows, const float* q, const float* q_sums, int64_t heads, int64_t kv_heads,
-                         int64_t d, int64_t p0, int64_t p1, float scale, float* max_out, float* sum_out, float* acc) {
-  const int64_t n = std::max<int64_t>(p1 - p0, 0), group = heads / kv_heads;
-  std::fill(acc, acc + heads * d, 0.f);
-  if (n == 0) {
-    std::fill(max_out, max_out + heads, -std::numeric_limits<float>::infinity());
-    std::fill(sum_out, sum_out + heads, 0.f);
-    return;
-  }
-  static thread_local std::vector<float> scores, offsets;
-  scores.resize(heads * kBlock);
-  offsets.assign(heads, 0.f);
-  for (int64_t p = 0; p < n; ++p) {
-    for (int64_t h = 0; h < heads; ++h) {
-      scores[h * kBlock + p] = rows.score(q + h * d, q_sums[h], (p0 + p) * kv_heads + h / group) * scale;
+static void attend_block(const Rows& rows, const float* q, const float* q_sums, const int64_t* ends, int64_t tokens,
+                         int64_t heads, int64_t kv_heads, int64_t d, int64_t p0, int64_t p1, float scale,
+                         float* max_out, float* sum_out, float* acc) {
+  const int64_t group = heads / kv_heads, n_rows = tokens * heads, block = p1 - p0;
+  const int64_t n = std::max<int64_t>(std::min(p1, ends[tokens - 1]) - p0, 0);  // the last token reaches furthest
+  // Scratch kept between calls, one per thread, used through plain pointers (a thread_local reached
+  // inside a loop can cost a call to find it on every iteration).
+  static thread_local std::vector<float> scratch, key_scratch;
+  static thread_local std::vector<int64_t> kv_scratch;
+  scratch.assign(n_rows * (block + 1), 0.f);
+  float* const scores = scratch.data();  // [n_rows, block]
+  float* const offsets = scores + n_rows * block;
+  kv_scratch.resize(n_rows);
+  int64_t* const kv_of = kv_scratch.data();  // each query row's KV head (no division in the loops)
+  for (int64_t r = 0; r < n_rows; ++r) kv_of[r] = (r % heads) / group;
+  std::fill(acc, acc + n_rows * d, 0.f);
+  auto row_end = [&](int64_t r) { return std::max<int64_t>(std::min(p1, ends[r / heads]) - p0, 0); };
+  auto cache_row = [&](int64_t p, int64_t kv_head) { return (p0 + p) * kv_heads + kv_head; };
+  if (tokens * group * kTransposeSaving >= d) {
+    key_scratch.resize(d * kTransposed);
+    float* const keys = key_scratch.data();  // [d, kTransposed]
+    for (int64_t first = 0; first < n; first += kTransposed) {
+      const int64_t width = std::min(kTransposed, n - first);
+      for (int64_t kv_head = 0; kv_head < kv_heads; ++kv_head) {
+        for (int64_t p = 0; p < width; ++p) {
+          const typename Rows::Key* k = rows.k + cache_row(first + p, kv_head) * d;
+          for (int64_t i = 0; i < d; ++i) keys[i * kTransposed + p] = static_cast<float>(k[i]);
+        }
+        for (int64_t t = 0; t < tokens; ++t) {
+          for (int64_t h = kv_head * group; h < (kv_head + 1) * group; ++h) {
+            const float* qr = q + (t * heads + h) * d;
+            float total[kTransposed] = {};
+            // kLanes values of q at a time in two interleaved sums, then added to the total: a
+            // rounding error of a lane-wise dot product's order, and no chain of adds d long.
+            for (int64_t i0 = 0; i0 < d; i0 += kLanes) {
+              float even[kTransposed] = {}, odd[kTransposed] = {};
+              const int64_t i1 = std::min(i0 + kLanes, d);
+              for (int64_t i = i0; i + 1 < i1; i += 2) {
+                const float qe = qr[i], qo = qr[i + 1];
+                const float *ke = keys + i * kTransposed, *ko = ke + kTransposed;
+#pragma omp simd
+                for (int64_t p = 0; p < kTransposed; ++p) {
+                  even[p] += qe * ke[p];
+                  odd[p] += qo * ko[p];
+                }
+              }
+              if ((i1 - i0) % 2) {
+                const float ql = qr[i1 - 1];
+                const float* kl = keys + (i1 - 1) * kTransposed;
+#pragma omp simd
+                for (int64_t p = 0; p < kTransposed; ++p) even[p] += ql * kl[p];
+              }
+#pragma omp simd
+              for (int64_t p = 0; p < kTransposed; ++p) total[p] += even[p] + odd[p];
+            }
+            std::copy(total, total + width, scores + (t * heads + h) * block + first);
+          }
+        }
+      }
+    }
+  } else {
+    for (int64_t p = 0; p < n; ++p) {
+      for (int64_t t = 0; t < tokens; ++t) {
+        for (int64_t h = 0; h < heads; ++h) {
+          const int64_t r = t * heads + h;
+          scores[r * block + p] = dot(q + r * d, rows.k + cache_row(p, kv_of[r]) * d, d);
+        }
+      }
     }
   }
-  for (int64_t h = 0; h < heads; ++h) {
-    float* s = scores.data() + h * kBlock;
-    float m = -std::numeric_limits<float>::infinity();
-    for (int64_t p = 0; p < n; ++p) m = std::max(m, s[p]);
+  for (int64_t r = 0; r < n_rows; ++r) {
+    const int64_t own = row_end(r), kv_head = kv_of[r];
+    float* s = scores + r * block;
+    float top = -std::numeric_limits<float>::infinity();
+    for (int64_t p = 0; p < own; ++p) {
+      s[p] = rows.finish(s[p], q_sums[r], cache_row(p, kv_head)) * scale;
+      top = std::max(top, s[p]);
+    }
     float total = 0.f;
 #pragma omp simd reduction(+ : total)
-    for (int64_t p = 0; p < n; ++p) {
-      s[p] = exp_approx(s[p] - m);
+    for (int64_t p = 0; p < own; ++p) {
+      s[p] = exp_approx(s[p] - top);
       total += s[p];
     }
-    max_out[h] = m;
-    sum_out[h] = total;
+    std::fill(s + own, s + n, 0.f);  // past the row's own position
+    max_out[r] = top;
+    sum_out[r] = total;
   }
-  for (int64_t p = 0; p < n; ++p) {
-    for (int64_t h = 0; h < heads; ++h) {
-      rows.add_value(acc + h * d, scores[h * kBlock + p], (p0 + p) * kv_heads + h / group, offsets[h]);
+  if (tokens * group < kTiledRows) {
+    // Few rows: each value row once for all of them, in the order of memory.
+    for (int64_t p = 0; p < n; ++p) {
+      for (int64_t r = 0; r < n_rows; ++r) {
+        const float w = scores[r * block + p];
+        if (w == 0.f) continue;  // past the row's position, or underflowed
+        const int64_t row = cache_row(p, kv_of[r]);
+        const float weight = rows.value_weight(w, row);
+        const typename Rows::Value* v = rows.v + row * d;
+        float* a = acc + r * d;
+#pragma omp simd
+        for (int64_t i = 0; i < d; ++i) a[i] += weight * static_cast<float>(v[i]);
+        if constexpr (Rows::kOffsets) offsets[r] += rows.value_offset(w, row);
+      }
     }
   }
-  for (int64_t h = 0; h < heads; ++h) {
-    for (int64_t i = 0; i < d; ++i) acc[h * d + i] -= offsets[h];
+  // Many rows: each adds a tile of positions' values at a time, kChunk of its sums held in registers
+  // across the tile (the tile's value rows stay in the L1 cache for the other rows).
+  for (int64_t first = 0; tokens * group >= kTiledRows && first < n; first += kTile) {
+    const int64_t last = std::min(first + kTile, n);
+    for (int64_t r = 0; r < n_rows; ++r) {
+      const int64_t kv_head = kv_of[r];
+      const float* w = scores + r * block;
+      float* a = acc + r * d;
+      for (int64_t i0 = 0; i0 < d; i0 += kChunk) {
+        const int64_t len = std::min(kChunk, d - i0);
+        if (len == kChunk) {
+          float sum[kChunk] = {};
+          for (int64_t p = first; p < last; ++p) {
+            if (w[p] == 0.f) continue;  // past the row's position, or underflowed
+            const int64_t row = cache_row(p, kv_head);
+            const float weight = rows.value_weight(w[p], row);
+            const typename Rows::Value* v = rows.v + row * d + i0;
+#pragma omp simd
+            for (int64_t i = 0; i < kChunk; ++i) sum[i] += weight * static_cast<float>(v[i]);
+          }
+#pragma omp simd
+          for (int64_t i = 0; i < kChunk; ++i) a[i0 + i] += sum[i];
+        } else {
+          for (int64_t p = first; p < last; ++p) {
+            if (w[p] == 0.f) continue;
+            const int64_t row = cache_row(p, kv_head);
+            const float weight = rows.value_weight(w[p], row);
+            const typename Rows::Value* v = rows.v + row * d + i0;
+            for (int64_t i = 0; i < len; ++i) a[i0 + i] += weight * static_cast<float>(v[i]);
+          }
+        }
+      }
+      if constexpr (Rows::kOffsets) {
+        for (int64_t p = first; p < last; ++p) {
+          if (w[p] != 0.f) offsets[r] += rows.value_offset(w[p], cache_row(p, kv_head));
+        }
+      }
+    }
+  }
+  for (int64_t r = 0; r < n_rows; ++r) {
+    for (int64_t i = 0; i < d; ++i) acc[r * d + i] -= offsets[r];
   }
 }
 
 // The attention of q [1, T, H, D] (rows at positions end - T .. end - 1) over `rows` into out: a
-// piece of work per block of kBlock positions and query row over the threadpool, then each row's
-// partial softmaxes joined, rescaled to the largest max (flash-decoding's reduction).
+// piece of work per block of positions over the threadpool (kBlock, or smaller where that would
+// leave a thread idle), then each query row's partial softmaxes joined, rescaled to the largest
+// max (flash-decoding's reduction).
 template <typename Rows>
 static void attend(const Rows& rows, const float* q, int64_t tokens, int64_t heads, int64_t kv_heads, int64_t d,
                    int64_t end, float scale, float* out) {
-  const int64_t width = heads * d;  // one query row
-  std::vector<float> q_sums(tokens * heads, 0.f);
-  for (int64_t r = 0; r < tokens * heads; ++r) {
+  const int64_t n_rows = tokens * heads;
+  std::vector<float> q_sums(n_rows, 0.f);
+  for (int64_t r = 0; r < n_rows; ++r) {
     for (int64_t i = 0; i < d; ++i) q_sums[r] += q[r * d + i];
   }
-  const int64_t blocks = (end + kBlock - 1) / kBlock, pieces = blocks * tokens;
-  std::vector<float> maxes(pieces * heads), sums(pieces * heads), accs(pieces * width);
-  executorch::extension::parallel_for(0, pieces, 1, [&](int64_t first, int64_t last) {
-    for (int64_t piece = first; piece < last; ++piece) {
-      const int64_t b = piece / tokens, t = piece % tokens, row_end = end - tokens + t + 1;  // causal
-      attend_block(rows, q + t * width, q_sums.data() + t * heads, heads, kv_heads, d, b * kBlock,
-                   std::min(row_end, (b + 1) * kBlock), scale, maxes.data() + piece * heads, sums.data() + piece * heads,
-                   accs.data() + piece * width);
+  std::vector<int64_t> ends(tokens);
+  for (int64_t t = 0; t < tokens; ++t) ends[t] = end - tokens + t + 1;  // causal
+  const int64_t threads = std::max<int64_t>(executorch::extension::get_thread_count(), 1);
+  int64_t block = kBlock;
+  while (block > kTransposed && (end + block - 1) / block < 2 * threads) block /= 2;
+  const int64_t blocks = (end + block - 1) / block;
+  std::vector<float> maxes(blocks * n_rows), sums(blocks * n_rows), accs(blocks * n_rows * d);
+  executorch::extension::parallel_for(0, blocks, 1, [&](int64_t first, int64_t last) {
+    for (int64_t b = first; b < last; ++b) {
+      attend_block(rows, q, q_sums.data(), ends.data(), tokens, heads, kv_heads, d, b * block, (b + 1) * block,
+                   scale, maxes.data() + b * n_rows, sums.data() + b * n_rows, accs.data() + b * n_rows * d);
     }
   });
-  for (int64_t t = 0; t < tokens; ++t) {
-    for (int64_t h = 0; h < heads; ++h) {
-      float m = -std::numeric_limits<float>::infinity();
-      for (int64_t b = 0; b < blocks; ++b) m = std::max(m, maxes[(b * tokens + t) * heads + h]);
-      float total = 0.f;
-      float* row = out + t * width + h * d;
-      std::fill(row, row + d, 0.f);
-      for (int64_t b = 0; b < blocks; ++b) {
-        const int64_t piece = b * tokens + t;
-        const float w = std::exp(maxes[piece * heads + h] - m);  // 0 for a block past the row's end
-        total += w * sums[piece * heads + h];
-        const float* a = accs.data() + piece * width + h * d;
-        for (int64_t i = 0; i < d; ++i) row[i] += w * a[i];
-      }
-      for (int64_t i = 0; i < d; ++i) row[i] /= total;
+  for (int64_t r = 0; r < n_rows; ++r) {
+    float top = -std::numeric_limits<float>::infinity();
+    for (int64_t b = 0; b < blocks; ++b) top = std::max(top, maxes[b * n_rows + r]);
+    float total = 0.f;
+    float* result = out + r * d;
+    std::fill(result, result + d, 0.f);
+    for (int64_t b = 0; b < blocks; ++b) {
+      const float w = std::exp(maxes[b * n_rows + r] - top);  // 0 for a block past the row's end
+      total += w * sums[b * n_rows + r];
+      const float* a = accs.data() + (b * n_rows + r) * d;
+      for (int64_t i = 0; i < d; ++i) result[i] += w * a[i];
     }
+    for (int64_t i = 0; i < d; ++i) result[i] /= total;
   }
 }
 
