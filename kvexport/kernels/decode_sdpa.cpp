@@ -130,9 +130,10 @@ static void attend_block(const Rows& rows, const float* q, const float* q_sums, 
   // inside a loop can cost a call to find it on every iteration).
   static thread_local std::vector<float> scratch, key_scratch;
   static thread_local std::vector<int64_t> kv_scratch;
-  scratch.assign(n_rows * (block + 1), 0.f);
-  float* const scores = scratch.data();  // [n_rows, block]
+  scratch.resize(n_rows * (block + 1));
+  float* const scores = scratch.data();  // [n_rows, block]: positions [0, n) written before read
   float* const offsets = scores + n_rows * block;
+  std::fill(offsets, offsets + n_rows, 0.f);
   kv_scratch.resize(n_rows);
   int64_t* const kv_of = kv_scratch.data();  // each query row's KV head (no division in the loops)
   for (int64_t r = 0; r < n_rows; ++r) kv_of[r] = (r % heads) / group;
@@ -224,42 +225,43 @@ static void attend_block(const Rows& rows, const float* q, const float* q_sums, 
         if constexpr (Rows::kOffsets) offsets[r] += rows.value_offset(w, row);
       }
     }
-  }
-  // Many rows: each adds a tile of positions' values at a time, kChunk of its sums held in registers
-  // across the tile (the tile's value rows stay in the L1 cache for the other rows).
-  for (int64_t first = 0; tokens * group >= kTiledRows && first < n; first += kTile) {
-    const int64_t last = std::min(first + kTile, n);
-    for (int64_t r = 0; r < n_rows; ++r) {
-      const int64_t kv_head = kv_of[r];
-      const float* w = scores + r * block;
-      float* a = acc + r * d;
-      for (int64_t i0 = 0; i0 < d; i0 += kChunk) {
-        const int64_t len = std::min(kChunk, d - i0);
-        if (len == kChunk) {
-          float sum[kChunk] = {};
-          for (int64_t p = first; p < last; ++p) {
-            if (w[p] == 0.f) continue;  // past the row's position, or underflowed
-            const int64_t row = cache_row(p, kv_head);
-            const float weight = rows.value_weight(w[p], row);
-            const typename Rows::Value* v = rows.v + row * d + i0;
+  } else {
+    // Many rows: each adds a tile of positions' values at a time, kChunk of its sums held in registers
+    // across the tile (the tile's value rows stay in the L1 cache for the other rows).
+    for (int64_t first = 0; first < n; first += kTile) {
+      const int64_t last = std::min(first + kTile, n);
+      for (int64_t r = 0; r < n_rows; ++r) {
+        const int64_t kv_head = kv_of[r];
+        const float* w = scores + r * block;
+        float* a = acc + r * d;
+        for (int64_t i0 = 0; i0 < d; i0 += kChunk) {
+          const int64_t len = std::min(kChunk, d - i0);
+          if (len == kChunk) {
+            float sum[kChunk] = {};
+            for (int64_t p = first; p < last; ++p) {
+              if (w[p] == 0.f) continue;  // past the row's position, or underflowed
+              const int64_t row = cache_row(p, kv_head);
+              const float weight = rows.value_weight(w[p], row);
+              const typename Rows::Value* v = rows.v + row * d + i0;
 #pragma omp simd
-            for (int64_t i = 0; i < kChunk; ++i) sum[i] += weight * static_cast<float>(v[i]);
-          }
+              for (int64_t i = 0; i < kChunk; ++i) sum[i] += weight * static_cast<float>(v[i]);
+            }
 #pragma omp simd
-          for (int64_t i = 0; i < kChunk; ++i) a[i0 + i] += sum[i];
-        } else {
-          for (int64_t p = first; p < last; ++p) {
-            if (w[p] == 0.f) continue;
-            const int64_t row = cache_row(p, kv_head);
-            const float weight = rows.value_weight(w[p], row);
-            const typename Rows::Value* v = rows.v + row * d + i0;
-            for (int64_t i = 0; i < len; ++i) a[i0 + i] += weight * static_cast<float>(v[i]);
+            for (int64_t i = 0; i < kChunk; ++i) a[i0 + i] += sum[i];
+          } else {
+            for (int64_t p = first; p < last; ++p) {
+              if (w[p] == 0.f) continue;
+              const int64_t row = cache_row(p, kv_head);
+              const float weight = rows.value_weight(w[p], row);
+              const typename Rows::Value* v = rows.v + row * d + i0;
+              for (int64_t i = 0; i < len; ++i) a[i0 + i] += weight * static_cast<float>(v[i]);
+            }
           }
         }
-      }
-      if constexpr (Rows::kOffsets) {
-        for (int64_t p = first; p < last; ++p) {
-          if (w[p] != 0.f) offsets[r] += rows.value_offset(w[p], cache_row(p, kv_head));
+        if constexpr (Rows::kOffsets) {
+          for (int64_t p = first; p < last; ++p) {
+            if (w[p] != 0.f) offsets[r] += rows.value_offset(w[p], cache_row(p, kv_head));
+          }
         }
       }
     }
