@@ -16,6 +16,8 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace kvexport {
@@ -47,7 +49,7 @@ static inline float exp_approx(float x) {
   return p;
 }
 
-// q . k over d values (k float, or int8 read as its integer values), summed lane-wise then as a
+// q . k over d values (an int8 cache's k read as its integer values), summed lane-wise then as a
 // tree: a plain reduction compiles to a serial chain of scalar adds per product, which stalls the
 // loads of the next keys behind it.
 constexpr int64_t kLanes = 16;
@@ -62,6 +64,60 @@ static inline float dot(const float* q, const T* k, int64_t d) {
   for (int64_t width = kLanes / 2; width >= 1; width /= 2)
     for (int64_t l = 0; l < width; ++l) part[l] += part[l + width];
   return part[0] + tail;
+}
+
+// A decode step's few query rows over a float cache score sixteen positions at a time: each
+// position's products summed lane-wise in one vector of 16, then the sixteen vectors folded into
+// one vector of their sixteen sums (four rounds of two-vector shuffles and adds), where dot()
+// ends each product in a reduction across its lanes that costs more than its multiplications.
+// (An int8 cache's keys keep dot(): converted into vectors of 16 they were slower.)
+typedef float Floats16 __attribute__((vector_size(kLanes * sizeof(float))));
+typedef int32_t Ints16 __attribute__((vector_size(kLanes * sizeof(int32_t))));
+
+static inline Floats16 load16(const float* p) {
+  Floats16 x;
+  std::memcpy(&x, p, sizeof x);
+  return x;
+}
+
+// Lane o of the fold of a and b, each `groups` groups of `width` lanes (a group: one position's
+// partial sums), is lane o % (width / 2) of group o / (width / 2), a's groups before b's, plus the
+// lane width / 2 after it: twice the groups, half as wide.
+constexpr int fold_lane(int groups, int width, int o) {
+  return (o / (width / 2) < groups ? 0 : kLanes) + (o / (width / 2)) % groups * width + o % (width / 2);
+}
+template <int Groups, int Width, int... O>
+static inline Floats16 fold(Floats16 a, Floats16 b, std::integer_sequence<int, O...>) {
+#ifdef __clang__
+  return __builtin_shufflevector(a, b, fold_lane(Groups, Width, O)...) +
+         __builtin_shufflevector(a, b, (fold_lane(Groups, Width, O) + Width / 2)...);
+#else
+  return __builtin_shuffle(a, b, Ints16{fold_lane(Groups, Width, O)...}) +
+         __builtin_shuffle(a, b, Ints16{(fold_lane(Groups, Width, O) + Width / 2)...});
+#endif
+}
+
+// The sums of sixteen positions' partial-sum vectors; the first `count` of them to scores.
+static inline void fold16(const Floats16* part, int64_t count, float* scores) {
+  using Lanes = std::make_integer_sequence<int, kLanes>;
+  Floats16 half[8], quarter[4], eighth[2];
+  for (int j = 0; j < 8; ++j) half[j] = fold<1, 16>(part[2 * j], part[2 * j + 1], Lanes{});
+  for (int j = 0; j < 4; ++j) quarter[j] = fold<2, 8>(half[2 * j], half[2 * j + 1], Lanes{});
+  for (int j = 0; j < 2; ++j) eighth[j] = fold<4, 4>(quarter[2 * j], quarter[2 * j + 1], Lanes{});
+  const Floats16 sums = fold<8, 2>(eighth[0], eighth[1], Lanes{});
+  std::memcpy(scores, &sums, count * sizeof(float));
+}
+
+// Positions whose rows are asked for ahead of their use: the CPU's own prefetchers keep too few
+// reads in flight for a call whose few rows leave the loads far apart.
+constexpr int64_t kAhead = 8;
+
+// Asks for the cache lines of `count` values from p on (a position's rows, every KV head). Called
+// behind its caller's bounds check (GCC dropped the prefetches of a lambda that returned early).
+template <typename T>
+static inline void prefetch_values(const T* p, int64_t count) {
+  const char* bytes = reinterpret_cast<const char*>(p);
+  for (int64_t b = 0; b < count * int64_t(sizeof(T)); b += 64) __builtin_prefetch(bytes + b);
 }
 
 // A float cache's rows: row r (position p, KV head h: r = p * kv_heads + h) is k + r * d.
@@ -102,11 +158,10 @@ struct Int8Rows {
 };
 
 // A KV head's query rows in a call (its group's heads in each of the T tokens) score a block over a
-// transposed copy of its keys once there are enough of them, rather than a dot product each: a dot
-// product ends in a reduction across its lanes that costs about 8 vector operations more than the
-// same multiplications over transposed keys, where every multiply-add serves as many positions as a
-// vector holds, and the copy costs about d operations a position. So at least d / 8 rows (8 for a
-// head of 64, 32 for 256), which a decode step's few rows never are.
+// transposed copy of its keys once there are enough of them, rather than each folding its products
+// (fold16): over transposed keys every multiply-add serves as many positions as a vector holds and
+// nothing is folded, but the copy costs about d operations a position. So at least d / 8 rows (8
+// for a head of 64, 32 for 256), which a decode step's few rows never are.
 constexpr int64_t kTransposeSaving = 8;
 // Rows that add the values a tile at a time (below) rather than each value row once for all rows.
 constexpr int64_t kTiledRows = 8;
@@ -147,6 +202,8 @@ static void attend_block(const Rows& rows, const float* q, const float* q_sums, 
       const int64_t width = std::min(kTransposed, n - first);
       for (int64_t kv_head = 0; kv_head < kv_heads; ++kv_head) {
         for (int64_t p = 0; p < width; ++p) {
+          if (kv_head == 0 && first + p + kAhead < n)
+            prefetch_values(rows.k + cache_row(first + p + kAhead, 0) * d, kv_heads * d);
           const typename Rows::Key* k = rows.k + cache_row(first + p, kv_head) * d;
           for (int64_t i = 0; i < d; ++i) keys[i * kTransposed + p] = static_cast<float>(k[i]);
         }
@@ -182,7 +239,33 @@ static void attend_block(const Rows& rows, const float* q, const float* q_sums, 
         }
       }
     }
+  } else if constexpr (std::is_same_v<typename Rows::Key, float>) {
+    // Positions in the order of memory, each key row read once for all query rows; a row's products
+    // with sixteen positions folded into their scores at once (fold16). A head's values past the
+    // last whole vector of 16 are added to lane 0.
+    static thread_local std::vector<Floats16> part_scratch;
+    part_scratch.resize(n_rows * kLanes);
+    Floats16* const part = part_scratch.data();  // [n_rows, 16 positions]
+    const int64_t whole = d - d % kLanes;
+    for (int64_t first = 0; first < n; first += kLanes) {
+      const int64_t count = std::min(kLanes, n - first);
+      for (int64_t j = 0; j < kLanes; ++j) {
+        if (first + j + kAhead < n) prefetch_values(rows.k + cache_row(first + j + kAhead, 0) * d, kv_heads * d);
+        for (int64_t r = 0; r < n_rows; ++r) {
+          Floats16 sum = {};
+          if (j < count) {
+            const float* qr = q + r * d;
+            const float* k = rows.k + cache_row(first + j, kv_of[r]) * d;
+            for (int64_t i = 0; i < whole; i += kLanes) sum += load16(qr + i) * load16(k + i);
+            for (int64_t i = whole; i < d; ++i) sum[0] += qr[i] * k[i];
+          }
+          part[r * kLanes + j] = sum;
+        }
+      }
+      for (int64_t r = 0; r < n_rows; ++r) fold16(part + r * kLanes, count, scores + r * block + first);
+    }
   } else {
+    // An int8 cache's keys: a dot product each, bound by the conversions more than by the reads.
     for (int64_t p = 0; p < n; ++p) {
       for (int64_t t = 0; t < tokens; ++t) {
         for (int64_t h = 0; h < heads; ++h) {
@@ -213,6 +296,7 @@ static void attend_block(const Rows& rows, const float* q, const float* q_sums, 
   if (tokens * group < kTiledRows) {
     // Few rows: each value row once for all of them, in the order of memory.
     for (int64_t p = 0; p < n; ++p) {
+      if (p + kAhead < n) prefetch_values(rows.v + cache_row(p + kAhead, 0) * d, kv_heads * d);
       for (int64_t r = 0; r < n_rows; ++r) {
         const float w = scores[r * block + p];
         if (w == 0.f) continue;  // past the row's position, or underflowed
@@ -230,6 +314,7 @@ static void attend_block(const Rows& rows, const float* q, const float* q_sums, 
     // across the tile (the tile's value rows stay in the L1 cache for the other rows).
     for (int64_t first = 0; first < n; first += kTile) {
       const int64_t last = std::min(first + kTile, n);
+      if (last < n) prefetch_values(rows.v + cache_row(last, 0) * d, std::min(kTile, n - last) * kv_heads * d);  // the next tile
       for (int64_t r = 0; r < n_rows; ++r) {
         const int64_t kv_head = kv_of[r];
         const float* w = scores + r * block;

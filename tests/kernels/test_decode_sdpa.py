@@ -72,16 +72,18 @@ def programs():
     return method
 
 
-@pytest.mark.parametrize(("heads", "kv_heads", "d"), [(9, 3, 64), (4, 1, 256), (8, 8, 16), (6, 2, 12)],
-                         ids=["smollm2", "gemma3", "mha", "odd-head-dim"])
+@pytest.mark.parametrize(("heads", "kv_heads", "d"), [(9, 3, 64), (4, 1, 256), (8, 8, 16), (6, 2, 12), (6, 2, 40)],
+                         ids=["smollm2", "gemma3", "mha", "odd-head-dim", "head-dim-past-16s"])
 @pytest.mark.parametrize("end", [1, 7, 256, 257, 700])
-@pytest.mark.parametrize("tokens", [1, 9], ids=["decode", "verification"])
+@pytest.mark.parametrize("tokens", [1, 3, 9], ids=["decode", "three-rows", "verification"])
 @pytest.mark.parametrize("int8", [False, True], ids=["float", "int8"])
 def test_the_kernel_attends_as_torch_does(programs, tokens, heads, kv_heads, d, end, int8):
     """Blocks of 256 positions, the last one partial, and a single position; scores large enough
     that most probabilities underflow (the scale is twice the usual). Several query rows: each the
     position before the next, causal (at ``end`` 257 the last row alone reaches the second block).
-    An int8 cache against torch over its rows dequantized."""
+    An int8 cache against torch over its rows dequantized. The shapes and row counts take each of
+    the kernel's paths: few rows folded (a head of 40: 8 values past its 16s) or many over
+    transposed keys, values a row at a time or a tile at a time."""
     end = max(end, tokens)
     q, rows, k, v = random_rows(tokens, heads, kv_heads, d, end, int8)
     got = programs(tokens, heads, kv_heads, d, int8).execute([q, *rows, torch.tensor([end])])[0]
