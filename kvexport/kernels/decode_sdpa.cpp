@@ -49,7 +49,7 @@ static inline float exp_approx(float x) {
   return p;
 }
 
-// q . k over d values (an int8 cache's k read as its integer values), summed lane-wise then as a
+// q . k over d values (k float, or int8 read as its integer values), summed lane-wise then as a
 // tree: a plain reduction compiles to a serial chain of scalar adds per product, which stalls the
 // loads of the next keys behind it.
 constexpr int64_t kLanes = 16;
@@ -66,11 +66,15 @@ static inline float dot(const float* q, const T* k, int64_t d) {
   return part[0] + tail;
 }
 
+#if defined(__AVX512F__)
 // A decode step's few query rows over a float cache score sixteen positions at a time: each
 // position's products summed lane-wise in one vector of 16, then the sixteen vectors folded into
 // one vector of their sixteen sums (four rounds of two-vector shuffles and adds), where dot()
 // ends each product in a reduction across its lanes that costs more than its multiplications.
-// (An int8 cache's keys keep dot(): converted into vectors of 16 they were slower.)
+// Only where a vector of 16 floats is one register: elsewhere (AVX2, NEON) the compiler splits its
+// shuffles into many, and the fold cost several times what it saved. An int8 cache's keys keep
+// dot() too: converted into vectors of 16 they were slower.
+#define KVEXPORT_FOLDS_SCORES 1
 typedef float Floats16 __attribute__((vector_size(kLanes * sizeof(float))));
 typedef int32_t Ints16 __attribute__((vector_size(kLanes * sizeof(int32_t))));
 
@@ -107,6 +111,7 @@ static inline void fold16(const Floats16* part, int64_t count, float* scores) {
   const Floats16 sums = fold<8, 2>(eighth[0], eighth[1], Lanes{});
   std::memcpy(scores, &sums, count * sizeof(float));
 }
+#endif
 
 // Positions whose rows are asked for ahead of their use: the CPU's own prefetchers keep too few
 // reads in flight for a call whose few rows leave the loads far apart.
@@ -239,6 +244,7 @@ static void attend_block(const Rows& rows, const float* q, const float* q_sums, 
         }
       }
     }
+#if defined(KVEXPORT_FOLDS_SCORES)
   } else if constexpr (std::is_same_v<typename Rows::Key, float>) {
     // Positions in the order of memory, each key row read once for all query rows; a row's products
     // with sixteen positions folded into their scores at once (fold16). A head's values past the
@@ -264,8 +270,10 @@ static void attend_block(const Rows& rows, const float* q, const float* q_sums, 
       }
       for (int64_t r = 0; r < n_rows; ++r) fold16(part + r * kLanes, count, scores + r * block + first);
     }
+#endif
   } else {
-    // An int8 cache's keys: a dot product each, bound by the conversions more than by the reads.
+    // A dot product a score: an int8 cache's keys (bound by their conversions more than by their
+    // reads), and every cache's where vectors of 16 floats are not one register.
     for (int64_t p = 0; p < n; ++p) {
       for (int64_t t = 0; t < tokens; ++t) {
         for (int64_t h = 0; h < heads; ++h) {
