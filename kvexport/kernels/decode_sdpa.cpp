@@ -163,10 +163,11 @@ struct Int8Rows {
 };
 
 // A KV head's query rows in a call (its group's heads in each of the T tokens) score a block over a
-// transposed copy of its keys once there are enough of them, rather than each folding its products
-// (fold16): over transposed keys every multiply-add serves as many positions as a vector holds and
-// nothing is folded, but the copy costs about d operations a position. So at least d / 8 rows (8
-// for a head of 64, 32 for 256), which a decode step's few rows never are.
+// transposed copy of its keys once there are enough of them, rather than each summing its own
+// products (fold16, or dot()): over transposed keys every multiply-add serves as many positions as
+// a vector holds and nothing is reduced across lanes, but the copy costs about d operations a
+// position. So at least d / 8 rows (8 for a head of 64, 32 for 256), which a decode step's few
+// rows never are.
 constexpr int64_t kTransposeSaving = 8;
 // Rows that add the values a tile at a time (below) rather than each value row once for all rows.
 constexpr int64_t kTiledRows = 8;
