@@ -201,6 +201,8 @@ static void attend_block(const Rows& rows, const float* q, const float* q_sums, 
   std::fill(acc, acc + n_rows * d, 0.f);
   auto row_end = [&](int64_t r) { return std::max<int64_t>(std::min(p1, ends[r / heads]) - p0, 0); };
   auto cache_row = [&](int64_t p, int64_t kv_head) { return (p0 + p) * kv_heads + kv_head; };
+  // Position p's rows, every KV head's, contiguous from here.
+  auto position_rows = [&](const auto* base, int64_t p) { return base + cache_row(p, 0) * d; };
   if (tokens * group * kTransposeSaving >= d) {
     key_scratch.resize(d * kTransposed);
     float* const keys = key_scratch.data();  // [d, kTransposed]
@@ -209,7 +211,7 @@ static void attend_block(const Rows& rows, const float* q, const float* q_sums, 
       for (int64_t kv_head = 0; kv_head < kv_heads; ++kv_head) {
         for (int64_t p = 0; p < width; ++p) {
           if (kv_head == 0 && first + p + kAhead < n)
-            prefetch_values(rows.k + cache_row(first + p + kAhead, 0) * d, kv_heads * d);
+            prefetch_values(position_rows(rows.k, first + p + kAhead), kv_heads * d);
           const typename Rows::Key* k = rows.k + cache_row(first + p, kv_head) * d;
           for (int64_t i = 0; i < d; ++i) keys[i * kTransposed + p] = static_cast<float>(k[i]);
         }
@@ -257,7 +259,7 @@ static void attend_block(const Rows& rows, const float* q, const float* q_sums, 
     for (int64_t first = 0; first < n; first += kLanes) {
       const int64_t count = std::min(kLanes, n - first);
       for (int64_t j = 0; j < kLanes; ++j) {
-        if (first + j + kAhead < n) prefetch_values(rows.k + cache_row(first + j + kAhead, 0) * d, kv_heads * d);
+        if (first + j + kAhead < n) prefetch_values(position_rows(rows.k, first + j + kAhead), kv_heads * d);
         for (int64_t r = 0; r < n_rows; ++r) {
           Floats16 sum = {};
           if (j < count) {
@@ -305,7 +307,7 @@ static void attend_block(const Rows& rows, const float* q, const float* q_sums, 
   if (tokens * group < kTiledRows) {
     // Few rows: each value row once for all of them, in the order of memory.
     for (int64_t p = 0; p < n; ++p) {
-      if (p + kAhead < n) prefetch_values(rows.v + cache_row(p + kAhead, 0) * d, kv_heads * d);
+      if (p + kAhead < n) prefetch_values(position_rows(rows.v, p + kAhead), kv_heads * d);
       for (int64_t r = 0; r < n_rows; ++r) {
         const float w = scores[r * block + p];
         if (w == 0.f) continue;  // past the row's position, or underflowed
@@ -323,7 +325,7 @@ static void attend_block(const Rows& rows, const float* q, const float* q_sums, 
     // across the tile (the tile's value rows stay in the L1 cache for the other rows).
     for (int64_t first = 0; first < n; first += kTile) {
       const int64_t last = std::min(first + kTile, n);
-      if (last < n) prefetch_values(rows.v + cache_row(last, 0) * d, std::min(kTile, n - last) * kv_heads * d);  // the next tile
+      if (last < n) prefetch_values(position_rows(rows.v, last), std::min(kTile, n - last) * kv_heads * d);  // the next tile
       for (int64_t r = 0; r < n_rows; ++r) {
         const int64_t kv_head = kv_of[r];
         const float* w = scores + r * block;
