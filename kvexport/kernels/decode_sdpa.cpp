@@ -15,6 +15,9 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 #include <limits>
 #include <type_traits>
 #include <utility>
@@ -72,8 +75,7 @@ static inline float dot(const float* q, const T* k, int64_t d) {
 // one vector of their sixteen sums (four rounds of two-vector shuffles and adds), where dot()
 // ends each product in a reduction across its lanes that costs more than its multiplications.
 // Only where a vector of 16 floats is one register: elsewhere (AVX2, NEON) the compiler splits its
-// shuffles into many, and the fold cost several times what it saved. An int8 cache's keys keep
-// dot() too: converted into vectors of 16 they were slower.
+// shuffles into many, and the fold cost several times what it saved.
 #define KVEXPORT_FOLDS_SCORES 1
 typedef float Floats16 __attribute__((vector_size(kLanes * sizeof(float))));
 typedef int32_t Ints16 __attribute__((vector_size(kLanes * sizeof(int32_t))));
@@ -82,6 +84,12 @@ static inline Floats16 load16(const float* p) {
   Floats16 x;
   std::memcpy(&x, p, sizeof x);
   return x;
+}
+
+// Sixteen int8 values as floats: one sign extension and one conversion (GCC converts a vector
+// extension type of int8 an element at a time).
+static inline Floats16 load16(const int8_t* p) {
+  return Floats16(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))));
 }
 
 // Lane o of the fold of a and b, each `groups` groups of `width` lanes (a group: one position's
@@ -247,8 +255,8 @@ static void attend_block(const Rows& rows, const float* q, const float* q_sums, 
         }
       }
     }
+  } else {
 #if defined(KVEXPORT_FOLDS_SCORES)
-  } else if constexpr (std::is_same_v<typename Rows::Key, float>) {
     // Positions in the order of memory, each key row read once for all query rows; a row's products
     // with sixteen positions folded into their scores at once (fold16). A head's values past the
     // last whole vector of 16 are added to lane 0.
@@ -264,19 +272,17 @@ static void attend_block(const Rows& rows, const float* q, const float* q_sums, 
           Floats16 sum = {};
           if (j < count) {
             const float* qr = q + r * d;
-            const float* k = rows.k + cache_row(first + j, kv_of[r]) * d;
+            const typename Rows::Key* k = rows.k + cache_row(first + j, kv_of[r]) * d;
             for (int64_t i = 0; i < whole; i += kLanes) sum += load16(qr + i) * load16(k + i);
-            for (int64_t i = whole; i < d; ++i) sum[0] += qr[i] * k[i];
+            for (int64_t i = whole; i < d; ++i) sum[0] += qr[i] * static_cast<float>(k[i]);
           }
           part[r * kLanes + j] = sum;
         }
       }
       for (int64_t r = 0; r < n_rows; ++r) fold16(part + r * kLanes, count, scores + r * block + first);
     }
-#endif
-  } else {
-    // A dot product a score: an int8 cache's keys (bound by their conversions more than by their
-    // reads), and every cache's where vectors of 16 floats are not one register.
+#else
+    // A dot product a score where vectors of 16 floats are not one register.
     for (int64_t p = 0; p < n; ++p) {
       for (int64_t t = 0; t < tokens; ++t) {
         for (int64_t h = 0; h < heads; ++h) {
@@ -285,6 +291,7 @@ static void attend_block(const Rows& rows, const float* q, const float* q_sums, 
         }
       }
     }
+#endif
   }
   for (int64_t r = 0; r < n_rows; ++r) {
     const int64_t own = row_end(r), kv_head = kv_of[r];

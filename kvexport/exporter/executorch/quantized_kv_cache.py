@@ -185,7 +185,8 @@ class _QuantizedRows(nn.Module):
         super().__init__()
         self.dtype = dtype
         self.int8_kernel = int8_kernel  # whether a decode step attends with the int8 kernel (``by_length``)
-        self.register_buffer("rotation", rotation, persistent=False)  # key_rotation(head_dim), shared by the layers
+        # key_rotation(head_dim) as a linear layer's weight: linear(x, W) == x @ rotation.
+        self.register_buffer("rotation_weight", rotation.T.contiguous(), persistent=False)
         rows, params = (batch, slots, kv_heads, head_dim), (batch, slots, kv_heads, 1)
         for name in self.NAMES:
             shape = rows if name in ("k", "v") else params
@@ -198,8 +199,14 @@ class _QuantizedRows(nn.Module):
         (Gemma 2), XNNPACK's partitioner groups the layer into partitions that depend on each
         other, and the lowering fails."""
         if plain_softmax_attention(kwargs):
-            return query @ self.rotation, key @ self.rotation
+            return self.rotate(query), self.rotate(key)
         return query, key
+
+    def rotate(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ rotation`` as a linear layer over 2-D rows: XNNPACK takes it with the rotation as its
+        constant weight, where a batched product of a 4-D ``x`` expands the rotation to its batch
+        outside the delegate and splits the layer's partition."""
+        return torch.nn.functional.linear(x.reshape(-1, x.shape[-1]), self.rotation_weight).view(x.shape)
 
     def buffers_in_order(self) -> tuple[torch.Tensor, ...]:
         return tuple(getattr(self, name) for name in self.NAMES)
@@ -239,7 +246,7 @@ class QuantizedStaticCache(_QuantizedRows):
         """A shared layer's queries, the call's last ``query.shape[2]``, over the rows this call wrote."""
         end = call.start + call.positions.shape[0]
         if plain_softmax_attention(kwargs):
-            query, rows, start = query @ self.rotation, self.buffers_in_order(), end - query.shape[2]
+            query, rows, start = self.rotate(query), self.buffers_in_order(), end - query.shape[2]
             kernel = quantized_sdpa if self.int8_kernel else float_kernel_sdpa
             return kernel(query, rows, start, None, scaling), None
         keys, values = self.dequantized(buffer[:, :end] for buffer in self.buffers_in_order())
@@ -280,7 +287,7 @@ class QuantizedRingCache(_QuantizedRows):
         attended to in the call (the ring before its write, then the call's rows)."""
         mask = shared_ring_mask(call, query, self.slots, self.window)
         if plain_softmax_attention(kwargs):  # the rows' keys were rotated where the fused kernel attends
-            query = query @ self.rotation
+            query = self.rotate(query)
         return self._attention(module, query, call.attended[self], mask, scaling, kwargs)
 
     def _attention(self, module, query, rows, mask, scaling, kwargs):
