@@ -19,7 +19,6 @@
 #include <immintrin.h>
 #endif
 #include <limits>
-#include <type_traits>
 #include <utility>
 #include <vector>
 
